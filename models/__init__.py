@@ -1,0 +1,20 @@
+"""Pure-functional transformer models: configs, attention, layers, stacks, the KV cache.
+
+    cfg = models.get_config("gpt-tiny", vocab_size=1000)
+    model = models.build(cfg)
+    params = model.init(key, tokens)["params"]
+    logits = model.apply({"params": params}, tokens)
+"""
+
+from models.attention import apply_rope, dot_product_attention
+from models.cache import KVCache
+from models.config import TransformerConfig
+from models.masks import causal_mask, combine_masks, padding_mask, positions_like, segment_mask
+from models.presets import get_config, list_configs
+from models.transformer import DecoderOnly, EncoderDecoder, build
+
+__all__ = [
+    "DecoderOnly", "EncoderDecoder", "KVCache", "TransformerConfig", "apply_rope", "build",
+    "causal_mask", "combine_masks", "dot_product_attention", "get_config", "list_configs",
+    "padding_mask", "positions_like", "segment_mask",
+]

@@ -1,0 +1,124 @@
+"""Transformer layers and the stack that runs them, looped or scanned.
+
+A layer maps a carry `(x_BTD, cache, layer)` to the next one: the cache goes in and comes
+back (None without one), `layer` is the index of the stacked cache slice it owns. The same
+layer code therefore runs under a Python loop (static `layer`) and under `nn.scan` (traced
+`layer`, parameters stacked over layers), and in both the cache buffers are carried and
+updated in place, never sliced into per-layer outputs that would be copied every step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import flax.struct
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int
+
+from models.attention import CrossAttention, SelfAttention
+from models.config import TransformerConfig
+from models.layers import MLP, make_norm, residual
+
+
+@flax.struct.dataclass
+class LayerInputs:
+    """What every layer of a stack reads and nobody writes (broadcast under `nn.scan`).
+
+    Attributes:
+      self_mask: bool[B, T, S] self-attention mask (S = T without a cache).
+      positions: int32[B, T] absolute positions of the T tokens (for rotary positions).
+      cross_k, cross_v: float[L, Bs, Ssrc, K, H] cross-attention keys/values of all
+        layers, or None in a stack without cross-attention.
+      cross_mask: bool[B, T or 1, Ssrc] cross-attention mask, or None.
+      deterministic: no dropout (static).
+    """
+
+    self_mask: Bool[Array, "B T S"] | None
+    positions: Int[Array, "B T"]
+    cross_k: Float[Array, "L Bs Ssrc K H"] | None = None
+    cross_v: Float[Array, "L Bs Ssrc K H"] | None = None
+    cross_mask: Bool[Array, "B T Ssrc"] | None = None
+    deterministic: bool = flax.struct.field(pytree_node=False, default=True)
+
+
+class SelfAttentionLayer(nn.Module):
+    """Self-attention then MLP: an encoder layer (bidirectional mask) or a decoder-only
+    layer (causal mask, optionally with a cache)."""
+
+    config: TransformerConfig
+
+    @nn.compact
+    def __call__(self, carry, inputs: LayerInputs):
+        cfg, det = self.config, inputs.deterministic
+        x_BTD, cache, layer = carry
+        attn = SelfAttention(cfg, name="self_attention")
+        x_BTD, cache = residual(
+            cfg, x_BTD,
+            lambda y: attn(y, inputs.self_mask, inputs.positions, cache, layer, det),
+            make_norm(cfg, "self_attention_norm"), det)
+        x_BTD, _ = residual(
+            cfg, x_BTD, lambda y: (MLP(cfg, name="mlp")(y), None), make_norm(cfg, "mlp_norm"), det)
+        return (x_BTD, cache, layer + 1), None
+
+
+class DecoderLayer(nn.Module):
+    """Causal self-attention, cross-attention over the encoder output, then MLP."""
+
+    config: TransformerConfig
+
+    @nn.compact
+    def __call__(self, carry, inputs: LayerInputs):
+        cfg, det = self.config, inputs.deterministic
+        x_BTD, cache, layer = carry
+        attn = SelfAttention(cfg, name="self_attention")
+        x_BTD, cache = residual(
+            cfg, x_BTD,
+            lambda y: attn(y, inputs.self_mask, inputs.positions, cache, layer, det),
+            make_norm(cfg, "self_attention_norm"), det)
+        cross = CrossAttention(cfg, name="cross_attention")
+        k_BSKH, v_BSKH = inputs.cross_k[layer], inputs.cross_v[layer]
+        x_BTD, _ = residual(
+            cfg, x_BTD, lambda y: (cross(y, k_BSKH, v_BSKH, inputs.cross_mask, det), None),
+            make_norm(cfg, "cross_attention_norm"), det)
+        x_BTD, _ = residual(
+            cfg, x_BTD, lambda y: (MLP(cfg, name="mlp")(y), None), make_norm(cfg, "mlp_norm"), det)
+        return (x_BTD, cache, layer + 1), None
+
+
+class LayerStack(nn.Module):
+    """`num_layers` layers of one kind, then the final norm of a pre-norm stack.
+
+    With `config.scan_layers` the layers run as one `nn.scan` (compiles once, parameters
+    under "layers" with a leading L axis); otherwise as "layer_0" .. "layer_{L-1}".
+    `config.remat` rematerialises each layer in the backward pass.
+    """
+
+    config: TransformerConfig
+    layer_type: Any
+    num_layers: int
+
+    @nn.compact
+    def __call__(self, x_BTD, inputs: LayerInputs, cache=None):
+        cfg = self.config
+        layer_type = self.layer_type
+        if cfg.remat:
+            layer_type = nn.remat(layer_type, prevent_cse=not cfg.scan_layers)
+        if cfg.scan_layers:
+            scanned = nn.scan(
+                layer_type,
+                variable_axes={"params": 0, "intermediates": 0},
+                split_rngs={"params": True, "dropout": True},
+                in_axes=nn.broadcast,
+                length=self.num_layers,
+            )
+            carry = (x_BTD, cache, jnp.zeros((), jnp.int32))
+            (x_BTD, cache, _), _ = scanned(cfg, name="layers")(carry, inputs)
+        else:
+            carry = (x_BTD, cache, 0)
+            for i in range(self.num_layers):
+                carry, _ = layer_type(cfg, name=f"layer_{i}")(carry, inputs)
+            x_BTD, cache, _ = carry
+        if cfg.norm_position == "pre":
+            x_BTD = make_norm(cfg, "final_norm")(x_BTD)
+        return x_BTD, cache

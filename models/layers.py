@@ -1,0 +1,108 @@
+"""Building blocks below attention: embeddings, positions, norms, the MLP, residuals."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from models.config import TransformerConfig
+
+
+def sinusoidal_embedding(positions_BT: Int[Array, "B T"], d_model: int) -> Float[Array, "B T D"]:
+    """Vaswani et al.'s fixed positions: [sin(p w_i) for i < D/2] ++ [cos(p w_i) ...],
+    w_i = 10000 ** (-i / (D/2 - 1)), evaluated at any (absolute) position."""
+    half = d_model // 2
+    scale = jnp.log(10_000.0) / max(half - 1, 1)
+    freq_h = jnp.exp(-scale * jnp.arange(half, dtype=jnp.float32))
+    angle_BTh = positions_BT.astype(jnp.float32)[:, :, None] * freq_h[None, None, :]
+    emb = jnp.concatenate([jnp.sin(angle_BTh), jnp.cos(angle_BTh)], axis=-1)
+    if d_model % 2:
+        emb = jnp.pad(emb, ((0, 0), (0, 0), (0, 1)))
+    return emb
+
+
+def token_embedding(config: TransformerConfig, name: str) -> nn.Embed:
+    """The [V, D] table; also the output projection when embeddings are tied."""
+    std = config.d_model ** -0.5 if config.scale_embeddings else 0.02
+    return nn.Embed(
+        config.vocab_size, config.d_model, dtype=config.compute_dtype,
+        param_dtype=config.params_dtype, embedding_init=nn.initializers.normal(std), name=name)
+
+
+class InputEmbedding(nn.Module):
+    """Token embedding (optionally shared, optionally scaled by sqrt(D)) plus absolute
+    positions when the config uses them (rotary positions act inside attention)."""
+
+    config: TransformerConfig
+    tokens: nn.Embed
+
+    @nn.compact
+    def __call__(self, tokens_BT, positions_BT, deterministic: bool) -> Float[Array, "B T D"]:
+        cfg = self.config
+        x_BTD = self.tokens(tokens_BT)
+        if cfg.scale_embeddings:
+            x_BTD = x_BTD * jnp.asarray(cfg.d_model ** 0.5, x_BTD.dtype)
+        if cfg.positions == "sinusoidal":
+            x_BTD = x_BTD + sinusoidal_embedding(positions_BT, cfg.d_model).astype(x_BTD.dtype)
+        elif cfg.positions == "learned":
+            table = nn.Embed(
+                cfg.max_len, cfg.d_model, dtype=cfg.compute_dtype, param_dtype=cfg.params_dtype,
+                embedding_init=nn.initializers.normal(0.01), name="positions")
+            x_BTD = x_BTD + table(positions_BT)
+        return nn.Dropout(cfg.dropout_rate)(x_BTD, deterministic=deterministic)
+
+
+def make_norm(config: TransformerConfig, name: str | None = None) -> nn.Module:
+    if config.norm == "rmsnorm":
+        return nn.RMSNorm(
+            epsilon=config.norm_eps, dtype=config.compute_dtype, param_dtype=config.params_dtype,
+            name=name)
+    return nn.LayerNorm(
+        epsilon=config.norm_eps, dtype=config.compute_dtype, param_dtype=config.params_dtype,
+        name=name)
+
+
+class MLP(nn.Module):
+    """D -> F -> D with ReLU or GELU, or the gated SwiGLU (silu(x W_gate) * x W_up) W_down."""
+
+    config: TransformerConfig
+
+    @nn.compact
+    def __call__(self, x_BTD: Float[Array, "B T D"]) -> Float[Array, "B T D"]:
+        cfg = self.config
+
+        def dense(features, name):
+            return nn.Dense(
+                features, use_bias=cfg.use_bias, dtype=cfg.compute_dtype,
+                param_dtype=cfg.params_dtype, kernel_init=nn.initializers.xavier_uniform(),
+                name=name)
+
+        if cfg.activation == "swiglu":
+            h_BTF = jax.nn.silu(dense(cfg.mlp_dim, "gate")(x_BTD)) * dense(cfg.mlp_dim, "up")(x_BTD)
+        else:
+            act = jax.nn.relu if cfg.activation == "relu" else jax.nn.gelu
+            h_BTF = act(dense(cfg.mlp_dim, "up")(x_BTD))
+        return dense(cfg.d_model, "down")(h_BTF)
+
+
+def residual(
+    config: TransformerConfig,
+    x_BTD: Float[Array, "B T D"],
+    sublayer: Callable,
+    norm: nn.Module,
+    deterministic: bool,
+):
+    """One residual sublayer, pre-norm `x + f(norm(x))` or post-norm `norm(x + f(x))`.
+
+    `sublayer` returns (y, aux); aux (for example an updated cache) is passed through.
+    """
+    drop = nn.Dropout(config.dropout_rate)
+    if config.norm_position == "pre":
+        y_BTD, aux = sublayer(norm(x_BTD))
+        return x_BTD + drop(y_BTD, deterministic=deterministic), aux
+    y_BTD, aux = sublayer(x_BTD)
+    return norm(x_BTD + drop(y_BTD, deterministic=deterministic)), aux

@@ -1,0 +1,69 @@
+"""The zoo's named configurations: `get_config(name, **overrides)` and `list_configs()`.
+
+Each preset reproduces the architecture of its namesake; sizes that depend on the data
+(`vocab_size`, `max_len`) are overridden by the caller or the training config.
+"""
+
+from __future__ import annotations
+
+from models.config import TransformerConfig, check_keys
+
+_VASWANI = dict(
+    architecture="encoder_decoder", positions="sinusoidal", norm="layernorm",
+    norm_position="post", activation="relu", use_bias=True, share_embeddings=True,
+    tie_embeddings=True, scale_embeddings=True, norm_eps=1e-6, vocab_size=37_000, max_len=256,
+)
+_GPT2 = dict(
+    architecture="decoder_only", positions="learned", norm="layernorm", norm_position="pre",
+    activation="gelu", use_bias=True, tie_embeddings=True, scale_embeddings=False,
+    norm_eps=1e-5, vocab_size=50_257, max_len=1024,
+)
+_LLAMA = dict(
+    architecture="decoder_only", positions="rope", norm="rmsnorm", norm_position="pre",
+    activation="swiglu", use_bias=False, tie_embeddings=False, scale_embeddings=False,
+    norm_eps=1e-5, rope_theta=10_000.0,
+)
+
+_PRESETS: dict[str, dict] = {
+    # Tiny models for tests and the CPU demo: compile in seconds.
+    "transformer-tiny": dict(
+        _VASWANI, vocab_size=512, d_model=64, num_heads=4, mlp_dim=256,
+        num_encoder_layers=2, num_decoder_layers=2, max_len=128, norm_position="pre"),
+    "gpt-tiny": dict(
+        _GPT2, vocab_size=512, d_model=64, num_heads=4, mlp_dim=256, num_layers=2, max_len=128),
+    "llama-tiny": dict(
+        _LLAMA, vocab_size=512, d_model=64, num_heads=4, num_kv_heads=2, mlp_dim=192,
+        num_layers=2, max_len=128),
+    # Vaswani et al. 2017, "Attention is all you need", Table 3.
+    "transformer-base": dict(
+        _VASWANI, d_model=512, num_heads=8, mlp_dim=2048, num_encoder_layers=6,
+        num_decoder_layers=6, dropout_rate=0.1),
+    "transformer-big": dict(
+        _VASWANI, d_model=1024, num_heads=16, mlp_dim=4096, num_encoder_layers=6,
+        num_decoder_layers=6, dropout_rate=0.3),
+    # Radford et al. 2019 (GPT-2).
+    "gpt2-small": dict(_GPT2, d_model=768, num_heads=12, mlp_dim=3072, num_layers=12),
+    "gpt2-medium": dict(_GPT2, d_model=1024, num_heads=16, mlp_dim=4096, num_layers=24),
+    # A small Llama-style model: RMSNorm, RoPE, SwiGLU, grouped-query attention, no biases.
+    "llama-small": dict(
+        _LLAMA, vocab_size=32_000, d_model=768, num_heads=12, num_kv_heads=4, mlp_dim=2048,
+        num_layers=12, max_len=2048),
+}
+
+
+def list_configs() -> list[str]:
+    """The preset names `get_config` accepts."""
+    return sorted(_PRESETS)
+
+
+def get_config(name: str, **overrides) -> TransformerConfig:
+    """A preset with `overrides` applied, validated.
+
+    Raises:
+      ValueError: `name` is not a preset (the message lists them) or an override key is
+        not a config field (the message names it).
+    """
+    if name not in _PRESETS:
+        raise ValueError(f"unknown config {name!r}; known configs: {list_configs()}")
+    check_keys(overrides)
+    return TransformerConfig(**{**_PRESETS[name], **overrides})

@@ -1,0 +1,231 @@
+"""The two model families and their three call modes of one set of weights.
+
+    forward  model.apply(v, tokens)                         -> logits_BTV      (training)
+    prefill  model.apply(v, tokens_BT, lengths_B, cache, method="prefill")
+                                                             -> logits_BTV, cache
+    step     model.apply(v, tokens_B, cache, method="step") -> logits_BV, cache
+
+Prefill writes a right-padded block of tokens at each row's `cache.lengths` and advances
+that row by its own `lengths[b]`; step is prefill of one token per row. All three give the
+same logits for the same tokens (tests/test_parity.py holds them to float32 tolerance).
+
+Encoder-decoder models first build their cache from the source:
+`cache = model.apply(v, src, cache_len, method="init_cache")` encodes it and projects every
+decoder layer's cross-attention keys/values once.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from models.attention import CrossKVProjection
+from models.blocks import DecoderLayer, LayerInputs, LayerStack, SelfAttentionLayer
+from models.cache import KVCache
+from models.checks import check_cache_room, check_int_array, check_same_shape, check_tokens
+from models.config import TransformerConfig
+from models.layers import InputEmbedding, token_embedding
+from models.masks import causal_mask, combine_masks, padding_mask, positions_like, segment_mask
+
+
+def _forward_masks(tokens_BT, segment_ids_BT, positions_BT):
+    """Positions (given or 0..T-1) and the causal (and segment) mask of a full sequence."""
+    index_BT = positions_like(tokens_BT)
+    positions_BT = index_BT if positions_BT is None else positions_BT
+    seg = None if segment_ids_BT is None else segment_mask(segment_ids_BT, segment_ids_BT)
+    return positions_BT, combine_masks(causal_mask(index_BT, index_BT), seg)
+
+
+class _CachedDecoder(nn.Module):
+    """prefill / step over a `KVCache`, shared by both families; subclasses supply
+    `_decode(tokens_BT, positions_BT, self_mask_BTS, cache, deterministic)`."""
+
+    config: TransformerConfig
+
+    def _logits(self, x_BTD) -> Float[Array, "B T V"]:
+        if self.config.tie_embeddings:
+            logits = self.tgt_tokens.attend(x_BTD)
+        else:
+            logits = self.head(x_BTD)
+        return logits.astype(jnp.float32)
+
+    def _make_head(self):
+        cfg = self.config
+        if not cfg.tie_embeddings:
+            self.head = nn.Dense(
+                cfg.vocab_size, use_bias=False, dtype=cfg.compute_dtype,
+                param_dtype=cfg.params_dtype, kernel_init=nn.initializers.xavier_uniform())
+
+    def prefill(
+        self, tokens_BT: Int[Array, "B T"], lengths_B: Int[Array, "B"], cache: KVCache
+    ) -> tuple[Float[Array, "B T V"], KVCache]:
+        """Runs a right-padded block of tokens through the decoder, writing the cache.
+
+        Row b's tokens go to slots cache.lengths[b] .. cache.lengths[b] + T - 1 (positions
+        likewise); only its first lengths[b] count, so afterwards
+        cache.lengths[b] += lengths[b] and the padding is overwritten by the next tokens.
+
+            cache.lengths = [0, 0], tokens = [[5 6 7], [5 0 0]], lengths = [3, 1]
+            -> cache.lengths = [3, 1]; the next token of row 1 goes to slot 1.
+
+        Returns:
+          float32 logits_BTV (row b's next-token logits are at lengths[b] - 1) and the cache.
+        """
+        S = cache.cache_len
+        check_tokens(self.config, tokens_BT, "tokens", max_len=S)
+        check_int_array(lengths_B, "lengths", 1, "int[B]")
+        B, T = tokens_BT.shape
+        if lengths_B.shape != (B,) or cache.batch_size != B:
+            raise ValueError(
+                f"batch sizes differ: tokens {tokens_BT.shape}, lengths {lengths_B.shape}, "
+                f"cache batch {cache.batch_size}")
+        check_cache_room(cache.lengths, lengths_B, S)
+        positions_BT = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+        slots_BS = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32)[None, :], (B, S))
+        mask_BTS = causal_mask(positions_BT, slots_BS)
+        logits_BTV, cache = self._decode(tokens_BT, positions_BT, mask_BTS, cache, True)
+        return logits_BTV, cache.replace(lengths=cache.lengths + lengths_B.astype(jnp.int32))
+
+    def step(self, tokens_B: Int[Array, "B"], cache: KVCache) -> tuple[Float[Array, "B V"], KVCache]:
+        """One token per row at slot cache.lengths[b]; returns the next-token logits."""
+        check_int_array(tokens_B, "tokens", 1, "int[B]")
+        ones_B = jnp.ones(tokens_B.shape, jnp.int32)
+        logits_B1V, cache = self.prefill(tokens_B[:, None], ones_B, cache)
+        return logits_B1V[:, 0], cache
+
+
+class DecoderOnly(_CachedDecoder):
+    """A GPT/Llama-style causal language model."""
+
+    def setup(self):
+        cfg = self.config
+        self.tgt_tokens = token_embedding(cfg, "tokens")
+        self.embed = InputEmbedding(cfg, self.tgt_tokens)
+        self.decoder = LayerStack(cfg, SelfAttentionLayer, cfg.num_layers)
+        self._make_head()
+
+    def __call__(
+        self,
+        tokens: Int[Array, "B T"],
+        *,
+        segment_ids: Int[Array, "B T"] | None = None,
+        positions: Int[Array, "B T"] | None = None,
+        deterministic: bool = True,
+    ) -> Float[Array, "B T V"]:
+        """Teacher-forced logits of every position (packed rows: give segment_ids, with
+        0 for padding, and per-segment positions)."""
+        check_tokens(self.config, tokens, "tokens")
+        check_same_shape(segment_ids, tokens, "segment_ids", "tokens")
+        check_same_shape(positions, tokens, "positions", "tokens")
+        positions, mask = _forward_masks(tokens, segment_ids, positions)
+        logits, _ = self._decode(tokens, positions, mask, None, deterministic)
+        return logits
+
+    def _decode(self, tokens_BT, positions_BT, self_mask_BTS, cache, deterministic):
+        x_BTD = self.embed(tokens_BT, positions_BT, deterministic)
+        inputs = LayerInputs(self_mask_BTS, positions_BT, deterministic=deterministic)
+        x_BTD, cache = self.decoder(x_BTD, inputs, cache)
+        return self._logits(x_BTD), cache
+
+
+class EncoderDecoder(_CachedDecoder):
+    """A Vaswani/T5/BART-style sequence-to-sequence model. The decoder input starts with
+    `config.bos_id` (targets shifted right); source padding is `config.pad_id`."""
+
+    def setup(self):
+        cfg = self.config
+        self.src_tokens = token_embedding(cfg, "src_tokens")
+        self.tgt_tokens = (
+            self.src_tokens if cfg.share_embeddings else token_embedding(cfg, "tgt_tokens"))
+        self.src_embed = InputEmbedding(cfg, self.src_tokens)
+        self.tgt_embed = InputEmbedding(cfg, self.tgt_tokens)
+        self.encoder = LayerStack(cfg, SelfAttentionLayer, cfg.num_encoder_layers)
+        self.cross_kv = CrossKVProjection(cfg, cfg.num_decoder_layers)
+        self.decoder = LayerStack(cfg, DecoderLayer, cfg.num_decoder_layers)
+        self._make_head()
+
+    def encode(
+        self,
+        src: Int[Array, "B S"],
+        *,
+        segment_ids: Int[Array, "B S"] | None = None,
+        positions: Int[Array, "B S"] | None = None,
+        deterministic: bool = True,
+    ) -> Float[Array, "B S D"]:
+        """The encoder output; padding tokens neither see nor are seen."""
+        cfg = self.config
+        check_tokens(cfg, src, "src")
+        check_same_shape(segment_ids, src, "src_segment_ids", "src")
+        check_same_shape(positions, src, "src_positions", "src")
+        positions = positions_like(src) if positions is None else positions
+        valid_BS = src != cfg.pad_id
+        seg = None if segment_ids is None else segment_mask(segment_ids, segment_ids)
+        mask = combine_masks(padding_mask(valid_BS, valid_BS), seg)
+        x_BSD = self.src_embed(src, positions, deterministic)
+        x_BSD, _ = self.encoder(x_BSD, LayerInputs(mask, positions, deterministic=deterministic))
+        return x_BSD
+
+    def __call__(
+        self,
+        src: Int[Array, "B S"],
+        tgt_in: Int[Array, "B T"],
+        *,
+        src_segment_ids: Int[Array, "B S"] | None = None,
+        tgt_segment_ids: Int[Array, "B T"] | None = None,
+        src_positions: Int[Array, "B S"] | None = None,
+        tgt_positions: Int[Array, "B T"] | None = None,
+        deterministic: bool = True,
+    ) -> Float[Array, "B T V"]:
+        """Teacher-forced logits for decoder inputs `tgt_in` (BOS + targets[:-1])."""
+        cfg = self.config
+        check_tokens(cfg, tgt_in, "tgt_in")
+        if tgt_in.shape[0] != src.shape[0]:
+            raise ValueError(f"batch sizes differ: src {src.shape}, tgt_in {tgt_in.shape}")
+        check_same_shape(tgt_segment_ids, tgt_in, "tgt_segment_ids", "tgt_in")
+        check_same_shape(tgt_positions, tgt_in, "tgt_positions", "tgt_in")
+        if (src_segment_ids is None) != (tgt_segment_ids is None):
+            raise ValueError("give both src_segment_ids and tgt_segment_ids, or neither")
+        encoded_BSD = self.encode(
+            src, segment_ids=src_segment_ids, positions=src_positions, deterministic=deterministic)
+        cross_k, cross_v = self.cross_kv(encoded_BSD)
+        seg = None if tgt_segment_ids is None else segment_mask(tgt_segment_ids, src_segment_ids)
+        cross_mask = combine_masks((src != cfg.pad_id)[:, None, :], seg)
+        positions, self_mask = _forward_masks(tgt_in, tgt_segment_ids, tgt_positions)
+        x_BTD = self.tgt_embed(tgt_in, positions, deterministic)
+        inputs = LayerInputs(self_mask, positions, cross_k, cross_v, cross_mask, deterministic)
+        x_BTD, _ = self.decoder(x_BTD, inputs)
+        return self._logits(x_BTD)
+
+    def init_cache(self, src: Int[Array, "B S"], cache_len: int, beams: int = 1) -> KVCache:
+        """Encodes `src` once and returns an empty cache of `cache_len` decoder slots, with
+        the cross-attention keys/values of every layer filled in.
+
+        With `beams` > 1 the self-attention part has B * beams rows (row b * beams + w is
+        beam w of source b) while the cross-attention part keeps B rows, shared by beams.
+        """
+        if isinstance(beams, bool) or not isinstance(beams, int) or beams < 1:
+            raise ValueError(f"beams={beams!r} must be a positive int")
+        encoded_BSD = self.encode(src)
+        cross_k, cross_v = self.cross_kv(encoded_BSD)
+        cache = KVCache.create(self.config, src.shape[0] * beams, cache_len)
+        return cache.replace(cross_k=cross_k, cross_v=cross_v, cross_mask=src != self.config.pad_id)
+
+    def _decode(self, tokens_BT, positions_BT, self_mask_BTS, cache, deterministic):
+        if cache.cross_k is None:
+            raise ValueError("encoder-decoder cache has no cross-attention keys: build it "
+                             "with model.apply(params, src, cache_len, method='init_cache')")
+        beams = cache.batch_size // cache.cross_mask.shape[0]
+        cross_mask_B1S = jnp.repeat(cache.cross_mask, beams, axis=0)[:, None, :]
+        x_BTD = self.tgt_embed(tokens_BT, positions_BT, deterministic)
+        inputs = LayerInputs(self_mask_BTS, positions_BT, cache.cross_k, cache.cross_v,
+                             cross_mask_B1S, deterministic)
+        x_BTD, cache = self.decoder(x_BTD, inputs, cache)
+        return self._logits(x_BTD), cache
+
+
+def build(config: TransformerConfig) -> nn.Module:
+    """The linen module for `config`: `EncoderDecoder` or `DecoderOnly`."""
+    if not isinstance(config, TransformerConfig):
+        raise TypeError(f"build() takes a TransformerConfig, got {type(config).__name__}")
+    return EncoderDecoder(config) if config.is_encoder_decoder else DecoderOnly(config)

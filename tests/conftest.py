@@ -1,0 +1,18 @@
+"""One strict test environment: 4 fake CPU devices for pmap, rank promotion raises."""
+
+import os
+
+# Before JAX is imported anywhere: simulate 4 devices so multi-device code runs on CPU.
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+jax.config.update("jax_numpy_rank_promotion", "raise")
+
+
+@pytest.fixture
+def key():
+    return jax.random.key(0)

@@ -1,0 +1,103 @@
+"""Configs, presets and parameter counts."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import models
+
+
+def _count(cfg: models.TransformerConfig) -> int:
+    model = models.build(cfg)
+    tokens = jnp.zeros((1, 4), jnp.int32)
+    args = (tokens, tokens) if cfg.is_encoder_decoder else (tokens,)
+    shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), *args))["params"]
+    return sum(math.prod(x.shape) for x in jax.tree.leaves(shapes))
+
+
+def test_gpt2_small_has_the_published_parameter_count():
+    assert _count(models.get_config("gpt2-small", vocab_size=50257, max_len=1024)) == 124_439_808
+
+
+def test_transformer_base_is_near_the_papers_65m():
+    # 37000 x 512 shared embeddings (tied output): 18,944,000
+    # 6 encoder layers x 3,152,384 (attention 4 x 262,656, MLP 2,099,712, 2 LayerNorms)
+    # 6 decoder layers x 4,204,032 (2 attentions, MLP, 3 LayerNorms); post-norm: no final norm
+    expected = 37_000 * 512 + 6 * 3_152_384 + 6 * 4_204_032
+    assert expected == 63_082_496
+    assert _count(models.get_config("transformer-base", vocab_size=37_000)) == expected
+
+
+@pytest.mark.parametrize("name", models.list_configs())
+def test_every_preset_builds(name):
+    cfg = models.get_config(name)
+    assert _count(cfg) > 0
+    assert isinstance(models.build(cfg), models.EncoderDecoder if cfg.is_encoder_decoder
+                      else models.DecoderOnly)
+
+
+def test_presets_have_their_architectures():
+    llama = models.get_config("llama-small")
+    assert (llama.norm, llama.positions, llama.activation, llama.use_bias) == (
+        "rmsnorm", "rope", "swiglu", False)
+    assert llama.num_kv_heads < llama.num_heads
+    gpt2 = models.get_config("gpt2-small")
+    assert (gpt2.positions, gpt2.activation, gpt2.norm_position, gpt2.tie_embeddings) == (
+        "learned", "gelu", "pre", True)
+    base = models.get_config("transformer-base")
+    assert (base.norm_position, base.positions, base.activation, base.share_embeddings) == (
+        "post", "sinusoidal", "relu", True)
+
+
+def test_overrides_and_replace():
+    cfg = models.get_config("gpt-tiny", vocab_size=1000, num_kv_heads=1)
+    assert (cfg.vocab_size, cfg.num_kv_heads, cfg.head_dim) == (1000, 1, 16)
+    assert cfg.replace(d_model=128).head_dim == 32
+    assert models.get_config("gpt-tiny").replace(num_heads=8).num_kv_heads == 8
+    assert cfg.replace(num_heads=8).num_kv_heads == 1
+    assert hash(cfg) == hash(models.get_config("gpt-tiny", vocab_size=1000, num_kv_heads=1))
+    assert models.get_config("gpt-tiny", dtype=jnp.bfloat16).dtype == "bfloat16"
+
+
+def test_unknown_preset_lists_the_known_ones():
+    with pytest.raises(ValueError, match=r"unknown config 'gpt5'.*gpt2-small"):
+        models.get_config("gpt5")
+
+
+def test_unknown_override_names_itself():
+    with pytest.raises(ValueError, match=r"\['num_layer'\]"):
+        models.get_config("gpt-tiny", num_layer=3)
+    with pytest.raises(ValueError, match=r"\['depth'\]"):
+        models.get_config("gpt-tiny").replace(depth=3)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (dict(d_model=65), r"d_model=65 is not divisible by num_heads=4"),
+    (dict(num_kv_heads=3), r"num_heads=4 is not divisible by num_kv_heads=3"),
+    (dict(positions="alibi"), r"positions='alibi' is not one of"),
+    (dict(norm="batchnorm"), r"norm='batchnorm' is not one of"),
+    (dict(norm_position="sandwich"), r"norm_position='sandwich'"),
+    (dict(activation="tanh"), r"activation='tanh'"),
+    (dict(architecture="rnn"), r"architecture='rnn'"),
+    (dict(vocab_size=0), r"vocab_size=0 must be a positive int"),
+    (dict(num_layers=-1), r"num_layers=-1 must be a positive int"),
+    (dict(mlp_dim=2.5), r"mlp_dim=2.5 must be a positive int"),
+    (dict(max_len=0), r"max_len=0 must be a positive int"),
+    (dict(dropout_rate=1.0), r"dropout_rate=1.0 must be in \[0, 1\)"),
+    (dict(positions="rope", head_dim=15), r"head_dim=15 must be even"),
+    (dict(dtype="int32"), r"dtype='int32' must be a floating dtype"),
+    (dict(dtype="float33"), r"dtype='float33' is not a dtype"),
+    (dict(eos_id=512), r"eos_id=512 must be an int in \[0, vocab_size=512\)"),
+    (dict(bos_id=0), r"special ids must be distinct"),
+    (dict(norm_eps=0.0), r"norm_eps=0.0 must be > 0"),
+])
+def test_bad_configs_name_field_value_and_rule(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        models.get_config("gpt-tiny", **overrides)
+
+
+def test_build_rejects_non_configs():
+    with pytest.raises(TypeError, match="TransformerConfig"):
+        models.build({"d_model": 64})
