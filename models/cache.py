@@ -80,3 +80,10 @@ class KVCache:
         k = self.k.at[layer, rows_B1, positions_BT].set(k_BTKH.astype(self.k.dtype))
         v = self.v.at[layer, rows_B1, positions_BT].set(v_BTKH.astype(self.v.dtype))
         return self.replace(k=k, v=v)
+
+    def take_rows(self, rows_B) -> "KVCache":
+        """Self-attention rows gathered by index (beam search reorders and duplicates rows
+        this way); the cross-attention rows, one per source and shared by its beams, stay."""
+        return self.replace(
+            k=jnp.take(self.k, rows_B, axis=1), v=jnp.take(self.v, rows_B, axis=1),
+            lengths=jnp.take(self.lengths, rows_B, axis=0))

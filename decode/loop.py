@@ -1,0 +1,117 @@
+"""The decoding loop. It knows nothing about models: it drives any
+
+    step_fn(tokens_B, cache) -> (logits_BV, cache)
+
+from the logits of the first new token, choosing one token per row and step. Each
+iteration chooses a token from `logits`, records it, marks rows that emitted an end token
+as done, and calls `step_fn` for the next logits, unless every row is done or the last
+token was just chosen, in which case the model is not called at all (`lax.cond`).
+
+Worked example, max_new_tokens=4, eos_ids=(1,), rows choosing 7 1 ... and 5 6 8 9:
+
+    iteration      0      1      2      3
+    row 0 token    7      1(eos) 0      0        lengths[0] = 2, logprobs 0 after eos
+    row 1 token    5      6      8      9        lengths[1] = 4
+    step_fn calls  yes    yes    yes    no (last token)
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jaxtyping import Array, Bool, Float, Int
+
+from decode.processors import SamplingParams, Strategy, process_logits, select_tokens
+
+StepFn = Callable[[Array, object], tuple[Array, object]]
+
+
+@flax.struct.dataclass
+class LoopState:
+    """The loop carry.
+
+    Attributes:
+      step: int32[] the index of the token chosen next.
+      logits: float32[B, V] the model's logits for that token.
+      cache: the model's cache pytree, carried and updated in place.
+      rng: the PRNG key, split once per iteration.
+      done: bool[B] rows that emitted an end token.
+      lengths: int32[B] new tokens per row, the end token included.
+      tokens: int32[B, N] chosen tokens, pad after the end token.
+      logprobs: float32[B, N] the model's log-probability of each chosen token, 0 after end.
+      seen: bool[B, V] tokens seen so far (for the repetition penalty), or None.
+    """
+
+    step: Int[Array, ""]
+    logits: Float[Array, "B V"]
+    cache: object
+    rng: jax.Array
+    done: Bool[Array, "B"]
+    lengths: Int[Array, "B"]
+    tokens: Int[Array, "B N"]
+    logprobs: Float[Array, "B N"]
+    seen: Bool[Array, "B V"] | None
+
+
+def initial_state(logits_BV, cache, rng, max_new_tokens: int, seen_BV=None) -> LoopState:
+    B = logits_BV.shape[0]
+    return LoopState(
+        step=jnp.zeros((), jnp.int32), logits=logits_BV.astype(jnp.float32), cache=cache,
+        rng=rng, done=jnp.zeros((B,), bool), lengths=jnp.zeros((B,), jnp.int32),
+        tokens=jnp.zeros((B, max_new_tokens), jnp.int32),
+        logprobs=jnp.zeros((B, max_new_tokens), jnp.float32), seen=seen_BV)
+
+
+def decode_loop(
+    step_fn: StepFn,
+    state: LoopState,
+    *,
+    eos_ids: tuple[int, ...] | None,
+    pad_id: int,
+    params: SamplingParams,
+    strategy: Strategy,
+    while_loop: bool = False,
+) -> LoopState:
+    """Runs the loop for N = state.tokens.shape[1] tokens.
+
+    `lax.scan` by default (fixed trip count, differentiable); with `while_loop=True` a
+    `lax.while_loop` that also stops iterating once every row is done. Both give the same
+    tokens.
+    """
+    N = state.tokens.shape[1]
+    eos_E = None if eos_ids is None else jnp.asarray(eos_ids, jnp.int32)
+
+    def body(s: LoopState) -> LoopState:
+        rng, sample_rng = jax.random.split(s.rng)
+        processed_BV = process_logits(s.logits, s.seen, params, strategy)
+        token_B = select_tokens(processed_BV, sample_rng, params, strategy)
+        logprob_B = jnp.take_along_axis(
+            jax.nn.log_softmax(s.logits, axis=-1), token_B[:, None], axis=-1)[:, 0]
+        token_B = jnp.where(s.done, pad_id, token_B)
+        logprob_B = jnp.where(s.done, 0.0, logprob_B)
+        lengths = s.lengths + (~s.done).astype(jnp.int32)
+        done = s.done if eos_E is None else s.done | jnp.isin(token_B, eos_E)
+        seen = s.seen
+        if seen is not None:
+            seen = seen.at[jnp.arange(seen.shape[0]), token_B].set(True)
+        stop = jnp.all(done) | (s.step == N - 1)
+        logits, cache = lax.cond(
+            stop,
+            lambda: (s.logits, s.cache),
+            lambda: step_fn(token_B, s.cache),
+        )
+        return LoopState(
+            step=s.step + 1, logits=logits.astype(jnp.float32), cache=cache, rng=rng,
+            done=done, lengths=lengths,
+            tokens=lax.dynamic_update_slice(s.tokens, token_B[:, None], (0, s.step)),
+            logprobs=lax.dynamic_update_slice(s.logprobs, logprob_B[:, None], (0, s.step)),
+            seen=seen)
+
+    if while_loop:
+        return lax.while_loop(lambda s: (s.step < N) & ~jnp.all(s.done), body, state)
+    state, _ = lax.scan(lambda s, _: (body(s), None), state, None, length=N)
+    return state

@@ -1,0 +1,203 @@
+"""decode.generate against a naive oracle; ragged batches; compilation; bad input."""
+
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import decode
+from decode.generate import _generate
+from tests.helpers import fns, random_tokens, tiny
+
+
+@functools.cache
+def setup(arch):
+    f = fns(tiny(arch, positions="rope" if arch == "decoder_only" else "sinusoidal",
+                 num_kv_heads=2, max_len=32))
+    return f.model, f.init()
+
+
+PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14], [20]]
+
+
+def naive_greedy(model, params, prompt, n, eos_id=None):
+    """Re-runs the full forward pass on the growing sequence; takes the argmax."""
+    cfg = model.config
+    if cfg.is_encoder_decoder:
+        src, seq = jnp.array([prompt]), [cfg.bos_id]
+    else:
+        seq = list(prompt)
+    start = len(seq)
+    for _ in range(n):
+        args = (src, jnp.array([seq])) if cfg.is_encoder_decoder else (jnp.array([seq]),)
+        seq.append(int(jnp.argmax(model.apply({"params": params}, *args)[0, -1])))
+        if seq[-1] == eos_id:
+            break
+    return seq[start:]
+
+
+@pytest.mark.parametrize("arch", ["decoder_only", "encoder_decoder"])
+def test_greedy_equals_the_naive_oracle_on_a_ragged_batch(arch):
+    model, params = setup(arch)
+    prompts, lengths = decode.pad_prompts(PROMPTS)
+    out = decode.generate(model, params, prompts, lengths, max_new_tokens=8, eos_id=None)
+    chex.assert_shape((out.tokens, out.logprobs, out.lengths), ((3, 8), (3, 8), (3,)))
+    for b, prompt in enumerate(PROMPTS):
+        assert out.tokens[b].tolist() == naive_greedy(model, params, prompt, 8), f"row {b}"
+    np.testing.assert_array_equal(out.lengths, [8, 8, 8])
+    decoder_prompt = np.ones(3) if arch == "encoder_decoder" else lengths
+    np.testing.assert_array_equal(out.cache_lengths, decoder_prompt + 7)
+    assert out.cache_len == (1 if arch == "encoder_decoder" else 8) + 8
+
+
+@pytest.mark.parametrize("arch", ["decoder_only", "encoder_decoder"])
+def test_eos_stops_and_pads_and_logprobs_are_the_models(arch):
+    model, params = setup(arch)
+    prompts, lengths = decode.pad_prompts(PROMPTS)
+    free = decode.generate(model, params, prompts, lengths, max_new_tokens=8, eos_id=None)
+    eos = int(free.tokens[0, 2])              # a token row 0 emits third
+    out = decode.generate(model, params, prompts, lengths, max_new_tokens=8, eos_id=eos)
+    expected = naive_greedy(model, params, PROMPTS[0], 8, eos)
+    assert expected[-1] == eos and len(expected) <= 3
+    assert out.tokens[0].tolist() == expected + [0] * (8 - len(expected))
+    assert int(out.lengths[0]) == len(expected)
+    assert float(jnp.abs(out.logprobs[0, len(expected):]).max()) == 0.0
+    # The log-prob of each token is log_softmax of the full forward pass at its position.
+    seq = jnp.array([PROMPTS[0] + free.tokens[0].tolist()])
+    if model.config.is_encoder_decoder:
+        tgt = jnp.array([[model.config.bos_id] + free.tokens[0].tolist()])
+        logits = model.apply({"params": params}, jnp.array([PROMPTS[0]]), tgt)[0, :8]
+    else:
+        logits = model.apply({"params": params}, seq)[0, 2:10]
+    expected = jnp.take_along_axis(jax.nn.log_softmax(logits), free.tokens[0][:, None], 1)[:, 0]
+    np.testing.assert_allclose(free.logprobs[0], expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["decoder_only", "encoder_decoder"])
+def test_ragged_batch_equals_each_prompt_alone(arch):
+    model, params = setup(arch)
+    prompts, lengths = decode.pad_prompts(PROMPTS, width=8)
+    together = decode.generate(model, params, prompts, lengths, max_new_tokens=6, eos_id=None)
+    for b, prompt in enumerate(PROMPTS):
+        p, n = decode.pad_prompts([prompt], width=len(prompt))
+        alone = decode.generate(model, params, p, n, max_new_tokens=6, eos_id=None)
+        np.testing.assert_array_equal(together.tokens[b], alone.tokens[0])
+
+
+def test_same_shape_never_recompiles_and_sampling_values_are_traced():
+    model, params = setup("decoder_only")
+    kw = dict(max_new_tokens=4, eos_id=1, rng=jax.random.key(0), top_p=0.9)
+    prompts, lengths = decode.pad_prompts(PROMPTS)
+    decode.generate(model, params, prompts, lengths, temperature=0.5, **kw)
+    before = _generate._cache_size()
+    for i in range(3):
+        p, n = decode.pad_prompts([[4 + i, 5], [6] * (3 + i), [7, 8, 9]])
+        decode.generate(model, params, p, n, temperature=[0.3 + i, 1.0, 0.0], **kw)
+    assert _generate._cache_size() == before
+    decode.generate(model, params, *decode.pad_prompts([[3] * 9]), temperature=1.0, **kw)
+    assert _generate._cache_size() == before + 1     # a new bucket width compiles once
+
+
+def test_while_loop_equals_scan():
+    model, params = setup("decoder_only")
+    prompts, lengths = decode.pad_prompts(PROMPTS)
+    free = decode.generate(model, params, prompts, lengths, max_new_tokens=8, eos_id=None)
+    kw = dict(max_new_tokens=8, eos_id=int(free.tokens[1, 1]), rng=jax.random.key(3),
+              temperature=[0.0, 0.8, 1.2])
+    a = decode.generate(model, params, prompts, lengths, loop="scan", **kw)
+    b = decode.generate(model, params, prompts, lengths, loop="while", **kw)
+    chex.assert_trees_all_equal(a, b)
+
+
+def test_sampling_is_reproducible_per_key():
+    model, params = setup("decoder_only")
+    prompts, lengths = decode.pad_prompts(PROMPTS)
+    kw = dict(max_new_tokens=8, eos_id=None, temperature=1.0, top_k=20, top_p=0.95,
+              min_p=0.01, repetition_penalty=1.3)
+    a = decode.generate(model, params, prompts, lengths, rng=jax.random.key(1), **kw)
+    b = decode.generate(model, params, prompts, lengths, rng=jax.random.key(1), **kw)
+    c = decode.generate(model, params, prompts, lengths, rng=jax.random.key(2), **kw)
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    assert not np.array_equal(a.tokens, c.tokens)
+
+
+def test_top_k_1_sampling_is_greedy_and_penalty_avoids_repeats():
+    model, params = setup("decoder_only")
+    prompts, lengths = decode.pad_prompts(PROMPTS)
+    greedy = decode.generate(model, params, prompts, lengths, max_new_tokens=8, eos_id=None)
+    top1 = decode.generate(model, params, prompts, lengths, max_new_tokens=8, eos_id=None,
+                           temperature=1.5, top_k=1, rng=jax.random.key(0))
+    np.testing.assert_array_equal(greedy.tokens, top1.tokens)
+    strong = decode.generate(model, params, prompts, lengths, max_new_tokens=8, eos_id=None,
+                             repetition_penalty=1e6)
+    for b, prompt in enumerate(PROMPTS):
+        out = strong.tokens[b].tolist()
+        assert len(set(out)) == 8 and not set(out) & set(prompt)
+
+
+def test_scan_loop_is_differentiable():
+    model, params = setup("decoder_only")
+    prompts, lengths = decode.pad_prompts(PROMPTS)
+    grads = jax.grad(lambda p: decode.generate(
+        model, p, prompts, lengths, max_new_tokens=3, eos_id=None).logprobs.sum())(params)
+    chex.assert_tree_all_finite(grads)
+    assert sum(float(jnp.abs(g).sum()) for g in jax.tree.leaves(grads)) > 0
+
+
+def test_bucket_width_and_pad_prompts():
+    assert [decode.bucket_width(n) for n in (1, 8, 9, 100)] == [8, 8, 16, 128]
+    p, n = decode.pad_prompts([[4, 5], [6]])
+    np.testing.assert_array_equal(p, [[4, 5, 0, 0, 0, 0, 0, 0], [6, 0, 0, 0, 0, 0, 0, 0]])
+    np.testing.assert_array_equal(n, [2, 1])
+    with pytest.raises(ValueError, match="does not fit width=2"):
+        decode.pad_prompts([[1, 2, 3]], width=2)
+    with pytest.raises(ValueError, match="no empty prompt"):
+        decode.pad_prompts([[1], []])
+
+
+BAD = [
+    (dict(prompts=[[5, 61]]), r"prompts hold token id 61 outside \[0, vocab_size=61\)"),
+    (dict(prompts=[[5, -2]]), r"token id -2 outside"),
+    (dict(prompts=[5, 6]), r"prompts must be an int array \[B, P\]"),
+    (dict(prompts=[[5.0, 6.0]]), r"prompts must be an int array"),
+    (dict(lengths=[0]), r"lengths\[0\]=0 must be in \[1, padded width 2\]"),
+    (dict(lengths=[3]), r"lengths\[0\]=3 must be in \[1, padded width 2\]"),
+    (dict(lengths=[2, 2]), r"lengths must be an int array of shape \(1,\)"),
+    (dict(max_new_tokens=0), r"max_new_tokens=0 must be a positive int"),
+    (dict(max_new_tokens=31), r"prompt width 2 \+ max_new_tokens 31 = 33 is beyond the model's max_len 32"),
+    (dict(cache_len=5), r"cache_len=5 must be in \[prompt width 2 \+ max_new_tokens = 6, max_len 32\]"),
+    (dict(temperature=-0.1), r"temperature=-0.1 is outside \[0.0, inf\]"),
+    (dict(temperature=[1.0, 2.0]), r"temperature must be a scalar or have shape \(1,\)"),
+    (dict(top_p=0.0), r"top_p=0 is outside \(0.0, 1.0\]"),
+    (dict(top_p=1.5), r"top_p=1.5 is outside"),
+    (dict(top_k=-1), r"top_k=-1 is outside \[0, 61\]"),
+    (dict(top_k=62), r"top_k=62 is outside \[0, 61\]"),
+    (dict(top_k=2.5), r"top_k=2.5 must be integers"),
+    (dict(min_p=1.0), r"min_p=1 is outside \[0.0, 1.0\)"),
+    (dict(repetition_penalty=0.0), r"repetition_penalty=0 is outside \(0.0, inf\)"),
+    (dict(eos_id=61), r"eos_id 61 must be an int in \[0, vocab_size=61\)"),
+    (dict(eos_id=()), r"eos_id must be None, an int or a non-empty sequence"),
+    (dict(loop="for"), r"loop='for' must be one of"),
+    (dict(temperature=1.0, rng=None), r"rng is required when temperature > 0"),
+]
+
+
+@pytest.mark.parametrize("bad,message", BAD, ids=[m[:30] for _, m in BAD])
+def test_bad_input_names_the_argument_the_value_and_the_limit(bad, message):
+    model, params = setup("decoder_only")
+    kw = dict(prompts=[[5, 6]], lengths=[2], max_new_tokens=4)
+    kw.update(bad)
+    prompts, lengths = kw.pop("prompts"), kw.pop("lengths")
+    with pytest.raises(ValueError, match=message):
+        decode.generate(model, params, np.array(prompts), np.array(lengths), **kw)
+
+
+def test_bad_sources_for_encoder_decoder():
+    model, params = setup("encoder_decoder")
+    with pytest.raises(ValueError, match=r"sources row 0 has length 3 but its non-pad tokens are at \[0, 2\]"):
+        decode.generate(model, params, np.array([[5, 0, 6, 0]]), np.array([3]), max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"1 \(start token\) \+ max_new_tokens 32 = 33 is beyond"):
+        decode.generate(model, params, np.array([[5]]), np.array([1]), max_new_tokens=32)
