@@ -16,6 +16,9 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(PY) -m models --config transformer-tiny
 	$(PY) -m models --config gpt-tiny
+	$(PY) -m decode --config transformer-tiny --max-new-tokens 12 "5 6 7 8" "9 10 11"
+	$(PY) -m decode --config gpt-tiny --strategy beam --beam-size 4 --max-new-tokens 12 "5 6 7 8"
+	$(PY) -m decode --config llama-tiny --strategy sample --temperature 0.8 --top-p 0.9 --max-new-tokens 12 "5 6 7 8"
 
 test: $(STAMP)
 	$(PY) -m pytest

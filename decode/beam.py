@@ -28,6 +28,7 @@ from jaxtyping import Array, Float, Int
 
 from decode import checks
 from decode.generate import model_step_fn, start_decoding
+from decode.loop import unchanged
 
 NEG = -1.0e30  # "no sequence here"; finite so that sums and divisions stay finite
 
@@ -77,14 +78,18 @@ class BeamState:
     done: Array
 
 
-def _top(scores_BC, W, *arrays):
-    """The W best of C candidates by score, best first, with their arrays gathered."""
+def _top(scores_BC, W, *arrays_BC):
+    """The W best of C candidates by score, best first, and each [B, C, ...] array
+    gathered to [B, W, ...] in the same order."""
     scores_BW, idx_BW = lax.top_k(scores_BC, W)
-    return (scores_BW,) + tuple(jnp.take_along_axis(a, idx_BW.reshape(idx_BW.shape + (1,) * (a.ndim - 2)), 1)
-                                for a in arrays)
+
+    def gather(a):
+        return jnp.take_along_axis(a, idx_BW.reshape(idx_BW.shape + (1,) * (a.ndim - 2)), axis=1)
+
+    return (scores_BW,) + tuple(gather(a) for a in arrays_BC)
 
 
-def beam_loop(step_fn, state: BeamState, *, alpha: float, eos_ids, pad_id: int) -> BeamState:
+def beam_loop(step_fn, state: BeamState, *, alpha: float, eos_ids) -> BeamState:
     """Runs N = alive_tokens.shape[-1] beam-search iterations (see the module docstring)."""
     B, W, N = state.alive_tokens.shape
     eos_E = None if eos_ids is None else jnp.asarray(eos_ids, jnp.int32)
@@ -125,7 +130,7 @@ def beam_loop(step_fn, state: BeamState, *, alpha: float, eos_ids, pad_id: int) 
                          alive_logprobs, fin_tokens, fin_scores, fin_lengths, done)
 
     def body(s, _):
-        return lax.cond(jnp.all(s.done), lambda: s, lambda: expand(s)), None
+        return lax.cond(jnp.all(s.done), lambda: unchanged(s), lambda: expand(s)), None
 
     state, _ = lax.scan(body, state, None, length=N)
     return state
@@ -157,8 +162,7 @@ def _beam_search(model, params, prompts_BP, lengths_B, *, beam_size, max_new_tok
         alive_tokens=jnp.zeros((B, W, N), jnp.int32), alive_logprobs=alive_logprobs,
         finished_tokens=jnp.zeros((B, W, N), jnp.int32), finished_scores=jnp.full((B, W), NEG),
         finished_lengths=jnp.zeros((B, W), jnp.int32), done=jnp.zeros((B,), bool))
-    state = beam_loop(model_step_fn(model, params), state, alpha=alpha, eos_ids=eos_ids,
-                      pad_id=model.config.pad_id)
+    state = beam_loop(model_step_fn(model, params), state, alpha=alpha, eos_ids=eos_ids)
     return finalize(state, alpha, model.config.pad_id)
 
 

@@ -57,6 +57,23 @@ class LoopState:
     seen: Bool[Array, "B V"] | None
 
 
+def unchanged(tree):
+    """`tree` as the result of a one-element in-place update of each array.
+
+    The skip branch of a `lax.cond` that carries the KV cache returns it through this
+    instead of as is: a branch that returns its operand untouched makes XLA give the
+    conditional a fresh output buffer, so the other branch copies the whole cache on every
+    step (measured: +60% per decode step on CPU); an in-place update lets both branches
+    alias the carried buffer.
+    """
+    def touch(x):
+        if not hasattr(x, "ndim") or x.ndim == 0:
+            return x
+        start = (0,) * x.ndim
+        return lax.dynamic_update_slice(x, lax.dynamic_slice(x, start, (1,) * x.ndim), start)
+    return jax.tree.map(touch, tree)
+
+
 def initial_state(logits_BV, cache, rng, max_new_tokens: int, seen_BV=None) -> LoopState:
     B = logits_BV.shape[0]
     return LoopState(
@@ -101,7 +118,7 @@ def decode_loop(
         stop = jnp.all(done) | (s.step == N - 1)
         logits, cache = lax.cond(
             stop,
-            lambda: (s.logits, s.cache),
+            lambda: (s.logits, unchanged(s.cache)),
             lambda: step_fn(token_B, s.cache),
         )
         return LoopState(

@@ -16,6 +16,7 @@ from __future__ import annotations
 import flax.struct
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jaxtyping import Array, Bool, Float
 
 NEG_INF = -jnp.inf
@@ -27,13 +28,31 @@ def _per_row(x, logits_BV) -> Array:
     return jnp.broadcast_to(x, logits_BV.shape[:1])[:, None]
 
 
-def _descending_ranks(logits_BV) -> Array:
-    """Rank of every token when sorted by logit, highest first; ties rank the lower id first."""
-    B, V = logits_BV.shape
-    order_BV = jnp.argsort(-logits_BV, axis=-1, stable=True)
-    rows_B1 = jnp.arange(B)[:, None]
-    return jnp.zeros((B, V), jnp.int32).at[rows_B1, order_BV].set(
-        jnp.broadcast_to(jnp.arange(V, dtype=jnp.int32)[None, :], (B, V)))
+def _order_keys(x_BV) -> Array:
+    """uint32 keys with the order of the float32 values (-inf lowest; NaN not expected)."""
+    bits = lax.bitcast_convert_type(x_BV.astype(jnp.float32), jnp.uint32)
+    return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(1 << 31))
+
+
+def _largest_key_with_mass(keys_BV, weights_BV, target_B1) -> Array:
+    """Per row, the largest key t with sum(weights[keys >= t]) >= target (bisection).
+
+    Mass falls as t grows, so 32 halvings of the uint32 key range find the t a descending
+    sort would give (the key of the last value such a sort keeps), in 32 passes of
+    compare-and-sum over [B, V] instead of a sort over the vocabulary.
+    """
+    lo = jnp.min(keys_BV, axis=-1, keepdims=True)     # mass(lo) is the whole row
+    hi = jnp.max(keys_BV, axis=-1, keepdims=True)
+
+    def halve(_, bounds):
+        lo, hi = bounds
+        gap = hi - lo
+        mid = lo + (gap >> 1) + (gap & 1)              # ceil((lo + hi) / 2), no overflow
+        ok = jnp.sum(jnp.where(keys_BV >= mid, weights_BV, 0), -1, keepdims=True) >= target_B1
+        return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid - 1)
+
+    lo, _ = lax.fori_loop(0, 32, halve, (lo, hi))
+    return lo
 
 
 def apply_temperature(logits_BV: Float[Array, "B V"], temperature) -> Float[Array, "B V"]:
@@ -44,22 +63,26 @@ def apply_temperature(logits_BV: Float[Array, "B V"], temperature) -> Float[Arra
 
 def top_k_filter(logits_BV: Float[Array, "B V"], k) -> Float[Array, "B V"]:
     """Keeps exactly the k highest logits of each row (ties to the lower id); k = 0 keeps all."""
-    k_B1 = _per_row(k, logits_BV)
-    keep = (_descending_ranks(logits_BV) < k_B1) | (k_B1 == 0)
-    return jnp.where(keep, logits_BV, NEG_INF)
+    k_B1 = _per_row(k, logits_BV).astype(jnp.int32)
+    keys_BV = _order_keys(logits_BV)
+    kth_B1 = _largest_key_with_mass(keys_BV, jnp.ones_like(keys_BV, jnp.int32), k_B1)
+    above_BV = keys_BV > kth_B1
+    ties_BV = keys_BV == kth_B1
+    # Among the values equal to the k-th, the lowest ids fill the remaining places.
+    room_B1 = k_B1 - jnp.sum(above_BV, axis=-1, keepdims=True, dtype=jnp.int32)
+    keep = above_BV | (ties_BV & (jnp.cumsum(ties_BV, axis=-1, dtype=jnp.int32) <= room_B1))
+    return jnp.where(keep | (k_B1 == 0), logits_BV, NEG_INF)
 
 
 def top_p_filter(logits_BV: Float[Array, "B V"], p) -> Float[Array, "B V"]:
     """Nucleus: keeps the most probable tokens until their mass reaches p (the token that
-    crosses p is kept, so at least one token survives); p = 1 keeps all."""
-    p_B1 = _per_row(p, logits_BV)
+    crosses p is kept, so at least one token survives; ties with the last kept token are
+    kept too); p = 1 keeps all."""
+    p_B1 = _per_row(p, logits_BV).astype(jnp.float32)
     probs_BV = jax.nn.softmax(logits_BV.astype(jnp.float32), axis=-1)
-    sorted_BV = -jnp.sort(-probs_BV, axis=-1)
-    mass_before_BV = jnp.cumsum(sorted_BV, axis=-1) - sorted_BV
-    # The smallest probability still kept; ties with it are kept as well.
-    kept_count_B1 = jnp.sum(mass_before_BV < p_B1, axis=-1, keepdims=True)
-    threshold_B1 = jnp.take_along_axis(sorted_BV, kept_count_B1 - 1, axis=-1)
-    keep = (probs_BV >= threshold_B1) | (p_B1 >= 1.0)
+    keys_BV = _order_keys(probs_BV)
+    threshold_B1 = _largest_key_with_mass(keys_BV, probs_BV, p_B1)
+    keep = (keys_BV >= threshold_B1) | (p_B1 >= 1.0)
     return jnp.where(keep, logits_BV, NEG_INF)
 
 

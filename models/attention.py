@@ -144,7 +144,7 @@ class SelfAttention(nn.Module):
             k_BSKH, v_BSKH = k_BTKH, v_BTKH
         else:
             cache = cache.write(layer, k_BTKH, v_BTKH, positions_BT)
-            k_BSKH, v_BSKH = cache.k[layer], cache.v[layer]
+            k_BSKH, v_BSKH = cache.read(layer)
         out_BTNH = _attend(self, cfg, q_BTNH, k_BSKH, v_BSKH, mask_BTS, deterministic)
         return _dense_out(cfg)(out_BTNH), cache
 
@@ -168,7 +168,7 @@ class CrossKVProjection(nn.Module):
 
     The kernels are stacked over the L decoder layers, so all layers' keys/values are one
     einsum, computed once per source and then only read (by the forward pass and by every
-    decoding step alike).
+    decoding step alike). Output layout [L, B, K, S, H], as in `KVCache`.
     """
 
     config: TransformerConfig
@@ -176,6 +176,7 @@ class CrossKVProjection(nn.Module):
 
     @nn.compact
     def __call__(self, encoded_BSD: Float[Array, "B S D"]) -> tuple[Array, Array]:
+        """Returns k_LBKSH, v_LBKSH."""
         cfg = self.config
         shape = (self.num_layers, cfg.d_model, cfg.num_kv_heads, cfg.head_dim)
         # Initialise like L separate [D, K*H] projections (fan_in D, fan_out K*H).
@@ -184,12 +185,12 @@ class CrossKVProjection(nn.Module):
         out = []
         for name in ("key", "value"):
             kernel_LDKH = self.param(f"{name}_kernel", init, shape, cfg.params_dtype)
-            y_LBSKH = jnp.einsum(
-                "BSD,LDKH->LBSKH", encoded_BSD.astype(cfg.compute_dtype),
+            y_LBKSH = jnp.einsum(
+                "BSD,LDKH->LBKSH", encoded_BSD.astype(cfg.compute_dtype),
                 kernel_LDKH.astype(cfg.compute_dtype))
             if cfg.use_bias:
                 bias_LKH = self.param(
                     f"{name}_bias", nn.initializers.zeros, shape[:1] + shape[2:], cfg.params_dtype)
-                y_LBSKH = y_LBSKH + bias_LKH.astype(cfg.compute_dtype)[:, None, None, :, :]
-            out.append(y_LBSKH)
+                y_LBKSH = y_LBKSH + bias_LKH.astype(cfg.compute_dtype)[:, None, :, None, :]
+            out.append(y_LBKSH)
         return out[0], out[1]

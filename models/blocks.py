@@ -28,16 +28,16 @@ class LayerInputs:
     Attributes:
       self_mask: bool[B, T, S] self-attention mask (S = T without a cache).
       positions: int32[B, T] absolute positions of the T tokens (for rotary positions).
-      cross_k, cross_v: float[L, Bs, Ssrc, K, H] cross-attention keys/values of all
-        layers, or None in a stack without cross-attention.
+      cross_k, cross_v: float[L, Bs, K, Ssrc, H] cross-attention keys/values of all
+        layers (`KVCache` layout), or None in a stack without cross-attention.
       cross_mask: bool[B, T or 1, Ssrc] cross-attention mask, or None.
       deterministic: no dropout (static).
     """
 
     self_mask: Bool[Array, "B T S"] | None
     positions: Int[Array, "B T"]
-    cross_k: Float[Array, "L Bs Ssrc K H"] | None = None
-    cross_v: Float[Array, "L Bs Ssrc K H"] | None = None
+    cross_k: Float[Array, "L Bs K Ssrc H"] | None = None
+    cross_v: Float[Array, "L Bs K Ssrc H"] | None = None
     cross_mask: Bool[Array, "B T Ssrc"] | None = None
     deterministic: bool = flax.struct.field(pytree_node=False, default=True)
 
@@ -77,7 +77,8 @@ class DecoderLayer(nn.Module):
             lambda y: attn(y, inputs.self_mask, inputs.positions, cache, layer, det),
             make_norm(cfg, "self_attention_norm"), det)
         cross = CrossAttention(cfg, name="cross_attention")
-        k_BSKH, v_BSKH = inputs.cross_k[layer], inputs.cross_v[layer]
+        k_BSKH = jnp.swapaxes(inputs.cross_k[layer], 1, 2)
+        v_BSKH = jnp.swapaxes(inputs.cross_v[layer], 1, 2)
         x_BTD, _ = residual(
             cfg, x_BTD, lambda y: (cross(y, k_BSKH, v_BSKH, inputs.cross_mask, det), None),
             make_norm(cfg, "cross_attention_norm"), det)

@@ -1,7 +1,8 @@
 """The KV cache: an explicit pytree that goes into the model and comes back updated.
 
 Self-attention keys/values are preallocated to a fixed length S and stacked over the L
-decoder layers; `lengths` says how many slots of each row are filled, which is also where
+decoder layers, heads before slots ([L, B, K, S, H]: the layout the attention dot reads
+without a transposed copy); `lengths` says how many slots of each row are filled, which is also where
 that row's next token goes. Cross-attention keys/values (encoder-decoder only) live in
 their own fields: projected once from the encoder output, never written again.
 
@@ -30,20 +31,20 @@ class KVCache:
     """Decoding state of a transformer decoder.
 
     Attributes:
-      k: float[L, B, S, K, H] self-attention keys, stacked over layers.
-      v: float[L, B, S, K, H] self-attention values.
+      k: float[L, B, K, S, H] self-attention keys, stacked over layers.
+      v: float[L, B, K, S, H] self-attention values.
       lengths: int32[B] filled slots per row (= the position of its next token).
-      cross_k: float[L, Bs, Ssrc, K, H] cross-attention keys, or None (decoder-only).
+      cross_k: float[L, Bs, K, Ssrc, H] cross-attention keys, or None (decoder-only).
         Bs divides B: beams of one source share its rows (B = Bs * beams).
-      cross_v: float[L, Bs, Ssrc, K, H] cross-attention values, or None.
+      cross_v: float[L, Bs, K, Ssrc, H] cross-attention values, or None.
       cross_mask: bool[Bs, Ssrc] True at real (non-padding) source tokens, or None.
     """
 
-    k: Float[Array, "L B S K H"]
-    v: Float[Array, "L B S K H"]
+    k: Float[Array, "L B K S H"]
+    v: Float[Array, "L B K S H"]
     lengths: Int[Array, "B"]
-    cross_k: Float[Array, "L Bs Ssrc K H"] | None = None
-    cross_v: Float[Array, "L Bs Ssrc K H"] | None = None
+    cross_k: Float[Array, "L Bs K Ssrc H"] | None = None
+    cross_v: Float[Array, "L Bs K Ssrc H"] | None = None
     cross_mask: Bool[Array, "Bs Ssrc"] | None = None
 
     @classmethod
@@ -56,7 +57,7 @@ class KVCache:
                 or not 1 <= cache_len <= config.max_len:
             raise ValueError(
                 f"cache_len={cache_len!r} must be an int in [1, max_len={config.max_len}]")
-        shape = (config.decoder_layers, batch_size, cache_len, config.num_kv_heads,
+        shape = (config.decoder_layers, batch_size, config.num_kv_heads, cache_len,
                  config.head_dim)
         zeros = jnp.zeros(shape, config.compute_dtype)
         return cls(k=zeros, v=zeros, lengths=jnp.zeros((batch_size,), jnp.int32))
@@ -67,7 +68,11 @@ class KVCache:
 
     @property
     def cache_len(self) -> int:
-        return self.k.shape[2]
+        return self.k.shape[3]
+
+    def read(self, layer):
+        """Keys and values of `layer` as [B, S, K, H] (a view: the swap folds into the dot)."""
+        return jnp.swapaxes(self.k[layer], 1, 2), jnp.swapaxes(self.v[layer], 1, 2)
 
     def write(self, layer, k_BTKH, v_BTKH, positions_BT) -> "KVCache":
         """Writes the new keys/values of `layer` at each row's `positions_BT`.
@@ -77,8 +82,9 @@ class KVCache:
         """
         B = k_BTKH.shape[0]
         rows_B1 = jnp.arange(B, dtype=jnp.int32)[:, None]
-        k = self.k.at[layer, rows_B1, positions_BT].set(k_BTKH.astype(self.k.dtype))
-        v = self.v.at[layer, rows_B1, positions_BT].set(v_BTKH.astype(self.v.dtype))
+        # Indices [B, 1] and [B, T] around the head slice: the update is [B, T, K, H].
+        k = self.k.at[layer, rows_B1, :, positions_BT].set(k_BTKH.astype(self.k.dtype))
+        v = self.v.at[layer, rows_B1, :, positions_BT].set(v_BTKH.astype(self.v.dtype))
         return self.replace(k=k, v=v)
 
     def take_rows(self, rows_B) -> "KVCache":

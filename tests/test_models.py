@@ -84,9 +84,9 @@ def test_cross_keys_values_are_projected_once_not_per_step():
     cache = f.init_cache(params, 2, 8, src=src)
     # The cache holds exactly the projection of the encoder output.
     encoded = f.model.apply({"params": params}, src, method="encode")
-    k_LBSKH = jnp.einsum("BSD,LDKH->LBSKH", encoded, params["cross_kv"]["key_kernel"])
-    k_LBSKH = k_LBSKH + params["cross_kv"]["key_bias"][:, None, None]
-    np.testing.assert_allclose(cache.cross_k, k_LBSKH, atol=1e-5)
+    k_LBKSH = jnp.einsum("BSD,LDKH->LBKSH", encoded, params["cross_kv"]["key_kernel"])
+    k_LBKSH = k_LBKSH + params["cross_kv"]["key_bias"][:, None, :, None]
+    np.testing.assert_allclose(cache.cross_k, k_LBKSH, atol=1e-5)
     poisoned = flax.core.copy(params, {"cross_kv": jax.tree.map(
         lambda x: jnp.full_like(x, jnp.nan), params["cross_kv"])})
     tokens = jnp.full((2,), f.cfg.bos_id, jnp.int32)
@@ -166,3 +166,17 @@ def test_bfloat16_compute_with_float32_params():
     np.testing.assert_allclose(out, f32.forward(params, tokens), atol=0.1)
     cache = bf16.init_cache(params, 2, 8)
     assert cache.k.dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_remat_changes_nothing_but_memory(scan):
+    plain, remat = fns(tiny(scan_layers=scan)), fns(tiny(scan_layers=scan, remat=True))
+    params = plain.init()
+    tokens = random_tokens(13, (2, 6), 61)
+
+    def loss(f, p):
+        return jnp.mean(f.model.apply({"params": p}, tokens) ** 2)
+
+    np.testing.assert_allclose(remat.forward(params, tokens), plain.forward(params, tokens), atol=1e-6)
+    chex.assert_trees_all_close(jax.grad(lambda p: loss(remat, p))(params),
+                                jax.grad(lambda p: loss(plain, p))(params), atol=1e-6)

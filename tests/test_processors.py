@@ -87,6 +87,41 @@ def test_greedy_rows_inside_a_sampling_batch_take_the_argmax():
         assert int(select_tokens(logits, jax.random.key(seed), params, Strategy(sample=True))[0]) == 1
 
 
+def sorted_top_k(logits, k):
+    """Oracle: a stable descending sort, keep the first k."""
+    order = np.argsort(-logits, axis=-1, kind="stable")
+    keep = np.zeros(logits.shape, bool)
+    for b in range(logits.shape[0]):
+        keep[b, order[b, :k]] = True
+    return keep
+
+
+def sorted_top_p(logits, p):
+    """Oracle: sort probabilities, keep while the mass before a token is below p, plus ties."""
+    probs = np.asarray(jax.nn.softmax(jnp.asarray(logits), -1), np.float64)
+    keep = np.zeros(logits.shape, bool)
+    for b in range(logits.shape[0]):
+        s = np.sort(probs[b])[::-1]
+        before = np.cumsum(s) - s
+        keep[b] = probs[b] >= s[np.sum(before < p) - 1]
+    return keep
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_bisection_filters_equal_sorting_oracles(seed):
+    rng = np.random.default_rng(seed)
+    # Few distinct values, so ties are everywhere; negative, positive and -inf logits.
+    logits = rng.integers(-6, 6, (4, 50)).astype(np.float32) * 0.75
+    logits[0, :3] = -np.inf
+    for k in (1, 2, 7, 49, 50):
+        np.testing.assert_array_equal(kept(decode.top_k_filter(jnp.asarray(logits), k)),
+                                      sorted_top_k(logits, k) & np.isfinite(logits), err_msg=f"k={k}")
+    smooth = rng.normal(size=(4, 300)).astype(np.float32) * 3
+    for p in (0.05, 0.3, 0.9, 0.999):
+        np.testing.assert_array_equal(kept(decode.top_p_filter(jnp.asarray(smooth), p)),
+                                      sorted_top_p(smooth, p), err_msg=f"p={p}")
+
+
 @pytest.mark.parametrize("fn,arg", [(decode.top_k_filter, 2), (decode.top_p_filter, 0.5),
                                     (decode.min_p_filter, 0.3)])
 def test_processors_run_under_jit(fn, arg):
