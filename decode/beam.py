@@ -89,7 +89,7 @@ def _top(scores_BC, W, *arrays_BC):
     return (scores_BW,) + tuple(gather(a) for a in arrays_BC)
 
 
-def beam_loop(step_fn, state: BeamState, *, alpha: float, eos_ids) -> BeamState:
+def beam_loop(step_fn, state: BeamState, *, alpha, eos_ids) -> BeamState:
     """Runs N = alive_tokens.shape[-1] beam-search iterations (see the module docstring)."""
     B, W, N = state.alive_tokens.shape
     eos_E = None if eos_ids is None else jnp.asarray(eos_ids, jnp.int32)
@@ -136,7 +136,7 @@ def beam_loop(step_fn, state: BeamState, *, alpha: float, eos_ids) -> BeamState:
     return state
 
 
-def finalize(state: BeamState, alpha: float, pad_id: int) -> BeamOutput:
+def finalize(state: BeamState, alpha, pad_id: int) -> BeamOutput:
     """Merges the alive beams into the finished pool and returns the W best, best first."""
     B, W, N = state.alive_tokens.shape
     alive_scores = jnp.where(state.alive_logprobs > NEG / 2,
@@ -150,9 +150,9 @@ def finalize(state: BeamState, alpha: float, pad_id: int) -> BeamOutput:
 
 
 @functools.partial(jax.jit, static_argnames=("model", "beam_size", "max_new_tokens", "cache_len",
-                                             "alpha", "eos_ids"))
-def _beam_search(model, params, prompts_BP, lengths_B, *, beam_size, max_new_tokens, cache_len,
-                 alpha, eos_ids) -> BeamOutput:
+                                             "eos_ids"))
+def _beam_search(model, params, prompts_BP, lengths_B, alpha, *, beam_size, max_new_tokens,
+                 cache_len, eos_ids) -> BeamOutput:
     B, W, N = prompts_BP.shape[0], beam_size, max_new_tokens
     logits, cache = start_decoding(model, params, prompts_BP, lengths_B, cache_len, beams=W)
     # Beams start identical: only beam 0 is alive, so the first expansion has no repeats.
@@ -183,7 +183,8 @@ def beam_search(
     Args:
       model, params, prompts, lengths, max_new_tokens, eos_id, cache_len: as `generate`.
       beam_size: W >= 1; W = 1 with length_penalty 0 is greedy decoding.
-      length_penalty: GNMT alpha >= 0 (0: plain sums of log-probs).
+      length_penalty: GNMT alpha >= 0 (0: plain sums of log-probs); traced, so changing
+        it never recompiles.
 
     Returns:
       A `BeamOutput`.
@@ -194,8 +195,7 @@ def beam_search(
     max_new_tokens = checks.check_positive_int(max_new_tokens, "max_new_tokens")
     cache_len = checks.check_cache_len(cfg, prompts.shape[1], max_new_tokens, cache_len)
     eos_ids = checks.check_eos(cfg, eos_id)
-    alpha = float(length_penalty)
+    alpha = np.float32(length_penalty)
     checks.check_in_range(np.array([alpha]), "length_penalty", 0.0, np.inf, hi_open=True)
-    return _beam_search(model, params, prompts, lengths, beam_size=beam_size,
-                        max_new_tokens=max_new_tokens, cache_len=cache_len, alpha=alpha,
-                        eos_ids=eos_ids)
+    return _beam_search(model, params, prompts, lengths, alpha, beam_size=beam_size,
+                        max_new_tokens=max_new_tokens, cache_len=cache_len, eos_ids=eos_ids)

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import decode
+import decode.beam
 from decode.generate import start_decoding
 from tests.helpers import fns, tiny
 
@@ -101,6 +102,10 @@ def test_beam_search_bad_input():
     p, n = decode.pad_prompts([[5, 6]])
     with pytest.raises(ValueError, match=r"beam_size=0 must be a positive int"):
         decode.beam_search(f.model, params, p, n, beam_size=0, max_new_tokens=4)
+    before = decode.beam._beam_search._cache_size()
+    decode.beam_search(f.model, params, p, n, length_penalty=0.3, max_new_tokens=4)
+    decode.beam_search(f.model, params, p, n, length_penalty=1.7, max_new_tokens=4)
+    assert decode.beam._beam_search._cache_size() == before + 1   # alpha is traced
     with pytest.raises(ValueError, match=r"length_penalty=-1 is outside \[0.0, inf\)"):
         decode.beam_search(f.model, params, p, n, length_penalty=-1.0, max_new_tokens=4)
     with pytest.raises(ValueError, match=r"max_new_tokens 30 = 38 is beyond the model's max_len 32"):

@@ -34,7 +34,7 @@ def test_no_leakage_from_future_tokens(arch, embed):
     args = (src, tgt) if f.cfg.is_encoder_decoder else (tgt,)
     # 1. Gradients of output t with respect to every later input are exactly zero.
     zeros = jnp.zeros((2, 8, f.cfg.d_model))
-    jac = jax.jacrev(lambda d: _with_delta(f, params, args, embed, d).sum(-1))(zeros)
+    jac = jax.jit(jax.jacrev(lambda d: _with_delta(f, params, args, embed, d).sum(-1)))(zeros)
     influence = np.abs(np.asarray(jac)).sum(-1)          # [b, t, b', s]
     for t in range(8):
         if t < 7:
@@ -56,7 +56,7 @@ def test_source_padding_is_invisible():
     src = random_tokens(3, (2, 7), f.cfg.vocab_size).at[0, 4:].set(0)
     tgt = random_tokens(4, (2, 5), f.cfg.vocab_size)
     # No gradient reaches the decoder from the padded source positions...
-    jac = jax.jacrev(lambda d: _with_delta(f, params, (src, tgt), "src_embed", d).sum())(
+    jac = jax.jit(jax.grad(lambda d: _with_delta(f, params, (src, tgt), "src_embed", d).sum()))(
         jnp.zeros((2, 7, f.cfg.d_model)))
     assert float(jnp.abs(jac[0, 4:]).max()) == 0.0
     assert float(jnp.abs(jac[0, :4]).min(-1).max()) > 0.0
@@ -178,5 +178,5 @@ def test_remat_changes_nothing_but_memory(scan):
         return jnp.mean(f.model.apply({"params": p}, tokens) ** 2)
 
     np.testing.assert_allclose(remat.forward(params, tokens), plain.forward(params, tokens), atol=1e-6)
-    chex.assert_trees_all_close(jax.grad(lambda p: loss(remat, p))(params),
-                                jax.grad(lambda p: loss(plain, p))(params), atol=1e-6)
+    chex.assert_trees_all_close(jax.jit(jax.grad(lambda p: loss(remat, p)))(params),
+                                jax.jit(jax.grad(lambda p: loss(plain, p)))(params), atol=1e-6)
