@@ -42,6 +42,21 @@ class LayerInputs:
     deterministic: bool = flax.struct.field(pytree_node=False, default=True)
 
 
+def _self_attention_sublayer(cfg, x_BTD, inputs: LayerInputs, cache, layer):
+    """The residual self-attention sublayer; returns (x_BTD, cache)."""
+    attn = SelfAttention(cfg, name="self_attention")
+    return residual(
+        cfg, x_BTD,
+        lambda y: attn(y, inputs.self_mask, inputs.positions, cache, layer, inputs.deterministic),
+        make_norm(cfg, "self_attention_norm"), inputs.deterministic)
+
+
+def _mlp_sublayer(cfg, x_BTD, inputs: LayerInputs):
+    x_BTD, _ = residual(cfg, x_BTD, lambda y: (MLP(cfg, name="mlp")(y), None),
+                        make_norm(cfg, "mlp_norm"), inputs.deterministic)
+    return x_BTD
+
+
 class SelfAttentionLayer(nn.Module):
     """Self-attention then MLP: an encoder layer (bidirectional mask) or a decoder-only
     layer (causal mask, optionally with a cache)."""
@@ -50,15 +65,9 @@ class SelfAttentionLayer(nn.Module):
 
     @nn.compact
     def __call__(self, carry, inputs: LayerInputs):
-        cfg, det = self.config, inputs.deterministic
         x_BTD, cache, layer = carry
-        attn = SelfAttention(cfg, name="self_attention")
-        x_BTD, cache = residual(
-            cfg, x_BTD,
-            lambda y: attn(y, inputs.self_mask, inputs.positions, cache, layer, det),
-            make_norm(cfg, "self_attention_norm"), det)
-        x_BTD, _ = residual(
-            cfg, x_BTD, lambda y: (MLP(cfg, name="mlp")(y), None), make_norm(cfg, "mlp_norm"), det)
+        x_BTD, cache = _self_attention_sublayer(self.config, x_BTD, inputs, cache, layer)
+        x_BTD = _mlp_sublayer(self.config, x_BTD, inputs)
         return (x_BTD, cache, layer + 1), None
 
 
@@ -71,19 +80,14 @@ class DecoderLayer(nn.Module):
     def __call__(self, carry, inputs: LayerInputs):
         cfg, det = self.config, inputs.deterministic
         x_BTD, cache, layer = carry
-        attn = SelfAttention(cfg, name="self_attention")
-        x_BTD, cache = residual(
-            cfg, x_BTD,
-            lambda y: attn(y, inputs.self_mask, inputs.positions, cache, layer, det),
-            make_norm(cfg, "self_attention_norm"), det)
+        x_BTD, cache = _self_attention_sublayer(cfg, x_BTD, inputs, cache, layer)
         cross = CrossAttention(cfg, name="cross_attention")
         k_BSKH = jnp.swapaxes(inputs.cross_k[layer], 1, 2)
         v_BSKH = jnp.swapaxes(inputs.cross_v[layer], 1, 2)
         x_BTD, _ = residual(
             cfg, x_BTD, lambda y: (cross(y, k_BSKH, v_BSKH, inputs.cross_mask, det), None),
             make_norm(cfg, "cross_attention_norm"), det)
-        x_BTD, _ = residual(
-            cfg, x_BTD, lambda y: (MLP(cfg, name="mlp")(y), None), make_norm(cfg, "mlp_norm"), det)
+        x_BTD = _mlp_sublayer(cfg, x_BTD, inputs)
         return (x_BTD, cache, layer + 1), None
 
 
