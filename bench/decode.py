@@ -24,14 +24,12 @@ shapes being static) and extrapolates to the full run.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import math
 import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 import decode
 import models

@@ -12,7 +12,6 @@ import math
 import time
 
 import jax
-import jax.numpy as jnp
 
 import models
 

@@ -10,7 +10,7 @@ import pytest
 
 import decode
 from decode.generate import _generate
-from tests.helpers import fns, random_tokens, tiny
+from tests.helpers import fns, tiny
 
 
 @functools.cache

@@ -8,7 +8,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import models
 from tests.helpers import fns, random_tokens, tiny
 
 
