@@ -80,8 +80,9 @@ def cross_bytes(cfg, batch: int, src_len: int) -> float:
     return batch * src_len * 2 * cfg.decoder_layers * cfg.num_kv_heads * cfg.head_dim * 4
 
 
-def no_cache_step_fn(model, total: int, steps: int):
-    """`steps` greedy steps that each re-run the full forward pass over [B, total]."""
+def no_cache_step_fn(model, steps: int):
+    """`steps` greedy steps, each re-running the full forward pass over the whole padded
+    sequence it is given."""
     cfg = model.config
 
     @jax.jit
@@ -148,7 +149,7 @@ def run_case(name, cfg, batch, prompt, new, bandwidth, no_cache_steps, only, rep
             src, seq = prompts, seq.at[:, 0].set(cfg.bos_id)
         else:
             src, seq = None, seq.at[:, :prompt].set(prompts)
-        run = no_cache_step_fn(model, total, no_cache_steps)
+        run = no_cache_step_fn(model, no_cache_steps)
         _, first = _timed(lambda: run(params, src, seq, jnp.full((batch,), decoder_prompt, jnp.int32)))
         second = best_of(lambda: run(params, src, seq, jnp.full((batch,), decoder_prompt, jnp.int32)), 1)
         per_step = second / no_cache_steps

@@ -106,8 +106,9 @@ def decode_loop(
         rng, sample_rng = jax.random.split(s.rng)
         processed_BV = process_logits(s.logits, s.seen, params, strategy)
         token_B = select_tokens(processed_BV, sample_rng, params, strategy)
-        logprob_B = jnp.take_along_axis(
-            jax.nn.log_softmax(s.logits, axis=-1), token_B[:, None], axis=-1)[:, 0]
+        # log_softmax at the chosen token only: no [B, V] array in the loop body.
+        logprob_B = (jnp.take_along_axis(s.logits, token_B[:, None], axis=-1)[:, 0]
+                     - jax.nn.logsumexp(s.logits, axis=-1))
         token_B = jnp.where(s.done, pad_id, token_B)
         logprob_B = jnp.where(s.done, 0.0, logprob_B)
         lengths = s.lengths + (~s.done).astype(jnp.int32)

@@ -23,7 +23,8 @@ from jaxtyping import Array, Float, Int
 from models.attention import CrossKVProjection
 from models.blocks import DecoderLayer, LayerInputs, LayerStack, SelfAttentionLayer
 from models.cache import KVCache
-from models.checks import check_cache_room, check_int_array, check_same_shape, check_tokens
+from models.checks import (
+    check_cache_room, check_int_array, check_new_lengths, check_same_shape, check_tokens)
 from models.config import TransformerConfig
 from models.layers import InputEmbedding, token_embedding
 from models.masks import causal_mask, combine_masks, padding_mask, positions_like, segment_mask
@@ -80,6 +81,7 @@ class _CachedDecoder(nn.Module):
             raise ValueError(
                 f"batch sizes differ: tokens {tokens_BT.shape}, lengths {lengths_B.shape}, "
                 f"cache batch {cache.batch_size}")
+        check_new_lengths(lengths_B, T)
         check_cache_room(cache.lengths, lengths_B, S)
         positions_BT = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
         slots_BS = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32)[None, :], (B, S))

@@ -71,6 +71,10 @@ def test_cache_misuse(dec, encdec):
         _apply(f, p, random_tokens(0, (2, 9), 61), jnp.array([9, 9]), cache, method="prefill")
     with pytest.raises(ValueError, match=r"batch sizes differ"):
         _apply(f, p, random_tokens(0, (3, 4), 61), jnp.array([4, 4, 4]), cache, method="prefill")
+    with pytest.raises(ValueError, match=r"lengths\[1\]=5 must be in \[0, tokens width 4\]"):
+        _apply(f, p, random_tokens(0, (2, 4), 61), jnp.array([4, 5]), cache, method="prefill")
+    with pytest.raises(ValueError, match=r"lengths\[0\]=-1 must be in \[0, tokens width 4\]"):
+        _apply(f, p, random_tokens(0, (2, 4), 61), jnp.array([-1, 2]), cache, method="prefill")
     with pytest.raises(ValueError, match=r"lengths must be int\[B\]"):
         _apply(f, p, random_tokens(0, (2, 4), 61), 4, cache, method="prefill")
     full = cache.replace(lengths=jnp.array([8, 3]))
