@@ -16,3 +16,11 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 @pytest.fixture
 def key():
     return jax.random.key(0)
+
+
+@pytest.fixture(scope="session")
+def data_dir(tmp_path_factory):
+    """One TFDS data directory per test process, so each builder prepares once."""
+    import tensorflow_datasets as tfds
+    tfds.disable_progress_bar()
+    return str(tmp_path_factory.mktemp("tfds"))

@@ -1,0 +1,132 @@
+"""Tokenizers, TFDS builders (no network), bad lines, and the standard-dataset path."""
+
+import numpy as np
+import pytest
+import tensorflow_datasets as tfds
+
+from train import data
+from train.data import datasets as datasets_mod
+
+
+def test_byte_tokenizer_round_trips_unicode_and_stops_at_eos(tmp_path):
+    tok = data.ByteTokenizer()
+    text = "naïve café ☃ 12+3"
+    ids = tok.encode(text)
+    assert min(ids) >= 4 and max(ids) < tok.vocab_size == 260
+    assert tok.decode(ids) == text
+    assert tok.decode([data.BOS_ID, *ids, data.EOS_ID, *tok.encode("junk"), 0]) == text
+    tok.save(str(tmp_path))
+    assert data.load_tokenizer(str(tmp_path)).encode(text) == ids
+
+
+def test_sentencepiece_has_fixed_ids_round_trips_and_reloads(tmp_path):
+    texts = [f"the {a} dog sees {n} cats ." for a in ("big", "small", "old") for n in range(50)]
+    tok = data.train_sentencepiece(texts, 320)
+    assert (tok.pad_id, tok.eos_id, tok.bos_id, tok.unk_id) == (0, 1, 2, 3)
+    assert tok._sp.id_to_piece(1) == "</s>" and tok._sp.id_to_piece(2) == "<s>"
+    for text in texts[:5] + ["unseen wörds ☃ with byte fallback"]:
+        ids = tok.encode(text)
+        assert data.UNK_ID not in ids
+        assert tok.decode(ids + [data.EOS_ID, 7, 8]) == text
+    tok.save(str(tmp_path))
+    again = data.load_tokenizer(str(tmp_path))
+    assert again.vocab_size == tok.vocab_size and again.encode(texts[3]) == tok.encode(texts[3])
+
+
+def test_tokenizer_errors_name_the_problem(tmp_path):
+    with pytest.raises(ValueError, match="vocab_size=100 is below 300"):
+        data.train_sentencepiece(["a b c"], 100)
+    with pytest.raises(ValueError, match="empty corpus"):
+        data.train_sentencepiece(["", ""], 400)
+    with pytest.raises(FileNotFoundError, match="no tokenizer in"):
+        data.load_tokenizer(str(tmp_path / "missing"))
+
+
+def test_generated_builder_prepares_once_and_reads_without_tensorflow(data_dir):
+    import sys
+    ds = data.load_dataset("toy_translation", data_dir)
+    assert {k: len(v) for k, v in ds.splits.items()} == {
+        "train": 50_000, "validation": 1_000, "test": 1_000}
+    sources = {split: {ds.example(split, i)[0] for i in range(len(ds.splits[split]))}
+               for split in ("validation", "test")}
+    assert not sources["validation"] & sources["test"]
+    assert "tensorflow" not in sys.modules
+    again = data.load_dataset("toy_translation", data_dir)      # reuses the prepared files
+    assert again.example("test", 5) == ds.example("test", 5)
+    assert again.splits["train"].dataset_info.file_format.value == "array_record"
+
+
+def test_local_translation_counts_every_malformed_line(data_dir, tmp_path):
+    train = tmp_path / "train.tsv"
+    train.write_bytes(b"hello world\tbonjour le monde\n"          # 1 ok
+                      b"no tab here\n"                          # 2 no tab
+                      b"\tempty source\n"                       # 3 empty side
+                      b"good one\tbon un\n"                     # 4 ok
+                      b"bad \xff\xfe bytes\tx\n"                # 5 invalid UTF-8
+                      b"a\tb\tc\n"                              # 6 more than one tab
+                      b"source only\t  \n")                     # 7 empty side
+    test = tmp_path / "test.tsv"
+    test.write_text("one\tun\ntwo\tdeux\n")
+    ds = data.load_dataset("local_translation", data_dir, data_files=(str(train), str(test)))
+    assert len(ds.splits["train"]) == 2 and len(ds.splits["test"]) == 2
+    assert sorted(ds.example("train", i) for i in range(2)) == [
+        ("good one", "bon un"), ("hello world", "bonjour le monde")]
+    assert ds.bad_lines.counts == {"no tab": 1, "empty side": 2, "invalid UTF-8": 1,
+                                   "more than one tab": 1}
+    assert ds.bad_lines.examples == [f"{train}:2: no tab", f"{train}:3: empty side",
+                                     f"{train}:5: invalid UTF-8", f"{train}:6: more than one tab",
+                                     f"{train}:7: empty side"]
+    # The report survives preparation: a second run that reuses the files still reports it.
+    again = data.load_dataset("local_translation", data_dir, data_files=(str(train), str(test)))
+    assert again.bad_lines.counts == ds.bad_lines.counts
+
+
+def test_line_aligned_files_and_local_text(data_dir, tmp_path):
+    src, tgt = tmp_path / "a.en", tmp_path / "a.fr"
+    src.write_text("one\ntwo\n\nfour\n")
+    tgt.write_text("un\ndeux\ntrois\nquatre\n")
+    ds = data.load_dataset("local_translation", data_dir, data_files=(str(src), str(tgt)))
+    total = sum(len(v) for v in ds.splits.values())
+    assert total == 3 and ds.bad_lines.examples == [f"{src}:3: empty side"]
+    text = tmp_path / "book.txt"
+    text.write_text("First line.\n\nSecond line.\n   \nThird.\n")
+    lm = data.load_dataset("local_text", data_dir, data_files=(str(text),))
+    assert lm.kind == "text" and sum(len(v) for v in lm.splits.values()) == 3
+    assert lm.bad_lines.counts == {"blank line": 2}
+    tgt.write_text("un\ndeux\n")
+    with pytest.raises(ValueError, match=r"a.en' has 4 lines, .*a.fr' has 2"):
+        data.load_dataset("local_translation", data_dir, data_files=(str(src), str(tgt)))
+    with pytest.raises(ValueError, match="needs a line-aligned target file"):
+        data.load_dataset("local_translation", data_dir, data_files=(str(src),))
+
+
+def test_missing_file_and_unknown_dataset_are_named(data_dir, tmp_path):
+    with pytest.raises(FileNotFoundError, match="data file '.*nothere.tsv' does not exist"):
+        data.load_dataset("local_translation", data_dir, data_files=(str(tmp_path / "nothere.tsv"),))
+    with pytest.raises(ValueError, match="local datasets need data_files"):
+        data.load_dataset("local_text", data_dir)
+    with pytest.raises(ValueError, match=r"unknown dataset 'wmt99'; available: .*toy_translation"):
+        data.load_dataset("wmt99", data_dir)
+
+
+def test_dataset_needing_tensorflow_to_prepare_names_the_extra(tmp_path, monkeypatch):
+    monkeypatch.setattr(datasets_mod, "_tensorflow_available", lambda: False)
+    with pytest.raises(ImportError, match=r"'tiny_shakespeare' is not prepared .*tfds-prepare"):
+        data.load_dataset("tiny_shakespeare", str(tmp_path))
+
+
+@pytest.mark.parametrize("name", ["wmt14_translate/de-en", "tiny_shakespeare"])
+def test_standard_datasets_go_through_the_same_pipeline(name, tmp_path, monkeypatch):
+    monkeypatch.setattr(datasets_mod, "_tensorflow_available", lambda: True)
+    with tfds.testing.mock_data(num_examples=40, policy=tfds.testing.MockPolicy.USE_CODE):
+        ds = data.load_dataset(name, str(tmp_path), reverse_translation=name.startswith("wmt"))
+        assert ds.keys == (("en", "de") if name.startswith("wmt") else ("text",))
+        cfg = data.PipelineConfig(per_device_batch_size=2, max_source_length=24,
+                                  max_target_length=24)
+        source, stats = data.train_source(ds, data.ByteTokenizer(), cfg, num_devices=2,
+                                          shard_index=0, shard_count=1)
+        batch = source[0]
+    assert stats.examples == 40
+    chex_shape = (2, 2, 24)
+    assert batch["targets"].shape == chex_shape
+    assert np.all(batch["targets"][batch["targets_segmentation"] == 0] == 0)

@@ -1,0 +1,16 @@
+"""Data: built-in TFDS builders, tokenizers, and the checkpointable input pipeline.
+
+    ds = load_dataset("toy_translation", data_dir)               # array_record, no TensorFlow
+    tok = train_sentencepiece(texts, 1024)                        # or ByteTokenizer()
+    cfg = PipelineConfig(per_device_batch_size=32)
+    source, stats = train_source(ds, tok, cfg)                    # batches [R, B, W]
+    it = train_iterator(source, cfg)                              # it.get_state()/set_state()
+"""
+
+from train.data.builders import BadLines, GENERATED, LOCAL
+from train.data.datasets import Dataset, STANDARD, available, load_dataset
+from train.data.pipeline import (BatchSource, DataStats, PipelineConfig, eval_batches,
+                                 shard_indices, tokenize_split, train_iterator, train_source)
+from train.data.tokenizer import (BOS_ID, EOS_ID, PAD_ID, UNK_ID, ByteTokenizer,
+                                  SentencePieceTokenizer, Tokenizer, load_tokenizer,
+                                  train_sentencepiece)

@@ -1,0 +1,286 @@
+"""TFDS builders that need no network: the generated tasks and local text files.
+
+Each prepares into `array_record` files under a TFDS data directory, once; later runs reuse
+them through `tfds.data_source`. TensorFlow is not needed to prepare or to read them.
+
+Local files are read line by line. Malformed lines (no tab, more than one tab, an empty side,
+invalid UTF-8) are skipped and counted, and the count with the first file:line locations is
+kept in the prepared dataset's metadata (`bad_lines(builder)`), so it is reported every time
+the data is used, not only on the run that prepared it.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import os
+
+import tensorflow_datasets as tfds
+
+from train.data import grammar
+
+MAX_REPORTED_LINES = 20
+LOCAL_SPLIT_PERCENT = {"train": 90, "validation": 5, "test": 5}
+
+
+@dataclasses.dataclass
+class BadLines:
+    """Skipped lines: a count per reason and the first few `file:line: reason` locations."""
+    counts: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    examples: list[str] = dataclasses.field(default_factory=list)
+
+    def add(self, path: str, line_number: int, reason: str) -> None:
+        self.counts[reason] += 1
+        if len(self.examples) < MAX_REPORTED_LINES:
+            self.examples.append(f"{path}:{line_number}: {reason}")
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    def as_dict(self) -> dict:
+        return {"counts": dict(self.counts), "examples": list(self.examples)}
+
+    def summary(self) -> str:
+        if not self.total:
+            return "no malformed lines"
+        counts = ", ".join(f"{n} {reason}" for reason, n in sorted(self.counts.items()))
+        return (f"skipped {self.total} malformed lines ({counts}); first: "
+                + "; ".join(self.examples[:5]))
+
+
+def _text_features(*keys: str) -> tfds.features.FeaturesDict:
+    return tfds.features.FeaturesDict({k: tfds.features.Text() for k in keys})
+
+
+# ---------------------------------------------------------------------------------------------
+# Generated tasks.
+
+@dataclasses.dataclass
+class GeneratedConfig(tfds.core.BuilderConfig):
+    """Split sizes and seed of a generated task; `default` is what training uses."""
+    sizes: tuple[tuple[str, int], ...] = (("train", 50_000), ("validation", 1_000),
+                                          ("test", 1_000))
+    seed: int = 0
+
+
+class _GeneratedTask(tfds.core.GeneratorBasedBuilder):
+    """A `grammar` task as (`inputs`, `targets`) text pairs in disjoint splits."""
+
+    VERSION = tfds.core.Version("1.0.0")
+    BUILDER_CONFIGS = [GeneratedConfig(name="default")]
+    task: str
+
+    def _info(self) -> tfds.core.DatasetInfo:
+        return tfds.core.DatasetInfo(builder=self, description=self.__doc__,
+                                     features=_text_features("inputs", "targets"),
+                                     supervised_keys=("inputs", "targets"))
+
+    def _split_generators(self, dl_manager):
+        del dl_manager
+        splits = grammar.generate_splits(self.task, dict(self.builder_config.sizes),
+                                         self.builder_config.seed)
+        return {name: self._generate_examples(pairs) for name, pairs in splits.items()}
+
+    def _generate_examples(self, pairs):
+        for i, (src, tgt) in enumerate(pairs):
+            yield i, {"inputs": src, "targets": tgt}
+
+
+def _generated_builder(task: str, doc: str, train_size: int) -> type:
+    sizes = (("train", train_size), ("validation", 1_000), ("test", 1_000))
+    return type(f"Generated_{task}", (_GeneratedTask,),
+                {"name": task, "task": task, "__doc__": doc, "__module__": __name__,
+                 "BUILDER_CONFIGS": [GeneratedConfig(name="default", sizes=sizes)]})
+
+
+GENERATED = {
+    "toy_translation": _generated_builder(
+        "toy_translation", "English-like sentences into an invented verb-final language.",
+        50_000),
+    "copy": _generated_builder("copy", "Copy a string of 1-20 letters.", 20_000),
+    "reverse": _generated_builder("reverse", "Reverse a string of 1-20 letters.", 20_000),
+    "sort": _generated_builder("sort", "Sort the letters of a 1-20 letter string.", 20_000),
+    "addition": _generated_builder("addition", "Add two numbers of up to 6 digits.", 20_000),
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# Local files.
+
+@dataclasses.dataclass
+class LocalFilesConfig(tfds.core.BuilderConfig):
+    """Paths of local files; the config name is a hash of their contents (see `local_config`)."""
+    files: tuple[str, ...] = ()
+
+
+def local_config(files: tuple[str, ...] | list[str]) -> LocalFilesConfig:
+    """A config named by the SHA-256 of the files' paths' contents, so edits re-prepare.
+
+    Raises:
+        FileNotFoundError: naming the first path that does not exist.
+    """
+    if not files:
+        raise ValueError("local datasets need data_files: one or more comma-separated paths")
+    digest = hashlib.sha256()
+    for path in files:
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"data file {path!r} does not exist")
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+        digest.update(b"\0")
+    return LocalFilesConfig(name=f"files_{digest.hexdigest()[:16]}",
+                            files=tuple(os.path.abspath(p) for p in files))
+
+
+def _lines(path: str, bad: BadLines):
+    """(line number, text) of each line that is valid UTF-8; the others are counted."""
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            try:
+                yield number, raw.decode("utf-8").rstrip("\r\n")
+            except UnicodeDecodeError:
+                bad.add(path, number, "invalid UTF-8")
+
+
+def _split_of(text: str) -> str:
+    """A stable split for a line of a single file, by its hash: 90% / 5% / 5%."""
+    bucket = int.from_bytes(hashlib.sha256(text.encode()).digest()[:4], "big") % 100
+    return ("train" if bucket < LOCAL_SPLIT_PERCENT["train"] else
+            "validation" if bucket < 100 - LOCAL_SPLIT_PERCENT["test"] else "test")
+
+
+def _assign_splits(sources: list[list], key) -> dict[str, list]:
+    """One source: hash split. Two: train, test (validation = test). Three: train/validation/test."""
+    if len(sources) == 1:
+        out: dict[str, list] = {"train": [], "validation": [], "test": []}
+        for item in sources[0]:
+            out[_split_of(key(item))].append(item)
+        return out
+    if len(sources) == 2:
+        return {"train": sources[0], "validation": sources[1], "test": sources[1]}
+    if len(sources) == 3:
+        return dict(zip(("train", "validation", "test"), sources))
+    raise ValueError(f"got {len(sources)} data sources; give 1 (split 90/5/5 by hash), "
+                     "2 (train, test) or 3 (train, validation, test)")
+
+
+def read_translation_files(files: tuple[str, ...], bad: BadLines) -> dict[str, list]:
+    """Parallel text from `.tsv` files (source TAB target) or pairs of line-aligned files.
+
+    Each `.tsv` path is one source; other paths are taken two at a time as (source file,
+    target file). See `_assign_splits` for how sources become splits.
+    """
+    sources, i = [], 0
+    while i < len(files):
+        if files[i].endswith(".tsv"):
+            sources.append(list(_tsv_pairs(files[i], bad)))
+            i += 1
+        else:
+            if i + 1 >= len(files) or files[i + 1].endswith(".tsv"):
+                raise ValueError(f"{files[i]!r} is not a .tsv file, so it needs a line-aligned "
+                                 "target file after it (source,target)")
+            sources.append(list(_aligned_pairs(files[i], files[i + 1], bad)))
+            i += 2
+    return _assign_splits(sources, key=lambda pair: pair[0])
+
+
+def _tsv_pairs(path: str, bad: BadLines):
+    for number, line in _lines(path, bad):
+        fields = line.split("\t")
+        if len(fields) != 2:
+            bad.add(path, number, "no tab" if len(fields) == 1 else "more than one tab")
+        elif not fields[0].strip() or not fields[1].strip():
+            bad.add(path, number, "empty side")
+        else:
+            yield fields[0].strip(), fields[1].strip()
+
+
+def _aligned_pairs(src_path: str, tgt_path: str, bad: BadLines):
+    src = dict(_lines(src_path, bad))
+    tgt = dict(_lines(tgt_path, bad))
+    n_src, n_tgt = _count_lines(src_path), _count_lines(tgt_path)
+    if n_src != n_tgt:
+        raise ValueError(f"line-aligned files differ in length: {src_path!r} has {n_src} "
+                         f"lines, {tgt_path!r} has {n_tgt}")
+    for number in range(1, n_src + 1):
+        if number not in src or number not in tgt:
+            continue                                  # counted as invalid UTF-8 already
+        s, t = src[number].strip(), tgt[number].strip()
+        if not s or not t:
+            bad.add(src_path if not s else tgt_path, number, "empty side")
+        else:
+            yield s, t
+
+
+def _count_lines(path: str) -> int:
+    with open(path, "rb") as f:
+        return sum(1 for _ in f)
+
+
+def read_text_files(files: tuple[str, ...], bad: BadLines) -> dict[str, list]:
+    """Non-empty lines of plain-text files, one file a source (blank lines are counted)."""
+    sources = []
+    for path in files:
+        lines = []
+        for number, line in _lines(path, bad):
+            if line.strip():
+                lines.append(line)
+            else:
+                bad.add(path, number, "blank line")
+        sources.append(lines)
+    return _assign_splits(sources, key=lambda line: line)
+
+
+class _LocalBuilder(tfds.core.GeneratorBasedBuilder):
+    VERSION = tfds.core.Version("1.0.0")
+    keys: tuple[str, ...]
+
+    def _info(self) -> tfds.core.DatasetInfo:
+        return tfds.core.DatasetInfo(builder=self, description=self.__doc__,
+                                     features=_text_features(*self.keys),
+                                     metadata=tfds.core.MetadataDict())
+
+    def _read(self, files, bad):
+        raise NotImplementedError
+
+    def _split_generators(self, dl_manager):
+        del dl_manager
+        bad = BadLines()
+        splits = self._read(self.builder_config.files, bad)
+        self.info.metadata["bad_lines"] = bad.as_dict()
+        if not any(splits.values()):
+            raise ValueError(f"no valid lines in {list(self.builder_config.files)}: "
+                             + bad.summary())
+        # A split with no lines (a tiny file split by hash) is left out, not written empty.
+        return {name: self._generate_examples(items) for name, items in splits.items() if items}
+
+    def _generate_examples(self, items):
+        for i, item in enumerate(items):
+            values = item if isinstance(item, tuple) else (item,)
+            yield i, dict(zip(self.keys, values))
+
+
+class LocalTranslation(_LocalBuilder):
+    """Parallel text from local files (`.tsv`, or source/target line-aligned pairs)."""
+    name = "local_translation"
+    keys = ("inputs", "targets")
+    _read = staticmethod(read_translation_files)
+
+
+class LocalText(_LocalBuilder):
+    """Plain-text lines from local files, for language modelling."""
+    name = "local_text"
+    keys = ("text",)
+    _read = staticmethod(read_text_files)
+
+
+LOCAL = {"local_translation": LocalTranslation, "local_text": LocalText}
+
+
+def bad_lines(builder: tfds.core.DatasetBuilder) -> BadLines:
+    """The malformed-line report saved when a local dataset was prepared (empty otherwise)."""
+    saved = (builder.info.metadata or {}).get("bad_lines", {})
+    return BadLines(collections.Counter(saved.get("counts", {})), list(saved.get("examples", [])))

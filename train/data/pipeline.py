@@ -1,0 +1,496 @@
+"""The input pipeline: tokenise, filter, pack or bucket, shuffle, shard, batch; checkpointable.
+
+A split is tokenised once per process shard (and cached as memory-mapped `.npy` when given a
+`cache_dir`); after that every batch is a pure function of `(seed, step)`:
+
+    step -> epoch, batch in epoch -> rows of example items -> numpy arrays
+
+so the iterator's state is just the next step, and a resumed run sees exactly the batches an
+uninterrupted one would have seen. grain runs that function on prefetch threads (or worker
+processes) and checkpoints the position (`iterator.get_state()` / `set_state()`).
+
+Batches are dicts of int32 arrays shaped `[R, B, W]` for `R` local devices and `B` rows per
+device, with the Flax WMT example's names:
+
+    inputs, inputs_segmentation, inputs_position      (translation only)
+    targets, targets_segmentation, targets_position
+
+Each example ends in EOS. A packed row holds several examples, numbered 1, 2, ... in its
+segmentation (0 is padding), with positions restarting at 0 for each:
+
+    targets               [a1 a2 EOS b1 EOS  0]
+    targets_segmentation  [ 1  1   1  2   2  0]
+    targets_position      [ 0  1   2  0   1  0]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import sys
+import threading
+
+import grain
+import numpy as np
+
+from train.data.datasets import Dataset
+from train.data.tokenizer import EOS_ID, Tokenizer
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineConfig:
+    """How examples become batches.
+
+    Attributes:
+        per_device_batch_size: rows per device per step.
+        max_source_length / max_target_length: row widths, EOS included.
+        packing: several examples per row (with segment ids and positions); otherwise one.
+        bucket_boundaries: without packing, batch widths are the smallest boundary that holds
+            the batch's longest example (fewer distinct shapes = fewer compilations); empty
+            pads every batch to the maximum length.
+        overlong: translation examples longer than the maximum: "drop" or "truncate" (keeping
+            EOS last). Text examples are always cut into chunks of the maximum length.
+        seed: shuffling seed; epoch e shuffles with (seed, e).
+        pack_bins: open rows the first-fit packer tries before closing the fullest.
+        num_threads / prefetch: grain read threads and prefetch buffer (batches).
+        worker_count: grain worker processes (0: threads only).
+    """
+    per_device_batch_size: int
+    max_source_length: int = 64
+    max_target_length: int = 64
+    packing: bool = True
+    bucket_boundaries: tuple[int, ...] = ()
+    overlong: str = "drop"
+    seed: int = 0
+    pack_bins: int = 8
+    num_threads: int = 2
+    prefetch: int = 4
+    worker_count: int = 0
+
+    def __post_init__(self):
+        if self.per_device_batch_size < 1:
+            raise ValueError(f"per_device_batch_size={self.per_device_batch_size} must be >= 1")
+        for name in ("max_source_length", "max_target_length"):
+            if getattr(self, name) < 2:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 2 (a token and EOS)")
+        if self.overlong not in ("drop", "truncate"):
+            raise ValueError(f"overlong={self.overlong!r} must be 'drop' or 'truncate'")
+        if list(self.bucket_boundaries) != sorted(set(self.bucket_boundaries)) or any(
+                b < 2 for b in self.bucket_boundaries):
+            raise ValueError(f"bucket_boundaries={self.bucket_boundaries} must be increasing "
+                             "and >= 2")
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenised splits.
+
+@dataclasses.dataclass
+class TokenizedSplit:
+    """One process's shard of a split, tokenised, EOS appended to every example.
+
+    `tokens[side][offsets[side][i]:offsets[side][i + 1]]` is example i's side (source, target
+    or text). `example_ids[i]` is its index in the full split.
+    """
+    tokens: tuple[np.ndarray, ...]
+    offsets: tuple[np.ndarray, ...]
+    example_ids: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.example_ids)
+
+    def lengths(self, side: int) -> np.ndarray:
+        return np.diff(self.offsets[side])
+
+
+def shard_indices(num_examples: int, shard_index: int, shard_count: int) -> np.ndarray:
+    """Example indices of one process: `shard_index, shard_index + count, ...` (disjoint)."""
+    if not 0 <= shard_index < shard_count:
+        raise ValueError(f"shard_index={shard_index} must be in [0, shard_count={shard_count})")
+    return np.arange(shard_index, num_examples, shard_count, dtype=np.int64)
+
+
+def tokenize_split(dataset: Dataset, split: str, tokenizer: Tokenizer, *, shard_index: int = 0,
+                   shard_count: int = 1, cache_dir: str | None = None,
+                   chunk: int = 4096) -> TokenizedSplit:
+    """Tokenises this process's shard of a split (or loads it from `cache_dir`)."""
+    source = dataset.split(split)
+    ids = shard_indices(len(source), shard_index, shard_count)
+    sides = len(dataset.keys)
+    cache = None
+    if cache_dir:
+        key = hashlib.sha256(repr((dataset.name, dataset.keys, split, len(source), shard_index,
+                                   shard_count, _tokenizer_digest(tokenizer))).encode())
+        cache = os.path.join(cache_dir, f"{dataset.name.replace('/', '_')}-{split}-"
+                                        f"{key.hexdigest()[:16]}")
+        if os.path.exists(os.path.join(cache, "done")):
+            load = lambda n: np.load(os.path.join(cache, n), mmap_mode="r")
+            return TokenizedSplit(tuple(load(f"tokens{s}.npy") for s in range(sides)),
+                                  tuple(load(f"offsets{s}.npy") for s in range(sides)),
+                                  load("example_ids.npy"))
+    dtype = np.uint16 if tokenizer.vocab_size <= np.iinfo(np.uint16).max + 1 else np.int32
+    pieces: list[list[np.ndarray]] = [[] for _ in range(sides)]
+    lengths: list[list[np.ndarray]] = [[] for _ in range(sides)]
+    for start in range(0, len(ids), chunk):
+        texts = dataset.examples(split, ids[start:start + chunk])
+        for s in range(sides):
+            encoded = tokenizer.encode_batch([t[s] for t in texts])
+            lengths[s].append(np.fromiter((len(e) + 1 for e in encoded), np.int64,
+                                          len(encoded)))
+            flat = [tok for e in encoded for tok in (*e, EOS_ID)]
+            pieces[s].append(np.asarray(flat, dtype))
+    tokens, offsets = [], []
+    for s in range(sides):
+        tokens.append(np.concatenate(pieces[s]) if pieces[s] else np.zeros(0, dtype))
+        lens = np.concatenate(lengths[s]) if lengths[s] else np.zeros(0, np.int64)
+        offsets.append(np.concatenate([[0], np.cumsum(lens)]).astype(np.int64))
+    out = TokenizedSplit(tuple(tokens), tuple(offsets), ids)
+    if cache:
+        os.makedirs(cache, exist_ok=True)
+        for s in range(sides):
+            np.save(os.path.join(cache, f"tokens{s}.npy"), out.tokens[s])
+            np.save(os.path.join(cache, f"offsets{s}.npy"), out.offsets[s])
+        np.save(os.path.join(cache, "example_ids.npy"), ids)
+        open(os.path.join(cache, "done"), "w").close()
+    return out
+
+
+def _tokenizer_digest(tokenizer: Tokenizer) -> str:
+    probe = "The quick brown fox, 12345. ünïcödé ☃"
+    return f"{type(tokenizer).__name__}/{tokenizer.vocab_size}/{tokenizer.encode(probe)}" + (
+        hashlib.sha256(tokenizer._proto).hexdigest() if hasattr(tokenizer, "_proto") else "")
+
+
+# ---------------------------------------------------------------------------------------------
+# Items: what survives the length rules.
+
+@dataclasses.dataclass
+class DataStats:
+    """What the length rules did to one shard of a split (each rule counted on its own)."""
+    examples: int = 0
+    kept: int = 0
+    dropped_empty: int = 0
+    dropped_too_long: int = 0
+    truncated: int = 0
+    chunks: int = 0
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def summary(self) -> str:
+        parts = [f"{self.kept}/{self.examples} examples kept"]
+        for name in ("dropped_empty", "dropped_too_long", "truncated"):
+            if getattr(self, name):
+                parts.append(f"{getattr(self, name)} {name.replace('_', ' ')}")
+        if self.chunks:
+            parts.append(f"{self.chunks} chunks")
+        return ", ".join(parts)
+
+
+@dataclasses.dataclass
+class Items:
+    """Rows to draw from: per side, a start offset and length into the tokens; the example."""
+    example: np.ndarray
+    starts: tuple[np.ndarray, ...]
+    lengths: tuple[np.ndarray, ...]
+
+    def __len__(self) -> int:
+        return len(self.example)
+
+
+def select_items(data: TokenizedSplit, kind: str, max_lengths: tuple[int, ...],
+                 overlong: str) -> tuple[Items, DataStats]:
+    """Applies the length rules: drop empty, drop or truncate long pairs, chunk long text."""
+    stats = DataStats(examples=len(data))
+    if kind == "text":
+        starts, lens, example = [], [], []
+        (max_len,) = max_lengths
+        lengths = data.lengths(0)
+        empty = lengths <= 1
+        stats.dropped_empty = int(empty.sum())
+        for i in np.flatnonzero(~empty):
+            for off in range(0, int(lengths[i]), max_len):
+                starts.append(data.offsets[0][i] + off)
+                lens.append(min(max_len, int(lengths[i]) - off))
+                example.append(i)
+        stats.kept = len(data) - stats.dropped_empty
+        stats.chunks = len(example)
+        return Items(np.asarray(example, np.int64), (np.asarray(starts, np.int64),),
+                     (np.asarray(lens, np.int64),)), stats
+    lengths = [data.lengths(s) for s in range(len(max_lengths))]
+    empty = np.zeros(len(data), bool)
+    long = np.zeros(len(data), bool)
+    for s, max_len in enumerate(max_lengths):
+        empty |= lengths[s] <= 1
+        long |= lengths[s] > max_len
+    long &= ~empty
+    stats.dropped_empty = int(empty.sum())
+    if overlong == "drop":
+        keep = ~empty & ~long
+        stats.dropped_too_long = int(long.sum())
+    else:
+        keep = ~empty
+        stats.truncated = int(long.sum())
+    stats.kept = int(keep.sum())
+    idx = np.flatnonzero(keep)
+    return Items(idx, tuple(data.offsets[s][:-1][idx] for s in range(len(max_lengths))),
+                 tuple(np.minimum(lengths[s][idx], m) for s, m in enumerate(max_lengths))), stats
+
+
+# ---------------------------------------------------------------------------------------------
+# Epoch plans: which items go in which row of which batch.
+
+def epoch_rng(seed: int, epoch: int) -> np.random.Generator:
+    return np.random.default_rng([seed, epoch])
+
+
+def pack_rows(order: np.ndarray, lengths: tuple[np.ndarray, ...], max_lengths: tuple[int, ...],
+              bins: int) -> list[list[int]]:
+    """First-fit packing of items (in `order`) into rows, trying at most `bins` open rows.
+
+    When no open row has room, the fullest open row is closed. Rows come out in the order
+    they close, then the open ones.
+    """
+    rows: list[list[int]] = []
+    open_rows: list[list[int]] = []
+    used: list[list[int]] = []
+    sides = range(len(max_lengths))
+    for item in order:
+        need = [int(lengths[s][item]) for s in sides]
+        for r, u in enumerate(used):
+            if all(u[s] + need[s] <= max_lengths[s] for s in sides):
+                open_rows[r].append(int(item))
+                for s in sides:
+                    u[s] += need[s]
+                break
+        else:
+            if len(open_rows) == bins:
+                fullest = max(range(bins), key=lambda r: sum(used[r]))
+                rows.append(open_rows.pop(fullest))
+                used.pop(fullest)
+            open_rows.append([int(item)])
+            used.append(need)
+    return rows + open_rows
+
+
+def plan_epoch(items: Items, cfg: PipelineConfig, max_lengths: tuple[int, ...],
+               rows_per_batch: int, epoch: int) -> list[list[list[int]]]:
+    """The batches of one epoch: each a list of `rows_per_batch` rows of item indices.
+
+    The last incomplete batch is left out of this epoch (its items are reshuffled into the
+    next). Packing and bucketing only reorder and group; each item appears once per epoch.
+    """
+    rng = epoch_rng(cfg.seed, epoch)
+    order = rng.permutation(len(items))
+    if cfg.packing:
+        rows = pack_rows(order, items.lengths, max_lengths, cfg.pack_bins)
+    elif cfg.bucket_boundaries:
+        window = rows_per_batch * 64
+        longest = np.max(np.stack(items.lengths), axis=0)
+        rows = []
+        for w in range(0, len(order), window):
+            chunk = order[w:w + window]
+            rows += [[int(i)] for i in chunk[np.argsort(longest[chunk], kind="stable")]]
+    else:
+        rows = [[int(i)] for i in order]
+    batches = [rows[b:b + rows_per_batch]
+               for b in range(0, len(rows) - rows_per_batch + 1, rows_per_batch)]
+    if cfg.bucket_boundaries and not cfg.packing:
+        batches = [batches[i] for i in rng.permutation(len(batches))]
+    return batches
+
+
+def assemble(tokens: tuple[np.ndarray, ...], items: Items, rows: list[list[int]],
+             widths: tuple[int, ...], names: tuple[str, ...], force_eos: bool) -> dict:
+    """Numpy arrays `[rows, width]` for each side: tokens, segmentation and positions."""
+    out = {}
+    for s, (name, width) in enumerate(zip(names, widths)):
+        tok = np.zeros((len(rows), width), np.int32)
+        seg = np.zeros((len(rows), width), np.int32)
+        pos = np.zeros((len(rows), width), np.int32)
+        for r, row in enumerate(rows):
+            col = 0
+            for k, item in enumerate(row, start=1):
+                start, n = int(items.starts[s][item]), int(items.lengths[s][item])
+                tok[r, col:col + n] = tokens[s][start:start + n]
+                if force_eos:
+                    tok[r, col + n - 1] = EOS_ID
+                seg[r, col:col + n] = k
+                pos[r, col:col + n] = np.arange(n)
+                col += n
+        out[name] = tok
+        out[f"{name}_segmentation"] = seg
+        out[f"{name}_position"] = pos
+    return out
+
+
+def _bucket(length: int, boundaries: tuple[int, ...], max_len: int) -> int:
+    for b in boundaries:
+        if length <= b <= max_len:
+            return b
+    return max_len
+
+
+# ---------------------------------------------------------------------------------------------
+# The random-access batch source that grain iterates.
+
+class BatchSource:
+    """`source[step]` is the batch of global step `step` for this process (endless).
+
+    Epoch plans are computed on demand and cached; the number of batches per epoch may differ
+    between epochs when packing, so step -> (epoch, batch) walks cumulative counts.
+    """
+
+    def __init__(self, data: TokenizedSplit, items: Items, kind: str, cfg: PipelineConfig,
+                 num_devices: int):
+        if len(items) == 0:
+            raise ValueError("no examples left to batch after the length rules")
+        self._data, self._items, self._cfg = data, items, cfg
+        self._devices = num_devices
+        self._rows = num_devices * cfg.per_device_batch_size
+        self._names = ("inputs", "targets") if kind == "translation" else ("targets",)
+        self._max = ((cfg.max_source_length, cfg.max_target_length) if kind == "translation"
+                     else (cfg.max_target_length,))
+        self._force_eos = kind == "translation"
+        self._lock = threading.Lock()
+        self._starts = [0]            # first step of each epoch computed so far
+        self._plans: dict[int, list] = {}
+        if not self._plan(0):
+            raise ValueError(f"an epoch has {len(items)} usable examples, fewer than one batch "
+                             f"of {self._rows} rows ({num_devices} devices x "
+                             f"{cfg.per_device_batch_size})")
+
+    def __len__(self) -> int:
+        return sys.maxsize
+
+    def __getstate__(self) -> dict:     # pickled into grain's worker processes
+        state = dict(self.__dict__)
+        del state["_lock"]
+        state["_plans"] = {}
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    def _plan(self, epoch: int) -> list:
+        with self._lock:
+            if epoch not in self._plans:
+                if len(self._plans) >= 2:
+                    self._plans.pop(min(self._plans))
+                self._plans[epoch] = plan_epoch(self._items, self._cfg, self._max, self._rows,
+                                                epoch)
+            return self._plans[epoch]
+
+    def locate(self, step: int) -> tuple[int, int]:
+        """(epoch, batch within epoch) of a global step."""
+        while True:
+            with self._lock:
+                starts = list(self._starts)
+            e = int(np.searchsorted(starts, step, side="right")) - 1
+            if e < len(starts) - 1:
+                return e, step - starts[e]
+            last = len(starts) - 1
+            count = len(self._plan(last))
+            if step < starts[last] + count:
+                return last, step - starts[last]
+            with self._lock:
+                if len(self._starts) == last + 1:
+                    self._starts.append(starts[last] + count)
+
+    def __getitem__(self, step: int) -> dict:
+        epoch, b = self.locate(int(step))
+        rows = self._plan(epoch)[b]
+        widths = self._max
+        if self._cfg.bucket_boundaries and not self._cfg.packing:
+            widths = tuple(_bucket(max(int(self._items.lengths[s][r[0]]) for r in rows),
+                                   self._cfg.bucket_boundaries, m)
+                           for s, m in enumerate(self._max))
+        batch = assemble(self._data.tokens, self._items, rows, widths, self._names,
+                         self._force_eos)
+        return {k: v.reshape(self._devices, -1, v.shape[-1]) for k, v in batch.items()}
+
+
+def _mark_absl_flags_parsed() -> None:
+    """grain's worker processes read absl flags; under pytest or a script nobody parsed them."""
+    from absl import flags
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()
+
+
+def train_iterator(source: BatchSource, cfg: PipelineConfig) -> grain.DatasetIterator:
+    """An endless, checkpointable iterator over `source` (`get_state()` / `set_state()`)."""
+    ds = grain.MapDataset.source(source).to_iter_dataset(
+        grain.ReadOptions(num_threads=cfg.num_threads, prefetch_buffer_size=cfg.prefetch))
+    if cfg.worker_count:
+        _mark_absl_flags_parsed()
+        ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=cfg.worker_count))
+    return iter(ds)
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry points.
+
+def _shard_defaults(shard_index, shard_count, num_devices):
+    import jax
+    return (jax.process_index() if shard_index is None else shard_index,
+            jax.process_count() if shard_count is None else shard_count,
+            jax.local_device_count() if num_devices is None else num_devices)
+
+
+def _max_lengths(kind: str, cfg: PipelineConfig) -> tuple[int, ...]:
+    return ((cfg.max_source_length, cfg.max_target_length) if kind == "translation"
+            else (cfg.max_target_length,))
+
+
+def train_source(dataset: Dataset, tokenizer: Tokenizer, cfg: PipelineConfig, *,
+                 split: str = "train", num_devices: int | None = None,
+                 shard_index: int | None = None, shard_count: int | None = None,
+                 cache_dir: str | None = None) -> tuple[BatchSource, DataStats]:
+    """The endless training batches of this process's shard, and what the length rules did.
+
+    Shards default to `jax.process_index()` of `jax.process_count()`; devices to
+    `jax.local_device_count()`.
+    """
+    shard_index, shard_count, num_devices = _shard_defaults(shard_index, shard_count,
+                                                            num_devices)
+    data = tokenize_split(dataset, split, tokenizer, shard_index=shard_index,
+                          shard_count=shard_count, cache_dir=cache_dir)
+    items, stats = select_items(data, dataset.kind, _max_lengths(dataset.kind, cfg),
+                                cfg.overlong)
+    return BatchSource(data, items, dataset.kind, cfg, num_devices), stats
+
+
+def eval_batches(dataset: Dataset, tokenizer: Tokenizer, cfg: PipelineConfig, split: str, *,
+                 num_devices: int | None = None, shard_index: int | None = None,
+                 shard_count: int | None = None, cache_dir: str | None = None,
+                 ) -> tuple[list[dict], DataStats]:
+    """One pass over a split in order, one example per row, no shuffling.
+
+    Every process gets the same number of batches (sized for the largest shard), the last
+    ones padded with empty rows whose `example_index` is -1. Batches carry `example_index`
+    `[R, B]`: each row's index in the full split (the reference to score against).
+    """
+    shard_index, shard_count, num_devices = _shard_defaults(shard_index, shard_count,
+                                                            num_devices)
+    data = tokenize_split(dataset, split, tokenizer, shard_index=shard_index,
+                          shard_count=shard_count, cache_dir=cache_dir)
+    max_lengths = _max_lengths(dataset.kind, cfg)
+    items, stats = select_items(data, dataset.kind, max_lengths, cfg.overlong)
+    rows_per_batch = num_devices * cfg.per_device_batch_size
+    largest_shard = -(-len(dataset.split(split)) // shard_count)
+    if dataset.kind == "text":   # chunks: bound by this shard's count, made equal below
+        largest_shard = max(largest_shard, len(items))
+    num_batches = max(1, -(-largest_shard // rows_per_batch))
+    names = ("inputs", "targets") if dataset.kind == "translation" else ("targets",)
+    batches = []
+    for b in range(num_batches):
+        rows = [[i] for i in range(b * rows_per_batch, min(len(items), (b + 1) * rows_per_batch))]
+        index = np.full(rows_per_batch, -1, np.int32)
+        index[:len(rows)] = data.example_ids[items.example[[r[0] for r in rows]]] if rows else []
+        rows += [[]] * (rows_per_batch - len(rows))
+        batch = assemble(data.tokens, items, rows, max_lengths, names,
+                         dataset.kind == "translation")
+        batch["example_index"] = index
+        batches.append({k: v.reshape(num_devices, -1, *v.shape[1:]) for k, v in batch.items()})
+    return batches, stats
