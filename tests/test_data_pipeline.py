@@ -114,14 +114,26 @@ def test_worker_processes_give_the_same_batches_and_resume(copy_ds):
     chex.assert_trees_all_equal(next(again), source[4])
 
 
-def test_process_shards_are_disjoint_and_cover_the_split(copy_ds):
+def test_process_shards_are_disjoint_and_make_up_the_single_process_batch(copy_ds):
+    cfg = _cfg(per_device_batch_size=2)
+    whole, _ = data.train_source(copy_ds, TOK, cfg, num_devices=4, shard_index=0, shard_count=1)
+    parts = [data.train_source(copy_ds, TOK, cfg, num_devices=2, shard_index=i,
+                               shard_count=2)[0] for i in range(2)]
+    for step in (0, 7, 5000):                      # 5000 is in a later epoch
+        merged = {k: np.concatenate([p[step][k] for p in parts]) for k in whole[step]}
+        chex.assert_trees_all_equal(merged, whole[step])
+    # Over one epoch the processes' rows are disjoint and cover every planned item.
+    plan = P.plan_epoch(whole._items, cfg, (24, 24), 8, 0)
+    per_process = [{i for batch in plan for row in batch[p * 4:(p + 1) * 4] for i in row}
+                   for p in range(2)]
+    assert not per_process[0] & per_process[1]
+    assert per_process[0] | per_process[1] == {i for b in plan for row in b for i in row}
+    # Evaluation shards by example: disjoint, and together the whole split.
     n = len(copy_ds.split("validation"))
     shards = [data.tokenize_split(copy_ds, "validation", TOK, shard_index=i, shard_count=3)
               for i in range(3)]
     ids = np.concatenate([s.example_ids for s in shards])
     assert len(ids) == n and set(ids.tolist()) == set(range(n))
-    first = [TOK.decode(s.tokens[0][s.offsets[0][0]:s.offsets[0][1]]) for s in shards]
-    assert first == [copy_ds.example("validation", i)[0] for i in range(3)]
     with pytest.raises(ValueError, match="shard_index=3 must be in"):
         data.shard_indices(10, 3, 3)
 
@@ -197,6 +209,6 @@ def test_pipeline_errors_name_the_value(copy_ds):
         data.PipelineConfig(per_device_batch_size=1, overlong="clip")
     with pytest.raises(ValueError, match=r"bucket_boundaries=\(16, 8\) must be increasing"):
         data.PipelineConfig(per_device_batch_size=1, bucket_boundaries=(16, 8))
-    with pytest.raises(ValueError, match="fewer than one batch of 40000 rows"):
+    with pytest.raises(ValueError, match="fewer than one batch of 40000 rows .1 processes x 4 devices"):
         data.train_source(copy_ds, TOK, _cfg(per_device_batch_size=10_000, packing=False),
                           num_devices=4, shard_index=0, shard_count=1)

@@ -1,6 +1,6 @@
 """The input pipeline: tokenise, filter, pack or bucket, shuffle, shard, batch; checkpointable.
 
-A split is tokenised once per process shard (and cached as memory-mapped `.npy` when given a
+A split is tokenised once per process (and cached as memory-mapped `.npy` when given a
 `cache_dir`); after that every batch is a pure function of `(seed, step)`:
 
     step -> epoch, batch in epoch -> rows of example items -> numpy arrays
@@ -335,19 +335,29 @@ def _bucket(length: int, boundaries: tuple[int, ...], max_len: int) -> int:
 # The random-access batch source that grain iterates.
 
 class BatchSource:
-    """`source[step]` is the batch of global step `step` for this process (endless).
+    """`source[step]` is this process's part of the batch of global step `step` (endless).
+
+    Every process plans the same global batches over the whole split; process `i` of `n`
+    takes rows `[i * rows, (i + 1) * rows)` of each. The processes' rows are disjoint, together
+    they are exactly the batch a single process would see, so a multi-host run trains on the
+    same data as one host with as many devices.
 
     Epoch plans are computed on demand and cached; the number of batches per epoch may differ
     between epochs when packing, so step -> (epoch, batch) walks cumulative counts.
     """
 
     def __init__(self, data: TokenizedSplit, items: Items, kind: str, cfg: PipelineConfig,
-                 num_devices: int):
+                 num_devices: int, shard_index: int = 0, shard_count: int = 1):
         if len(items) == 0:
             raise ValueError("no examples left to batch after the length rules")
+        if not 0 <= shard_index < shard_count:
+            raise ValueError(f"shard_index={shard_index} must be in [0, shard_count="
+                             f"{shard_count})")
         self._data, self._items, self._cfg = data, items, cfg
         self._devices = num_devices
-        self._rows = num_devices * cfg.per_device_batch_size
+        self._rows = num_devices * cfg.per_device_batch_size       # this process's rows
+        self._shard = shard_index
+        self._global_rows = self._rows * shard_count
         self._names = ("inputs", "targets") if kind == "translation" else ("targets",)
         self._max = ((cfg.max_source_length, cfg.max_target_length) if kind == "translation"
                      else (cfg.max_target_length,))
@@ -357,8 +367,8 @@ class BatchSource:
         self._plans: dict[int, list] = {}
         if not self._plan(0):
             raise ValueError(f"an epoch has {len(items)} usable examples, fewer than one batch "
-                             f"of {self._rows} rows ({num_devices} devices x "
-                             f"{cfg.per_device_batch_size})")
+                             f"of {self._global_rows} rows ({shard_count} processes x "
+                             f"{num_devices} devices x {cfg.per_device_batch_size})")
 
     def __len__(self) -> int:
         return sys.maxsize
@@ -378,8 +388,8 @@ class BatchSource:
             if epoch not in self._plans:
                 if len(self._plans) >= 2:
                     self._plans.pop(min(self._plans))
-                self._plans[epoch] = plan_epoch(self._items, self._cfg, self._max, self._rows,
-                                                epoch)
+                self._plans[epoch] = plan_epoch(self._items, self._cfg, self._max,
+                                                self._global_rows, epoch)
             return self._plans[epoch]
 
     def locate(self, step: int) -> tuple[int, int]:
@@ -400,7 +410,7 @@ class BatchSource:
 
     def __getitem__(self, step: int) -> dict:
         epoch, b = self.locate(int(step))
-        rows = self._plan(epoch)[b]
+        rows = self._plan(epoch)[b][self._shard * self._rows:(self._shard + 1) * self._rows]
         widths = self._max
         if self._cfg.bucket_boundaries and not self._cfg.packing:
             widths = tuple(_bucket(max(int(self._items.lengths[s][r[0]]) for r in rows),
@@ -447,18 +457,18 @@ def train_source(dataset: Dataset, tokenizer: Tokenizer, cfg: PipelineConfig, *,
                  split: str = "train", num_devices: int | None = None,
                  shard_index: int | None = None, shard_count: int | None = None,
                  cache_dir: str | None = None) -> tuple[BatchSource, DataStats]:
-    """The endless training batches of this process's shard, and what the length rules did.
+    """The endless training batches of this process, and what the length rules did.
 
     Shards default to `jax.process_index()` of `jax.process_count()`; devices to
-    `jax.local_device_count()`.
+    `jax.local_device_count()`. See `BatchSource` for how processes split each batch.
     """
     shard_index, shard_count, num_devices = _shard_defaults(shard_index, shard_count,
                                                             num_devices)
-    data = tokenize_split(dataset, split, tokenizer, shard_index=shard_index,
-                          shard_count=shard_count, cache_dir=cache_dir)
+    data = tokenize_split(dataset, split, tokenizer, cache_dir=cache_dir)
     items, stats = select_items(data, dataset.kind, _max_lengths(dataset.kind, cfg),
                                 cfg.overlong)
-    return BatchSource(data, items, dataset.kind, cfg, num_devices), stats
+    return BatchSource(data, items, dataset.kind, cfg, num_devices, shard_index,
+                       shard_count), stats
 
 
 def eval_batches(dataset: Dataset, tokenizer: Tokenizer, cfg: PipelineConfig, split: str, *,
