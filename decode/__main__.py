@@ -1,10 +1,11 @@
-"""python -m decode --config PRESET [--strategy greedy|sample|beam] [options] [TEXT ...]
+"""python -m decode --workdir DIR | --config PRESET [--strategy greedy|sample|beam] [TEXT ...]
 
 Decodes each TEXT (or each line of stdin when no TEXT is given) and prints one output per
-line. Until a trained run is given, the model is the preset with random weights (seeded by
---seed) and texts are space-separated token ids; outputs are token ids too.
+line. With --workdir, the newest checkpoint of a training run is restored (parameters only,
+on CPU) with its tokenizer, and texts are text. With --config, the model is the preset with
+random weights (seeded by --seed) and texts are space-separated token ids.
 
-    python -m decode --config gpt-tiny "5 6 7" "9 10"
+    python -m decode --workdir runs/default "the dog sees a cat ."
     echo "5 6 7" | python -m decode --config transformer-tiny --strategy beam --beam-size 4
 """
 
@@ -36,7 +37,10 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n", 2)[2])
     p.add_argument("text", nargs="*", help="inputs; stdin lines when none")
-    p.add_argument("--config", required=True, help=f"a preset: {', '.join(models.list_configs())}")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--workdir", help="a training run's directory (text in, text out)")
+    source.add_argument("--config",
+                        help=f"a preset with random weights: {', '.join(models.list_configs())}")
     p.add_argument("--seed", type=int, default=0, help="weights and sampling seed")
     p.add_argument("--strategy", choices=("greedy", "sample", "beam"), default="greedy")
     p.add_argument("--max-new-tokens", type=int, default=32)
@@ -55,16 +59,32 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    try:
-        cfg = models.get_config(args.config)
-    except ValueError as e:
-        raise SystemExit(str(e))
-    model = models.build(cfg)
-    key = jax.random.key(args.seed)
-    dummy = jnp.full((1, 4), 3, jnp.int32)
-    params = jax.jit(model.init)(key, *((dummy, dummy) if cfg.is_encoder_decoder else (dummy,)))["params"]
     lines = args.text or [line for line in sys.stdin.read().splitlines() if line.strip()]
-    inputs = [_parse_ids(line, i + 1) for i, line in enumerate(lines)]
+    key = jax.random.key(args.seed)
+    tok = None
+    if args.workdir:
+        from train.checkpoint import restore_for_decoding   # decode never needs train otherwise
+        from train.model_config import model_config
+        import ml_collections
+        try:
+            params, run_config, tok, step = restore_for_decoding(args.workdir)
+        except FileNotFoundError as e:
+            raise SystemExit(f"error: {e}")
+        cfg = model_config(ml_collections.ConfigDict(run_config), tok.vocab_size)
+        model = models.build(cfg)
+        print(f"# {args.workdir}: step {step}, {cfg.architecture}", file=sys.stderr)
+        inputs = [tok.encode(line) + [cfg.eos_id] if cfg.is_encoder_decoder
+                  else [cfg.bos_id] + tok.encode(line) for line in lines]
+    else:
+        try:
+            cfg = models.get_config(args.config)
+        except ValueError as e:
+            raise SystemExit(str(e))
+        model = models.build(cfg)
+        dummy = jnp.full((1, 4), 3, jnp.int32)
+        params = jax.jit(model.init)(
+            key, *((dummy, dummy) if cfg.is_encoder_decoder else (dummy,)))["params"]
+        inputs = [_parse_ids(line, i + 1) for i, line in enumerate(lines)]
     eos = cfg.eos_id if args.eos_id is None else (tuple(args.eos_id) or None)
     try:
         for start in range(0, len(inputs), args.batch_size):
@@ -86,7 +106,8 @@ def main(argv: list[str] | None = None) -> None:
                     repetition_penalty=args.repetition_penalty)
                 tokens, n = np.asarray(out.tokens), np.asarray(out.lengths)
             for row, length in zip(tokens, n):
-                print(" ".join(str(t) for t in row[:length]), flush=True)
+                print(tok.decode(row[:length]) if tok else " ".join(str(t) for t in row[:length]),
+                      flush=True)
     except ValueError as e:
         raise SystemExit(f"error: {e}")
 

@@ -1,0 +1,65 @@
+"""python -m train [--config NAME_OR_PATH] [--workdir DIR] [--config.KEY=VALUE ...]
+
+Trains, evaluates and writes summary.json into the workdir; running the same command again
+resumes from its newest checkpoint. With no arguments: the `default` config (a tiny
+encoder-decoder on toy_translation) into ./runs/default. Overrides follow ml_collections'
+convention, e.g. `--config.num_train_steps=500 --config.model_overrides.d_model=64`.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from absl import app, flags
+from ml_collections import config_flags
+
+from train import configs
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("workdir", None, "run directory (default ./runs/<config name>)")
+
+
+def _config_name(argv: list[str]) -> str:
+    for i, a in enumerate(argv):
+        if a == "--config" and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith("--config="):
+            return a.split("=", 1)[1]
+    return "default"
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv if argv is None else argv)
+    name = _config_name(argv[1:])
+    try:
+        config = configs.get(name)
+    except (ValueError, FileNotFoundError) as e:
+        raise SystemExit(f"error: {e}")
+    config_flags.DEFINE_config_dict("config", config, "the experiment config")
+    # `--config NAME` selects the file; what ml_collections parses is only the overrides.
+    argv = [a for i, a in enumerate(argv) if not (a == "--config" or a.startswith("--config=")
+                                                  or (i > 0 and argv[i - 1] == "--config"))]
+    app.run(lambda _: _run(name), argv=argv)
+
+
+def _run(name: str) -> None:
+    import os
+    from train.trainer import train_and_evaluate
+    config = FLAGS.config
+    workdir = FLAGS.workdir or os.path.join("runs", os.path.basename(name).removesuffix(".py"))
+    try:
+        summary = train_and_evaluate(config, workdir)
+    except FloatingPointError as e:
+        raise SystemExit(f"error: {e}")
+    if "stopped_by" in summary:
+        return
+    test = summary.get("test", {})
+    val = summary["validation"]
+    print(f"done: step {summary['step']} in {summary['train_seconds']:.0f} s of training; "
+          f"validation loss {val['loss']:.3f}, accuracy {val['accuracy']:.3f}"
+          + "".join(f"; test {k} {v:.4g}" for k, v in test.items())
+          + f"\nsummary: {os.path.join(workdir, 'summary.json')}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,103 @@
+"""orbax checkpoints: parameters, optimiser state, data position, config and tokenizer.
+
+One checkpoint is a step directory with separate items, so decoding can restore the
+parameters alone (on CPU, without building an optimiser):
+
+    params     the model parameters (plain arrays, never replicated)
+    train      {"step", "opt_state", "rng"}
+    data       the grain iterator state (JSON)
+    config     the experiment config (JSON)
+    tokenizer  {"kind", "model_b64"} (JSON)
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import os
+
+import numpy as np
+import orbax.checkpoint as ocp
+
+from train.data.tokenizer import (ByteTokenizer, SentencePieceTokenizer, Tokenizer)
+
+log = logging.getLogger(__name__)
+
+
+def manager(workdir: str, keep: int = 3) -> ocp.CheckpointManager:
+    return ocp.CheckpointManager(
+        os.path.abspath(os.path.join(workdir, "checkpoints")),
+        options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True),
+        item_names=("params", "train", "data", "config", "tokenizer"))
+
+
+def tokenizer_json(tok: Tokenizer) -> dict:
+    proto = getattr(tok, "_proto", b"")
+    return {"kind": tok.kind, "model_b64": base64.b64encode(proto).decode()}
+
+
+def tokenizer_from_json(d: dict) -> Tokenizer:
+    if d["kind"] == ByteTokenizer.kind:
+        return ByteTokenizer()
+    return SentencePieceTokenizer(base64.b64decode(d["model_b64"]))
+
+
+def save(mngr: ocp.CheckpointManager, step: int, host_state, data_state: dict, config: dict,
+         tok: Tokenizer) -> None:
+    """Saves (synchronously finished before returning, so a kill cannot leave it half)."""
+    train = {"step": np.asarray(host_state.step), "opt_state": host_state.opt_state,
+             "rng": np.asarray(host_state.rng)}
+    mngr.save(step, args=ocp.args.Composite(
+        params=ocp.args.StandardSave(host_state.params), train=ocp.args.StandardSave(train),
+        data=ocp.args.JsonSave(data_state), config=ocp.args.JsonSave(config),
+        tokenizer=ocp.args.JsonSave(tokenizer_json(tok))), force=True)
+    mngr.wait_until_finished()
+
+
+def restore_latest(mngr: ocp.CheckpointManager, abstract_state) -> tuple[int, dict] | None:
+    """The newest checkpoint that restores; a broken one is reported and the previous used.
+
+    Returns:
+        (step, {"params", "train", "data"}) or None when there is no checkpoint.
+    """
+    for step in sorted(mngr.all_steps(), reverse=True):
+        try:
+            train_target = {"step": abstract_state.step, "opt_state": abstract_state.opt_state,
+                            "rng": abstract_state.rng}
+            got = mngr.restore(step, args=ocp.args.Composite(
+                params=ocp.args.StandardRestore(abstract_state.params),
+                train=ocp.args.StandardRestore(train_target), data=ocp.args.JsonRestore()))
+            return step, {"params": got.params, "train": got.train, "data": got.data}
+        except Exception as e:       # any failure to read: fall back to an older step
+            log.error("checkpoint at step %d is unreadable (%s: %s); trying the previous one",
+                      step, type(e).__name__, str(e).splitlines()[0][:300])
+            print(f"checkpoint at step {step} is unreadable ({type(e).__name__}); "
+                  "falling back to the previous one", flush=True)
+    return None
+
+
+def restore_for_decoding(workdir: str, step: int | None = None):
+    """(params, config dict, tokenizer, step) of a run, parameters only, as host arrays.
+
+    Raises:
+        FileNotFoundError: naming the workdir when it has no checkpoint.
+    """
+    path = os.path.abspath(os.path.join(workdir, "checkpoints"))
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"no checkpoints in {workdir!r} (looked for {path})")
+    mngr = ocp.CheckpointManager(path, item_names=("params", "config", "tokenizer"))
+    steps = sorted(mngr.all_steps(), reverse=True) if step is None else [step]
+    if not steps:
+        raise FileNotFoundError(f"no checkpoints in {path}")
+    last_error = None
+    for s in steps:
+        try:
+            got = mngr.restore(s, args=ocp.args.Composite(
+                params=ocp.args.StandardRestore(), config=ocp.args.JsonRestore(),
+                tokenizer=ocp.args.JsonRestore()))
+            return got.params, got.config, tokenizer_from_json(got.tokenizer), s
+        except Exception as e:
+            print(f"checkpoint at step {s} is unreadable ({type(e).__name__}); trying the "
+                  "previous one", flush=True)
+            last_error = e
+    raise FileNotFoundError(f"no readable checkpoint in {path}") from last_error

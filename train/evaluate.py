@@ -1,0 +1,70 @@
+"""Evaluation: validation loss/accuracy/perplexity, and decoded samples scored by exact match
+and BLEU (sacrebleu), with a few source / reference / hypothesis triples to print."""
+
+from __future__ import annotations
+
+import numpy as np
+import sacrebleu
+
+import decode
+from train import step as step_lib
+from train.data import EOS_ID, Dataset, Tokenizer
+
+
+def loss_metrics(dp, params, batches) -> dict:
+    """Token loss, accuracy and perplexity over evaluation batches (all devices)."""
+    total = None
+    for batch in batches:
+        sums = dp.metrics(dp.eval_step(params, {k: v for k, v in batch.items()
+                                                if k != "example_index"}))
+        total = sums if total is None else {k: total[k] + sums[k] for k in total}
+    return step_lib.summarise(total)
+
+
+def translate(model, params, tok: Tokenizer, sources: list[str], *, max_source_length: int,
+              max_new_tokens: int, beam_size: int = 1, length_penalty: float = 0.6,
+              batch_size: int = 64) -> list[str]:
+    """Greedy (beam_size 1) or beam-search translations, in fixed-shape batches."""
+    out = []
+    for start in range(0, len(sources), batch_size):
+        chunk = sources[start:start + batch_size]
+        prompts = np.zeros((batch_size, max_source_length), np.int32)
+        lengths = np.ones(batch_size, np.int32)
+        prompts[:, 0] = EOS_ID                       # padding rows: a lone EOS
+        for i, text in enumerate(chunk):
+            ids = tok.encode(text)[:max_source_length - 1] + [EOS_ID]
+            prompts[i, :len(ids)] = ids
+            lengths[i] = len(ids)
+        if beam_size > 1:
+            tokens = decode.beam_search(model, params, prompts, lengths, beam_size=beam_size,
+                                        max_new_tokens=max_new_tokens,
+                                        length_penalty=length_penalty).tokens[:, 0]
+        else:
+            tokens = decode.generate(model, params, prompts, lengths,
+                                     max_new_tokens=max_new_tokens, temperature=0.0).tokens
+        out += [tok.decode(row) for row in np.asarray(tokens)[:len(chunk)]]
+    return out
+
+
+def scores(hypotheses: list[str], references: list[str], metric: str) -> dict:
+    """`exact_match` (fraction of identical strings) and/or corpus `bleu` (sacrebleu)."""
+    out = {}
+    if metric in ("exact_match", "both"):
+        out["exact_match"] = float(np.mean([h.strip() == r.strip()
+                                            for h, r in zip(hypotheses, references)]))
+    if metric in ("bleu", "both"):
+        out["bleu"] = float(sacrebleu.corpus_bleu(hypotheses, [references]).score)
+    return out
+
+
+def decoded_metrics(model, params, tok, ds: Dataset, split: str, n: int, config,
+                    beam_size: int) -> tuple[dict, list[tuple[str, str, str]]]:
+    """Decodes the first `n` examples of `split`; scores and (source, reference, hypothesis)."""
+    n = min(n, len(ds.split(split)))
+    pairs = ds.examples(split, range(n))
+    hyps = translate(model, params, tok, [s for s, _ in pairs],
+                     max_source_length=config.max_source_length,
+                     max_new_tokens=config.max_decode_length, beam_size=beam_size,
+                     length_penalty=config.length_penalty)
+    refs = [t for _, t in pairs]
+    return scores(hyps, refs, config.metric), [(s, r, h) for (s, r), h in zip(pairs, hyps)]

@@ -1,0 +1,85 @@
+"""Data parallelism at one call site: `jax.pmap`, or `jax.jit(jax.shard_map(...))`.
+
+Both wrap the same per-device step (`train.step`) and take batches shaped `[R, B, W]` for the
+`R` local devices. Under pmap the state is replicated with a leading device axis; under
+shard_map it is one replicated global array over a one-axis mesh named "batch". Checkpoints
+always hold plain, unreplicated arrays (`host_state`).
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from train.step import AXIS
+
+
+def replicate(tree, devices):
+    """A leading device axis, one copy per device (how pmap takes unmapped state)."""
+    sharding = NamedSharding(Mesh(np.asarray(devices), ("replica",)), P("replica"))
+    return jax.tree.map(
+        lambda x: jax.device_put(np.broadcast_to(np.asarray(x), (len(devices), *np.shape(x))),
+                                 sharding), tree)
+
+
+class DataParallel:
+    """Puts state and batches on devices and runs the wrapped steps.
+
+    Args:
+        kind: "pmap" (default) or "shard_map".
+        train_step, eval_step: per-device functions from `train.step.make_steps`.
+    """
+
+    def __init__(self, kind: str, train_step, eval_step):
+        if kind not in ("pmap", "shard_map"):
+            raise ValueError(f"parallel={kind!r} must be 'pmap' or 'shard_map'")
+        self.kind = kind
+        self.local_devices = jax.local_device_count()
+        if kind == "pmap":
+            self._train = jax.pmap(train_step, axis_name=AXIS, donate_argnums=(0,))
+            self._eval = jax.pmap(eval_step, axis_name=AXIS)
+            return
+        self.mesh = Mesh(np.asarray(jax.devices()), (AXIS,))
+        self._replicated = NamedSharding(self.mesh, P())
+        self._sharded = NamedSharding(self.mesh, P(AXIS))
+        squeeze = lambda tree: jax.tree.map(lambda x: x[0], tree)
+        self._train = jax.jit(jax.shard_map(
+            lambda s, b: train_step(s, squeeze(b)), mesh=self.mesh, in_specs=(P(), P(AXIS)),
+            out_specs=(P(), P())), donate_argnums=(0,))
+        self._eval = jax.jit(jax.shard_map(
+            lambda p, b: eval_step(p, squeeze(b)), mesh=self.mesh, in_specs=(P(), P(AXIS)),
+            out_specs=P()))
+
+    def put_state(self, state):
+        if self.kind == "pmap":
+            return replicate(state, jax.local_devices())
+        # From host copies: donation must never delete the caller's arrays.
+        return jax.device_put(jax.tree.map(np.asarray, state), self._replicated)
+
+    def host_state(self, state):
+        """Plain numpy arrays, as saved in checkpoints (the first replica under pmap)."""
+        if self.kind == "pmap":
+            state = jax.tree.map(lambda x: x[0], state)
+        return jax.device_get(state)
+
+    def put_batch(self, batch: dict):
+        if self.kind == "pmap":
+            return batch           # pmap shards the leading [R] axis itself
+        return {k: jax.make_array_from_process_local_data(self._sharded, v)
+                for k, v in batch.items()}
+
+    def train_step(self, state, batch):
+        return self._train(state, self.put_batch(batch))
+
+    def eval_step(self, params, batch):
+        return self._eval(params, self.put_batch(batch))
+
+    def params(self, state):
+        return state.params
+
+    def metrics(self, metrics) -> dict:
+        """Host floats of summed metrics (identical on every device after psum)."""
+        if self.kind == "pmap":
+            metrics = jax.tree.map(lambda x: x[0], metrics)
+        return jax.device_get(metrics)

@@ -1,0 +1,83 @@
+"""TrainState and the optax optimiser: adamw, warmup then rsqrt or cosine, clipping, accumulation."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import struct
+
+
+@struct.dataclass
+class TrainState:
+    """Everything a training run carries from step to step.
+
+    Attributes:
+        step: optimiser updates applied so far (int32 scalar).
+        params: model parameters (float32 unless param_dtype says otherwise).
+        opt_state: the optax state (moments; accumulated gradients under MultiSteps).
+        rng: uint32[2] raw key data; dropout keys are `fold_in(fold_in(rng, step), device)`.
+        tx: the optimiser (static, not saved).
+    """
+    step: jax.Array
+    params: Any
+    opt_state: Any
+    rng: jax.Array
+    tx: optax.GradientTransformation = struct.field(pytree_node=False)
+
+    @classmethod
+    def create(cls, params, tx: optax.GradientTransformation, seed: int) -> TrainState:
+        return cls(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
+                   rng=jax.random.key_data(jax.random.key(seed)), tx=tx)
+
+    def apply_gradients(self, grads) -> TrainState:
+        updates, opt_state = self.tx.update(grads, self.opt_state, self.params)
+        return self.replace(step=self.step + 1, params=optax.apply_updates(self.params, updates),
+                            opt_state=opt_state)
+
+
+def learning_rate_schedule(learning_rate: float, warmup_steps: int, decay: str,
+                           total_steps: int) -> optax.Schedule:
+    """Linear warmup to `learning_rate`, then `rsqrt` (Vaswani et al.) or `cosine` to 0.
+
+        rsqrt:  lr * min(step / warmup, sqrt(warmup / step))
+        cosine: lr * 0.5 * (1 + cos(pi * (step - warmup) / (total - warmup)))
+    """
+    if decay == "rsqrt":
+        warmup = max(warmup_steps, 1)
+
+        def schedule(step):
+            step = jnp.maximum(step.astype(jnp.float32) if hasattr(step, "astype") else
+                               jnp.float32(step), 1.0)
+            return learning_rate * jnp.minimum(step / warmup, jnp.sqrt(warmup / step))
+        return schedule
+    if decay == "cosine":
+        return optax.warmup_cosine_decay_schedule(0.0, learning_rate, max(warmup_steps, 1),
+                                                  max(total_steps, warmup_steps + 1))
+    if decay == "constant":
+        return optax.linear_schedule(0.0, learning_rate, max(warmup_steps, 1))
+    raise ValueError(f"lr_decay={decay!r} must be 'rsqrt', 'cosine' or 'constant'")
+
+
+def make_optimizer(config) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """adamw behind global-norm clipping, wrapped in MultiSteps when accumulating.
+
+    Config keys: learning_rate, warmup_steps, lr_decay, num_train_steps, adam_b1, adam_b2,
+    adam_eps, weight_decay, grad_clip_norm (0 = off), grad_accum_steps.
+    """
+    schedule = learning_rate_schedule(config.learning_rate, config.warmup_steps,
+                                      config.lr_decay, config.num_train_steps)
+    parts = []
+    if config.grad_clip_norm:
+        parts.append(optax.clip_by_global_norm(config.grad_clip_norm))
+    decay_mask = lambda params: jax.tree.map(lambda p: p.ndim > 1, params)
+    parts.append(optax.adamw(schedule, b1=config.adam_b1, b2=config.adam_b2, eps=config.adam_eps,
+                             weight_decay=config.weight_decay, mask=decay_mask))
+    tx = optax.chain(*parts)
+    if config.grad_accum_steps < 1:
+        raise ValueError(f"grad_accum_steps={config.grad_accum_steps} must be >= 1")
+    if config.grad_accum_steps > 1:
+        tx = optax.MultiSteps(tx, every_k_schedule=config.grad_accum_steps)
+    return tx, schedule
