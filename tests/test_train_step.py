@@ -43,7 +43,8 @@ def _setup(**overrides):
     config = tiny_train_config("", **{"adam_eps": 1e-6, **overrides})
     # No biases: a key bias gets a mathematically zero gradient (softmax ignores it), and
     # adam turns that rounding noise into full-size, order-dependent updates.
-    model = models.build(tiny("encoder_decoder", max_len=W, use_bias=False))
+    model = models.build(tiny("encoder_decoder", max_len=W, use_bias=False,
+                              num_encoder_layers=1, num_decoder_layers=1))
     params = model.init(jax.random.key(0), jnp.zeros((1, W), jnp.int32),
                         jnp.zeros((1, W), jnp.int32))["params"]
     tx, schedule = state_lib.make_optimizer(config)
