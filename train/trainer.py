@@ -59,7 +59,7 @@ def _stop_signals():
     def handler(signum, frame):
         flag["signal"] = signal.Signals(signum).name
 
-    if jax.process_index() >= 0 and _main_thread():
+    if _main_thread():   # signal handlers can only be installed from the main thread
         old = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
         try:
             yield flag

@@ -1,20 +1,12 @@
-"""The generated `sort` task with a byte tokenizer and a tiny encoder-decoder.
+"""The generated `sort` task with a byte tokenizer and the default tiny encoder-decoder.
 
     python -m train --config sort --workdir runs/sort
 
 CPU-sized (2 cores, a few minutes); scored by exact match on the test split.
 """
 
-from train.configs.default import get_config as default_config
+from train.configs._symbols import symbol_task_config
 
 
 def get_config():
-    c = default_config()
-    c.dataset = "sort"
-    c.tokenizer = "byte"
-    c.max_source_length = 24
-    c.max_target_length = 24
-    c.max_decode_length = 24
-    c.metric = "exact_match"
-    c.num_train_steps = 2000
-    return c
+    return symbol_task_config("sort")
