@@ -17,11 +17,26 @@ import hashlib
 import os
 
 import tensorflow_datasets as tfds
+from etils import epath
 
 from train.data import grammar
 
 MAX_REPORTED_LINES = 20
 LOCAL_SPLIT_PERCENT = {"train": 90, "validation": 5, "test": 5}
+
+
+class _Builder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
+    """Our builders' common base: their code path is this file.
+
+    TFDS finds a builder's checksums next to its code through `importlib.resources`, which
+    fails (NotADirectoryError) for a package installed in editable mode and imported from
+    outside the repository, as a notebook does. These builders download nothing.
+    """
+
+    @tfds.core.utils.classproperty
+    @classmethod
+    def code_path(cls):
+        return epath.Path(__file__)
 
 
 @dataclasses.dataclass
@@ -65,7 +80,7 @@ class GeneratedConfig(tfds.core.BuilderConfig):
     seed: int = 0
 
 
-class _GeneratedTask(tfds.core.GeneratorBasedBuilder):
+class _GeneratedTask(_Builder):
     """A `grammar` task as (`inputs`, `targets`) text pairs in disjoint splits."""
 
     VERSION = tfds.core.Version("1.0.0")
@@ -234,7 +249,7 @@ def read_text_files(files: tuple[str, ...], bad: BadLines) -> dict[str, list]:
     return _assign_splits(sources, key=lambda line: line)
 
 
-class _LocalBuilder(tfds.core.GeneratorBasedBuilder):
+class _LocalBuilder(_Builder):
     VERSION = tfds.core.Version("1.0.0")
     keys: tuple[str, ...]
 
