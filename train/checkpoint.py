@@ -13,15 +13,12 @@ parameters alone (on CPU, without building an optimiser):
 from __future__ import annotations
 
 import base64
-import logging
 import os
 
 import numpy as np
 import orbax.checkpoint as ocp
 
 from train.data.tokenizer import (ByteTokenizer, SentencePieceTokenizer, Tokenizer)
-
-log = logging.getLogger(__name__)
 
 
 def manager(workdir: str, keep: int = 3) -> ocp.CheckpointManager:
@@ -54,8 +51,12 @@ def save(mngr: ocp.CheckpointManager, step: int, host_state, data_state: dict, c
     mngr.wait_until_finished()
 
 
-def restore_latest(mngr: ocp.CheckpointManager, abstract_state) -> tuple[int, dict] | None:
+def restore_latest(mngr: ocp.CheckpointManager, abstract_state,
+                   set_aside: bool = True) -> tuple[int, dict] | None:
     """The newest checkpoint that restores; a broken one is reported and the previous used.
+
+    An unreadable step directory is renamed to `<step>.unreadable` when `set_aside` (the
+    lead process of a run does it), so later saves of that step do not collide with it.
 
     Returns:
         (step, {"params", "train", "data"}) or None when there is no checkpoint.
@@ -69,11 +70,26 @@ def restore_latest(mngr: ocp.CheckpointManager, abstract_state) -> tuple[int, di
                 train=ocp.args.StandardRestore(train_target), data=ocp.args.JsonRestore()))
             return step, {"params": got.params, "train": got.train, "data": got.data}
         except Exception as e:       # any failure to read: fall back to an older step
-            log.error("checkpoint at step %d is unreadable (%s: %s); trying the previous one",
-                      step, type(e).__name__, str(e).splitlines()[0][:300])
-            print(f"checkpoint at step {step} is unreadable ({type(e).__name__}); "
-                  "falling back to the previous one", flush=True)
+            reason = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+            moved = _set_aside(mngr, step) if set_aside else None
+            print(f"checkpoint at step {step} is unreadable ({reason}); "
+                  + (f"moved it to {moved}; " if moved else "")
+                  + "falling back to the previous one", flush=True)
     return None
+
+
+def _set_aside(mngr: ocp.CheckpointManager, step: int) -> str:
+    """Renames an unreadable step directory out of the manager's sight (kept for inspection),
+    so the run can save that step again once it gets there."""
+    src = os.path.join(str(mngr.directory), str(step))
+    dst = f"{src}.unreadable"
+    n = 1
+    while os.path.exists(dst):
+        n += 1
+        dst = f"{src}.unreadable{n}"
+    os.rename(src, dst)
+    mngr.reload()
+    return dst
 
 
 def restore_for_decoding(workdir: str, step: int | None = None):

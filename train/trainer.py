@@ -53,21 +53,32 @@ class MetricWriter:
 
 @contextlib.contextmanager
 def _stop_signals():
-    """Turns SIGTERM / SIGINT into a flag the loop checks between steps."""
+    """Yields `should_stop(step) -> signal name | None`, checked between steps.
+
+    One process: SIGTERM and SIGINT set a flag. Several processes: they must all stop after
+    the same step, so SIGTERM goes through JAX's preemption service (a notice to any process
+    reaches all of them and they agree on the step); SIGINT keeps its default there.
+    """
+    if jax.process_count() > 1 and jax.config.jax_enable_preemption_service:
+        from jax.experimental import multihost_utils
+
+        def synced(step: int) -> str | None:
+            return "SIGTERM" if multihost_utils.reached_preemption_sync_point(step) else None
+        yield synced
+        return
     flag = {"signal": None}
 
     def handler(signum, frame):
         flag["signal"] = signal.Signals(signum).name
 
+    old = {}
     if _main_thread():   # signal handlers can only be installed from the main thread
         old = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
-        try:
-            yield flag
-        finally:
-            for s, h in old.items():
-                signal.signal(s, h)
-    else:
-        yield flag
+    try:
+        yield lambda step: flag["signal"]
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
 
 
 def _main_thread() -> bool:
@@ -93,6 +104,21 @@ def get_tokenizer(config, ds: data_lib.Dataset, workdir: str) -> data_lib.Tokeni
     if jax.process_index() == 0:
         tok.save(path)
     return tok
+
+
+def _load_dataset(config, lead: bool) -> data_lib.Dataset:
+    """Opens the dataset; with several processes the lead prepares it first, alone, so that
+    processes sharing a data directory never write the same TFDS files at once."""
+    load = lambda: data_lib.load_dataset(
+        config.dataset, config.data_dir or None,
+        data_files=tuple(p for p in config.data_files.split(",") if p),
+        reverse_translation=config.reverse_translation)
+    if jax.process_count() == 1:
+        return load()
+    from jax.experimental import multihost_utils
+    ds = load() if lead else None
+    multihost_utils.sync_global_devices("dataset prepared")
+    return ds if lead else load()
 
 
 def pipeline_config(config, eval_: bool = False) -> data_lib.PipelineConfig:
@@ -122,9 +148,7 @@ def train_and_evaluate(config, workdir: str, *, hooks=()) -> dict:
     maybe_initialize_distributed(config)
     os.makedirs(workdir, exist_ok=True)
     lead = jax.process_index() == 0
-    ds = data_lib.load_dataset(config.dataset, config.data_dir or None,
-                               data_files=tuple(p for p in config.data_files.split(",") if p),
-                               reverse_translation=config.reverse_translation)
+    ds = _load_dataset(config, lead)
     tok = get_tokenizer(config, ds, workdir)
     mcfg = model_config(config, tok.vocab_size)
     if mcfg.is_encoder_decoder != (ds.kind == "translation"):
@@ -150,7 +174,8 @@ def train_and_evaluate(config, workdir: str, *, hooks=()) -> dict:
     iterator = data_lib.train_iterator(source, pcfg)
     resumed_from = None
     restored = checkpoint.restore_latest(mngr, jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), state))
+        lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), state),
+        set_aside=lead)
     if restored is not None:
         resumed_from, got = restored
         state = state.replace(params=got["params"], opt_state=got["train"]["opt_state"],
@@ -173,11 +198,12 @@ def train_and_evaluate(config, workdir: str, *, hooks=()) -> dict:
     window = {"tokens": 0.0, "time": time.time()}
     progress = _progress(config.num_train_steps, step, lead)
     stopped = None
-    with _stop_signals() as flag:
+    with _stop_signals() as should_stop, contextlib.closing(writer), \
+            contextlib.closing(progress):
         pending = None
         while step < config.num_train_steps:
-            if flag["signal"]:
-                stopped = flag["signal"]
+            stopped = should_stop(step)
+            if stopped:
                 break
             batch = next(iterator)
             new_state, metrics = dp.train_step(state, batch)
@@ -199,18 +225,17 @@ def train_and_evaluate(config, workdir: str, *, hooks=()) -> dict:
         train_seconds = time.time() - start_time
         if step not in mngr.all_steps():
             save(step)
-    progress.close()
-    if stopped:
-        if lead:
-            print(f"{stopped} received: saved a checkpoint at step {step} and stopped", flush=True)
-        summary = {"step": step, "resumed_from_step": resumed_from, "stopped_by": stopped,
-                   "train_seconds": round(train_seconds, 2)}
-    else:
-        final = _evaluate(dp, state, model, tok, ds, eval_batches, config, step, writer, lead,
-                          test=True)
-        summary = {"step": step, "resumed_from_step": resumed_from,
-                   "train_seconds": round(train_seconds, 2), **final}
-    writer.close()
+        progress.close()
+        if stopped:
+            if lead:
+                print(f"{stopped} received: saved a checkpoint at step {step} and stopped", flush=True)
+            summary = {"step": step, "resumed_from_step": resumed_from, "stopped_by": stopped,
+                       "train_seconds": round(train_seconds, 2)}
+        else:
+            final = _evaluate(dp, state, model, tok, ds, eval_batches, config, step, writer, lead,
+                              test=True)
+            summary = {"step": step, "resumed_from_step": resumed_from,
+                       "train_seconds": round(train_seconds, 2), **final}
     if lead:
         with open(os.path.join(workdir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)

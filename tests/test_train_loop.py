@@ -1,0 +1,204 @@
+"""The training loop end to end: exact resume, SIGTERM, corrupt checkpoints, NaN stop,
+two processes, and the checkpoint as decoding sees it.
+
+Every run is `tiny_train_config` (the `copy` task, a one-layer model, 6 steps of 8 global
+rows, checkpoints every 3 steps) on 4 fake devices unless a test says otherwise.
+"""
+
+import glob
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+
+import chex
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+import models
+from train import checkpoint, trainer
+from train.model_config import model_config
+from train.trainer import train_and_evaluate
+from train_helpers import tiny_train_config
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+
+
+def _sigterm_at(k: int):
+    """A hook that sends this process SIGTERM once step k's metrics are read."""
+    return lambda step, metrics: step == k and os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _params(workdir: str, step: int | None = None):
+    params, _, _, got_step = checkpoint.restore_for_decoding(workdir, step)
+    return params, got_step
+
+
+def _steps(workdir: str) -> list[int]:
+    return sorted(checkpoint.manager(workdir).all_steps())
+
+
+def _train_metrics(workdir: str) -> dict[int, dict]:
+    """metrics.jsonl's train rows by step, without the wall-clock rate."""
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    return {r["step"]: {k: v for k, v in r.items() if k != "tokens_per_s"}
+            for r in rows if r["split"] == "train"}
+
+
+@pytest.fixture(scope="module")
+def straight(data_dir, tmp_path_factory):
+    """Six steps in one go: the run every interrupted run must reproduce."""
+    workdir = str(tmp_path_factory.mktemp("straight"))
+    summary = train_and_evaluate(tiny_train_config(data_dir), workdir)
+    return workdir, summary
+
+
+def test_a_fresh_run_writes_checkpoints_metrics_and_its_summary(straight):
+    workdir, summary = straight
+    assert summary["step"] == 6 and summary["resumed_from_step"] is None
+    assert summary["train_seconds"] > 0
+    assert set(summary["validation"]) >= {"loss", "accuracy", "perplexity"}
+    with open(os.path.join(workdir, "summary.json")) as f:
+        assert json.load(f) == summary
+    assert _steps(workdir) == [3, 6]
+    assert sorted(_train_metrics(workdir)) == [1, 2, 3, 4, 5, 6]
+    assert glob.glob(os.path.join(workdir, "tensorboard", "events.out.tfevents.*"))
+    assert os.path.exists(os.path.join(workdir, "tokenizer", "tokenizer.json"))
+
+
+def test_sigterm_saves_and_the_same_command_resumes_exactly(straight, data_dir, tmp_path):
+    workdir = str(tmp_path)
+    config = tiny_train_config(data_dir)
+    # The signal arrives while step 2 runs (step 1's metrics are read behind it): the loop
+    # finishes step 2, saves it (not a checkpoint_every_steps step) and returns.
+    first = train_and_evaluate(config, workdir, hooks=[_sigterm_at(1)])
+    assert first["stopped_by"] == "SIGTERM" and first["step"] == 2
+    assert _steps(workdir) == [2]
+    second = train_and_evaluate(config, workdir)
+    assert second["resumed_from_step"] == 2 and second["step"] == 6
+    # Bit for bit: the restored state, data position and RNG continue the same computation.
+    chex.assert_trees_all_equal(_params(workdir)[0], _params(straight[0])[0])
+    assert _train_metrics(workdir) == _train_metrics(straight[0])
+    assert second["validation"] == straight[1]["validation"]
+
+
+def test_ctrl_c_and_sigterm_become_a_stop_request_and_handlers_are_restored():
+    before = signal.getsignal(signal.SIGINT)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with trainer._stop_signals() as should_stop:
+            assert should_stop(0) is None
+            os.kill(os.getpid(), sig)
+            assert should_stop(0) == sig.name
+    assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_a_corrupt_latest_checkpoint_is_reported_and_the_previous_one_used(
+        straight, data_dir, tmp_path, capsys):
+    workdir = str(tmp_path / "run")
+    shutil.copytree(straight[0], workdir)
+    for path in glob.glob(os.path.join(workdir, "checkpoints", "6", "params", "**"),
+                          recursive=True):
+        if os.path.isfile(path):
+            with open(path, "wb") as f:
+                f.write(b"\0garbage")
+    params, step = _params(workdir)
+    assert step == 3
+    assert "checkpoint at step 6 is unreadable" in capsys.readouterr().out
+    chex.assert_trees_all_equal(params, _params(straight[0], 3)[0])
+
+    # Training again resumes from step 3, sets step 6 aside, and redoes it exactly.
+    summary = train_and_evaluate(tiny_train_config(data_dir), workdir)
+    out = capsys.readouterr().out
+    assert "checkpoint at step 6 is unreadable" in out and "6.unreadable" in out
+    assert summary["resumed_from_step"] == 3 and summary["step"] == 6
+    assert os.path.isdir(os.path.join(workdir, "checkpoints", "6.unreadable"))
+    chex.assert_trees_all_equal(_params(workdir)[0], _params(straight[0])[0])
+
+
+def test_a_missing_checkpoint_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no checkpoints in"):
+        checkpoint.restore_for_decoding(str(tmp_path))
+
+
+def test_a_nan_loss_stops_the_run_naming_the_step_and_keeps_the_last_good_checkpoint(
+        data_dir, tmp_path):
+    # An absurd learning rate with no clipping: step 1's update overflows the parameters,
+    # so step 2's loss is not finite.
+    config = tiny_train_config(data_dir, learning_rate=1e30, warmup_steps=1, grad_clip_norm=0.0,
+                               checkpoint_every_steps=1)
+    with pytest.raises(FloatingPointError, match=r"loss is (nan|inf) at step 2; stopping"):
+        train_and_evaluate(config, str(tmp_path))
+    assert _steps(str(tmp_path)) == [1]
+    params, _ = _params(str(tmp_path))
+    chex.assert_tree_all_finite(params)
+
+
+def test_checkpoints_hold_plain_parameters_that_decode_on_one_device(straight):
+    """Saved from 4 replicas, restored as host arrays of the model's own shapes, no optimiser
+    state, and usable by decode straight away."""
+    import decode
+    params, config, tok, step = checkpoint.restore_for_decoding(straight[0])
+    assert step == 6 and tok.vocab_size == 260
+    import ml_collections
+    model = models.build(model_config(ml_collections.ConfigDict(config), tok.vocab_size))
+    src = np.array([[10, 11, 12, 1]], np.int32)
+    expected = jax.eval_shape(model.init, jax.random.key(0), src, src)["params"]
+    chex.assert_trees_all_equal_shapes_and_dtypes(params, expected)
+    assert all(isinstance(x, np.ndarray) for x in jax.tree.leaves(params))
+    out = decode.generate(model, params, src, np.array([4], np.int32), max_new_tokens=3)
+    chex.assert_shape(out.tokens, (1, 3))
+    # The items decoding does not read are there for training to resume from.
+    mngr = ocp.CheckpointManager(os.path.join(straight[0], "checkpoints"))
+    assert set(mngr.item_metadata(6).keys()) >= {"params", "train", "data", "config",
+                                                 "tokenizer"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def _worker(workdir: str, data_dir: str, devices: int, **settings) -> subprocess.Popen:
+    args = [sys.executable, os.path.join(TESTS, "train_worker.py"), workdir, data_dir,
+            str(devices)] + [f"{k}={json.dumps(v)}" for k, v in settings.items()]
+    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            cwd=os.path.dirname(TESTS))
+
+
+def _summary(proc: subprocess.Popen) -> dict:
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-3000:]
+    return json.loads(out.rsplit("SUMMARY ", 1)[1])
+
+
+def test_two_processes_preempted_then_one_device_resuming_equal_one_process(
+        straight, data_dir, tmp_path):
+    """Two processes x 2 devices (gloo on localhost) train the same global batches as one
+    process x 4. SIGTERM to one of them reaches both through JAX's preemption service: they
+    stop after the same step and save one checkpoint. A single process with 1 device (8 rows
+    per device, so the same global batch) resumes it and ends where the straight run did."""
+    workdir = str(tmp_path)
+    port = _free_port()
+    common = dict(distributed=True, num_processes=2, coordinator_address=f"localhost:{port}",
+                  step_seconds=0.3)
+    procs = [_worker(workdir, data_dir, 2, process_id=i, **common,
+                     **({"sigterm_at": 1} if i == 1 else {})) for i in range(2)]
+    first = [_summary(p) for p in procs]
+    assert [s["stopped_by"] for s in first] == ["SIGTERM", "SIGTERM"]
+    assert first[0]["step"] == first[1]["step"] and 1 <= first[0]["step"] < 6
+    assert _steps(workdir) == [first[0]["step"]]
+
+    resumed = _summary(_worker(workdir, data_dir, 1, per_device_batch_size=8))
+    assert resumed["resumed_from_step"] == first[0]["step"] and resumed["step"] == 6
+    # Tolerance: gradients are summed over devices in another order (in process, then over
+    # gloo), and adam divides by their root mean square.
+    chex.assert_trees_all_close(_params(workdir)[0], _params(straight[0])[0], atol=2e-5)
+    np.testing.assert_allclose(resumed["validation"]["loss"],
+                               straight[1]["validation"]["loss"], rtol=1e-5)

@@ -1,0 +1,43 @@
+"""One training process in a fresh interpreter (run by test_train_loop, not by pytest).
+
+    python tests/train_worker.py WORKDIR DATA_DIR DEVICES [KEY=VALUE ...]
+
+DEVICES fake CPU devices; KEY=VALUE set config keys (JSON values), e.g. `process_id=1`.
+Multi-host runs set `distributed=true`, `num_processes`, `process_id` and
+`coordinator_address`; collectives then go over gloo on localhost. `sigterm_at=K` makes the
+process send itself SIGTERM once step K's metrics are read; `step_seconds=X` makes each step
+last at least X seconds (a real step's length: time for a preemption notice to reach every
+process before the 6-step run is over). The summary is printed last, as
+one line `SUMMARY {...}`.
+"""
+
+import json
+import os
+import re
+import signal
+import sys
+import time
+
+_devices = int(sys.argv[3])
+_flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
+os.environ["XLA_FLAGS"] = f"{_flags} --xla_force_host_platform_device_count={_devices}".strip()
+os.environ["JAX_PLATFORMS"] = "cpu"
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from train_helpers import tiny_train_config  # noqa: E402
+from train.trainer import train_and_evaluate  # noqa: E402
+
+
+def main(workdir: str, data_dir: str, settings: list[str]):
+    overrides = {k: json.loads(v) for k, v in (s.split("=", 1) for s in settings)}
+    sigterm_at = overrides.pop("sigterm_at", 0)
+    step_seconds = overrides.pop("step_seconds", 0.0)
+    hooks = [lambda step, m: time.sleep(step_seconds)] if step_seconds else []
+    if sigterm_at:
+        hooks.append(lambda step, m: step == sigterm_at and os.kill(os.getpid(), signal.SIGTERM))
+    summary = train_and_evaluate(tiny_train_config(data_dir, **overrides), workdir, hooks=hooks)
+    print("SUMMARY " + json.dumps(summary), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], sys.argv[4:])
