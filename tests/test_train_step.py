@@ -152,3 +152,27 @@ def test_bad_optimiser_settings_are_named():
         state_lib.make_optimizer(tiny_train_config("", grad_accum_steps=0))
     with pytest.raises(ValueError, match="parallel='pjit' must be"):
         parallel.DataParallel("pjit", None, None)
+
+
+@pytest.mark.parametrize("kind", ["pmap", "shard_map"])
+def test_the_wrapped_step_compiles_once_for_all_steps(kind):
+    """State comes back from a donated step with the sharding it went in with, so step 2
+    reuses step 1's executable (a replicated state on a mesh whose axis pmap does not name
+    used to cost a second full compilation)."""
+    model, config, state, schedule = _setup()
+    dp = parallel.DataParallel(kind, *step_lib.make_steps(model, config, schedule))
+    s = dp.put_state(state)
+    compiles = []
+
+    def listener(event, seconds, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(seconds)
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        for i in range(3):
+            s, m = dp.train_step(s, jax.tree.map(lambda x: x.reshape(4, -1, W), _batch(i, 8)))
+            dp.metrics(m)
+        dp.host_state(s)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert len(compiles) == 1

@@ -16,8 +16,13 @@ from train.step import AXIS
 
 
 def replicate(tree, devices):
-    """A leading device axis, one copy per device (how pmap takes unmapped state)."""
-    sharding = NamedSharding(Mesh(np.asarray(devices), ("replica",)), P("replica"))
+    """A leading device axis, one copy per device (how pmap takes unmapped state).
+
+    The mesh axis is named like pmap's own (`AXIS`): pmap returns its outputs sharded over a
+    mesh of that name, and a donated state that came in on a differently named mesh makes
+    the second step compile the whole program again.
+    """
+    sharding = NamedSharding(Mesh(np.asarray(devices), (AXIS,)), P(AXIS))
     return jax.tree.map(
         lambda x: jax.device_put(np.broadcast_to(np.asarray(x), (len(devices), *np.shape(x))),
                                  sharding), tree)
@@ -58,10 +63,13 @@ class DataParallel:
         return jax.device_put(jax.tree.map(np.asarray, state), self._replicated)
 
     def host_state(self, state):
-        """Plain numpy arrays, as saved in checkpoints (the first replica under pmap)."""
-        if self.kind == "pmap":
-            state = jax.tree.map(lambda x: x[0], state)
-        return jax.device_get(state)
+        """Plain numpy arrays, as saved in checkpoints: this process's first replica.
+
+        A copy of one device's buffer, not `x[0]`: indexing would compile and run a gather
+        per leaf, and with several processes a computation outside the lock-step order of
+        collectives can deadlock.
+        """
+        return jax.tree.map(self._first_replica, state)
 
     def put_batch(self, batch: dict):
         if self.kind == "pmap":
@@ -79,7 +87,14 @@ class DataParallel:
         return state.params
 
     def metrics(self, metrics) -> dict:
-        """Host floats of summed metrics (identical on every device after psum)."""
-        if self.kind == "pmap":
-            metrics = jax.tree.map(lambda x: x[0], metrics)
-        return jax.device_get(metrics)
+        """Host values of summed metrics (identical on every device after psum)."""
+        return jax.tree.map(self._first_replica, metrics)
+
+    def _first_replica(self, x) -> np.ndarray:
+        """This process's first copy of a replicated array, without the pmap device axis."""
+        if not isinstance(x, jax.Array):
+            return np.asarray(x)
+        data = np.asarray(x.addressable_data(0))
+        if self.kind == "pmap" and data.ndim == x.ndim:    # a [1, ...] shard of [R, ...]
+            data = data[0]
+        return data
