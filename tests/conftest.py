@@ -2,9 +2,13 @@
 
 import os
 
-# Before JAX is imported anywhere: simulate 4 devices so multi-device code runs on CPU.
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
+# Before JAX is imported anywhere: simulate 4 devices so multi-device code runs on CPU, and
+# compile for speed of compilation, not of the code: with tiny configs XLA's CPU compiler is
+# most of the suite's time, and these two flags halve it (LLVM -O0, classic loop fusions).
+# What a program computes does not depend on them; tolerances are unchanged.
+TEST_XLA_FLAGS = ("--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0 "
+                  "--xla_cpu_use_fusion_emitters=false")
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + TEST_XLA_FLAGS).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
