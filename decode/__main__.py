@@ -1,9 +1,10 @@
 """python -m decode --workdir DIR | --config PRESET [--strategy greedy|sample|beam] [TEXT ...]
 
 Decodes each TEXT (or each line of stdin when no TEXT is given) and prints one output per
-line. With --workdir, the newest checkpoint of a training run is restored (parameters only,
-on CPU) with its tokenizer, and texts are text. With --config, the model is the preset with
-random weights (seeded by --seed) and texts are space-separated token ids.
+line (a line break inside an output is written as \\n). With --workdir, the newest
+checkpoint of a training run is restored (parameters only, on CPU) with its tokenizer, and
+texts are text. With --config, the model is the preset with random weights (seeded by
+--seed) and texts are space-separated token ids.
 
     python -m decode --workdir runs/default "the dog sees a cat ."
     echo "5 6 7" | python -m decode --config transformer-tiny --strategy beam --beam-size 4
@@ -30,6 +31,11 @@ def _parse_ids(line: str, lineno: int) -> list[int]:
     if not ids:
         raise SystemExit(f"input {lineno} is empty")
     return ids
+
+
+def _one_line(text: str) -> str:
+    """Keeps one output per line: line breaks a model generates are written as \\n, \\r."""
+    return text.replace("\n", "\\n").replace("\r", "\\r")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -106,8 +112,8 @@ def main(argv: list[str] | None = None) -> None:
                     repetition_penalty=args.repetition_penalty)
                 tokens, n = np.asarray(out.tokens), np.asarray(out.lengths)
             for row, length in zip(tokens, n):
-                print(tok.decode(row[:length]) if tok else " ".join(str(t) for t in row[:length]),
-                      flush=True)
+                print(_one_line(tok.decode(row[:length])) if tok
+                      else " ".join(str(t) for t in row[:length]), flush=True)
     except ValueError as e:
         raise SystemExit(f"error: {e}")
 

@@ -2,6 +2,8 @@
 
 import io
 import json
+import os
+import subprocess
 import sys
 
 import pytest
@@ -51,3 +53,54 @@ def test_decode_benchmark_runs_and_prints_json_lines(capsys):
     strategies = [line.get("strategy") for line in lines]
     assert strategies[1:] == ["roofline", "greedy", "no_cache", "speedup"]
     assert lines[2]["fraction_of_bound"] > 0 and lines[4]["cached_greedy_over_no_cache"] > 0
+
+
+def _lines_of_text(n: int) -> str:
+    words = "the cat sat on a mat and saw one dog run to its home by the sea".split()
+    return "\n".join(" ".join(words[(i * 7 + j) % len(words)] for j in range(5 + i % 6))
+                     for i in range(n)) + "\n"
+
+
+def test_train_cli_runs_a_documented_config_with_overrides_then_decode_reads_the_run(
+        data_dir, tmp_path, capsys):
+    """`python -m train` as the README gives it (a config name, a local file, ml_collections
+    overrides), in a fresh interpreter; then `python -m decode --workdir` on its run."""
+    book = tmp_path / "book.txt"
+    book.write_text(_lines_of_text(400))
+    workdir = tmp_path / "run"
+    overrides = dict(dataset="local_text", data_files=str(book), data_dir=data_dir,
+                     num_train_steps=3, per_device_batch_size=2, max_target_length=32,
+                     max_source_length=32, max_decode_length=32, eval_per_device_batch_size=16,
+                     log_every_steps=1, checkpoint_every_steps=2)
+    model = dict(d_model=32, num_heads=2, mlp_dim=64, num_layers=1)
+    args = ([sys.executable, "-m", "train", "--config", "tiny_shakespeare", "--workdir",
+             str(workdir)] + [f"--config.{k}={v}" for k, v in overrides.items()]
+            + [f"--config.model_overrides.{k}={v}" for k, v in model.items()])
+    done = subprocess.run(args, capture_output=True, text=True, timeout=300,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert "done: step 3" in done.stdout
+    summary = json.loads((workdir / "summary.json").read_text())
+    assert summary["step"] == 3 and summary["resumed_from_step"] is None
+    assert summary["validation"]["perplexity"] > 1
+    assert (workdir / "metrics.jsonl").exists()
+
+    for strategy in ("greedy", "sample", "beam"):
+        decode_cli.main(["--workdir", str(workdir), "--strategy", strategy, "--eos-id",
+                         "--beam-size", "2", "--max-new-tokens", "6", "the cat", "a dog"])
+        lines = capsys.readouterr().out.rstrip("\n").split("\n")   # what a shell reads
+        assert len(lines) == 2, (strategy, lines)
+
+
+def test_decoded_line_breaks_are_escaped_so_each_output_stays_one_line():
+    assert decode_cli._one_line("a\nb\r\nc") == "a\\nb\\r\\nc"
+
+
+def test_train_cli_errors_name_the_problem(tmp_path):
+    import train.__main__ as train_cli
+    with pytest.raises(SystemExit, match="unknown config 'nope'; available: .*default"):
+        train_cli.main(["prog", "--config", "nope"])
+    with pytest.raises(SystemExit, match="config file 'missing.py' does not exist"):
+        train_cli.main(["prog", "--config", "missing.py"])
+    with pytest.raises(SystemExit, match="no checkpoints in"):
+        decode_cli.main(["--workdir", str(tmp_path), "hello"])

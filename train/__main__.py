@@ -35,10 +35,11 @@ def main(argv: list[str] | None = None) -> None:
         config = configs.get(name)
     except (ValueError, FileNotFoundError) as e:
         raise SystemExit(f"error: {e}")
-    config_flags.DEFINE_config_dict("config", config, "the experiment config")
-    # `--config NAME` selects the file; what ml_collections parses is only the overrides.
+    # `--config NAME` selects the file; what ml_collections parses is only the overrides,
+    # and it looks for them in the argv it is given (sys.argv by default).
     argv = [a for i, a in enumerate(argv) if not (a == "--config" or a.startswith("--config=")
                                                   or (i > 0 and argv[i - 1] == "--config"))]
+    config_flags.DEFINE_config_dict("config", config, "the experiment config", sys_argv=argv)
     app.run(lambda _: _run(name), argv=argv)
 
 
