@@ -13,15 +13,26 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
+# The main job: train the default model (a tiny encoder-decoder on the built-in
+# toy_translation data; 8 minutes on 2 CPU cores), then translate with it.
+# Running it again resumes from runs/default's last checkpoint.
 demo: $(STAMP)
-	$(PY) -m models --config transformer-tiny
-	$(PY) -m models --config gpt-tiny
-	$(PY) -m decode --config transformer-tiny --max-new-tokens 12 "5 6 7 8" "9 10 11"
-	$(PY) -m decode --config gpt-tiny --strategy beam --beam-size 4 --max-new-tokens 12 "5 6 7 8"
-	$(PY) -m decode --config llama-tiny --strategy sample --temperature 0.8 --top-p 0.9 --max-new-tokens 12 "5 6 7 8"
+	$(PY) -m train --workdir runs/default
+	$(PY) -m decode --workdir runs/default "the door met a warm goat ." \
+		"my cold farmer ran ." "this dog sells a door often ."
+	$(PY) -m decode --workdir runs/default --strategy beam --beam-size 4 \
+		"a fox did not push a cruel wet bird ."
+	$(PY) -m decode --workdir runs/default --strategy sample --temperature 0.7 --top-p 0.9 \
+		"my cakes jump suddenly ."
 
 test: $(STAMP)
 	$(PY) -m pytest
+
+# The benchmarks behind the README's tables (about 35 minutes on 2 CPU cores).
+bench: $(STAMP)
+	$(PY) -m bench.train
+	$(PY) -m bench.data
+	$(PY) -m bench.decode
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -128,10 +128,10 @@ def test_a_missing_checkpoint_is_a_clear_error(tmp_path):
 
 def test_a_nan_loss_stops_the_run_naming_the_step_and_keeps_the_last_good_checkpoint(
         data_dir, tmp_path):
-    # An absurd learning rate with no clipping: step 1's update overflows the parameters,
-    # so step 2's loss is not finite.
-    config = tiny_train_config(data_dir, learning_rate=1e30, warmup_steps=1, grad_clip_norm=0.0,
-                               checkpoint_every_steps=1)
+    # An absurd learning rate from the first step (rsqrt: no ramp from 0) and no clipping:
+    # step 1's update overflows the parameters, so step 2's loss is not finite.
+    config = tiny_train_config(data_dir, learning_rate=1e30, lr_decay="rsqrt", warmup_steps=1,
+                               grad_clip_norm=0.0, checkpoint_every_steps=1)
     with pytest.raises(FloatingPointError, match=r"loss is (nan|inf) at step 2; stopping"):
         train_and_evaluate(config, str(tmp_path))
     assert _steps(str(tmp_path)) == [1]

@@ -45,7 +45,11 @@ def main(argv: list[str] | None = None) -> None:
 
 def _run(name: str) -> None:
     import os
+
+    from absl import logging
     from train.trainer import train_and_evaluate
+    if not FLAGS["verbosity"].present:   # TFDS and orbax log every file at INFO; -v 0 shows it
+        logging.set_verbosity(logging.WARNING)
     config = FLAGS.config
     workdir = FLAGS.workdir or os.path.join("runs", os.path.basename(name).removesuffix(".py"))
     try:
