@@ -14,6 +14,7 @@ and `pad_prompts` keep the set of widths small).
 from __future__ import annotations
 
 import functools
+import inspect
 
 import flax.linen as nn
 import flax.struct
@@ -182,7 +183,33 @@ def generate(
 
     Raises:
       ValueError: naming the argument, its value and the limit it breaks.
+
+    `generate.lower(...)` takes the same arguments and returns the `jax.stages.Lowered`
+    computation instead of running it (ahead-of-time compilation, cost analysis, or a look
+    at the one `while` loop the scan becomes).
     """
+    args, static = _checked_arguments(
+        model=model, params=params, prompts=prompts, lengths=lengths,
+        max_new_tokens=max_new_tokens, rng=rng, temperature=temperature, top_k=top_k,
+        top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty, eos_id=eos_id,
+        cache_len=cache_len, loop=loop)
+    return _generate(*args, **static)
+
+
+def _lower(*args, **kwargs) -> jax.stages.Lowered:
+    """`generate`'s computation for these arguments (the same ones), lowered and not run."""
+    bound = inspect.signature(generate).bind(*args, **kwargs)
+    bound.apply_defaults()
+    call_args, static = _checked_arguments(**bound.arguments)
+    return _generate.lower(*call_args, **static)
+
+
+generate.lower = _lower
+
+
+def _checked_arguments(*, model, params, prompts, lengths, max_new_tokens, rng, temperature,
+                       top_k, top_p, min_p, repetition_penalty, eos_id, cache_len, loop):
+    """The jitted function's (traced args, static kwargs), every value checked first."""
     cfg = model.config
     prompts, lengths = checks.check_prompts(cfg, prompts, lengths)
     max_new_tokens = checks.check_positive_int(max_new_tokens, "max_new_tokens")
@@ -195,6 +222,6 @@ def generate(
     if strategy.sample and rng is None:
         raise ValueError("rng is required when temperature > 0 (sampling)")
     rng = jax.random.key(0) if rng is None else rng
-    return _generate(model, params, prompts, lengths, rng, sampling,
-                     max_new_tokens=max_new_tokens, cache_len=cache_len, eos_ids=eos_ids,
-                     strategy=strategy, loop=loop)
+    return ((model, params, prompts, lengths, rng, sampling),
+            dict(max_new_tokens=max_new_tokens, cache_len=cache_len, eos_ids=eos_ids,
+                 strategy=strategy, loop=loop))

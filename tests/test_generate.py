@@ -106,6 +106,23 @@ def test_same_shape_never_recompiles_and_sampling_values_are_traced():
     assert _generate._cache_size() == before + 1     # a new bucket width compiles once
 
 
+def test_lowered_generate_is_one_loop_whose_program_does_not_grow_with_new_tokens():
+    """`generate.lower` checks its arguments like `generate` and gives the same program:
+    one while loop (the scan); 4 or 24 new tokens differ only in numbers (trip count and
+    the output width), never in the operations."""
+    import re
+    model, params = setup("decoder_only")
+    prompts, lengths = decode.pad_prompts(PROMPTS)
+    texts = [decode.generate.lower(model, params, prompts, lengths, max_new_tokens=n,
+                                   eos_id=None).as_text() for n in (4, 24)]
+    assert [len(re.findall(r"stablehlo\.while", t)) for t in texts] == [1, 1]
+    assert re.sub(r"\d+", "#", texts[0]) == re.sub(r"\d+", "#", texts[1])
+    with pytest.raises(ValueError, match="max_new_tokens=0 must be a positive int"):
+        decode.generate.lower(model, params, prompts, lengths, max_new_tokens=0)
+    with pytest.raises(TypeError):
+        decode.generate.lower(model, params, prompts, lengths, max_new_tokens=4, beams=2)
+
+
 def test_while_loop_equals_scan():
     model, params = setup("decoder_only")
     prompts, lengths = decode.pad_prompts(PROMPTS)
