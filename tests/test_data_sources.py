@@ -15,6 +15,8 @@ def test_byte_tokenizer_round_trips_unicode_and_stops_at_eos(tmp_path):
     assert min(ids) >= 4 and max(ids) < tok.vocab_size == 260
     assert tok.decode(ids) == text
     assert tok.decode([data.BOS_ID, *ids, data.EOS_ID, *tok.encode("junk"), 0]) == text
+    assert tok.id_to_piece([data.BOS_ID, *tok.encode("a+é"), data.EOS_ID]) == [
+        "<s>", "a", "+", "<0xC3>", "<0xA9>", "</s>"]
     tok.save(str(tmp_path))
     assert data.load_tokenizer(str(tmp_path)).encode(text) == ids
 
@@ -23,7 +25,9 @@ def test_sentencepiece_has_fixed_ids_round_trips_and_reloads(tmp_path):
     texts = [f"the {a} dog sees {n} cats ." for a in ("big", "small", "old") for n in range(50)]
     tok = data.train_sentencepiece(texts, 320)
     assert (tok.pad_id, tok.eos_id, tok.bos_id, tok.unk_id) == (0, 1, 2, 3)
-    assert tok._sp.id_to_piece(1) == "</s>" and tok._sp.id_to_piece(2) == "<s>"
+    assert tok.id_to_piece([0, 1, 2, 3]) == ["<pad>", "</s>", "<s>", "<unk>"]
+    ids = tok.encode(texts[0])
+    assert tok.id_to_piece(ids) == tok.pieces(texts[0])
     for text in texts[:5] + ["unseen wörds ☃ with byte fallback"]:
         ids = tok.encode(text)
         assert data.UNK_ID not in ids

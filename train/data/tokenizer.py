@@ -33,6 +33,7 @@ class Tokenizer(Protocol):
     def encode(self, text: str) -> list[int]: ...
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]: ...
     def decode(self, ids: Iterable[int]) -> str: ...
+    def id_to_piece(self, ids: Iterable[int]) -> list[str]: ...
     def save(self, directory: str) -> None: ...
 
 
@@ -69,6 +70,15 @@ class ByteTokenizer(_Specials):
         data = bytes(i - self.offset for i in self._until_eos(ids) if i >= self.offset)
         return data.decode("utf-8", errors="replace")
 
+    def id_to_piece(self, ids: Iterable[int]) -> list[str]:
+        """One label per id (for plots): printable ASCII as itself, other bytes as <0xNN>."""
+        names = {PAD_ID: "<pad>", EOS_ID: "</s>", BOS_ID: "<s>", UNK_ID: "<unk>"}
+        out = []
+        for i in map(int, ids):
+            b = i - self.offset
+            out.append(names.get(i) or (chr(b) if 32 <= b < 127 else f"<0x{b:02X}>"))
+        return out
+
     def save(self, directory: str) -> None:
         os.makedirs(directory, exist_ok=True)
         with open(os.path.join(directory, "tokenizer.json"), "w") as f:
@@ -100,6 +110,10 @@ class SentencePieceTokenizer(_Specials):
 
     def pieces(self, text: str) -> list[str]:
         return self._sp.encode(text, out_type=str)
+
+    def id_to_piece(self, ids: Iterable[int]) -> list[str]:
+        """The piece of each id, specials included (for plots)."""
+        return [self._sp.id_to_piece(int(i)) for i in ids]
 
     def save(self, directory: str) -> None:
         os.makedirs(directory, exist_ok=True)
