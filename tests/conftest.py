@@ -28,3 +28,10 @@ def data_dir(tmp_path_factory):
     import tensorflow_datasets as tfds
     tfds.disable_progress_bar()
     return str(tmp_path_factory.mktemp("tfds"))
+
+
+def pytest_collection_modifyitems(items):
+    """The long tests first (each worker of `-n 2` starts one), so the many short ones fill
+    the gaps instead of leaving one worker alone with a notebook at the end."""
+    long_first = {"test_notebooks.py": 0, "test_train_loop.py": 1}
+    items.sort(key=lambda item: long_first.get(item.path.name, 2))

@@ -107,8 +107,11 @@ def test_scheduled_sampling_at_rate_0_is_teacher_forcing_and_at_1_feeds_predicti
     plain = _run("pmap", 4, batches)
     ss = tiny_train_config("").scheduled_sampling
     ss.update(enabled=True, max_rate=0.0)
+    # Same inputs, same loss; but the rate-0 program still runs the first pass, so XLA
+    # fuses (and rounds) differently: last-bit differences (seen: 1 ulp) are allowed, far
+    # below what a single replaced decoder input does to the parameters (> 1e-4).
     chex.assert_trees_all_close(_run("pmap", 4, batches, scheduled_sampling=ss), plain,
-                                atol=0)
+                                atol=1e-9, rtol=1e-6)
     ss.update(max_rate=0.5, ramp_steps=1)            # rate 0.5 from step 1 on
     mixed = _run("pmap", 4, batches, scheduled_sampling=ss)
     assert any(not np.allclose(a, b) for a, b in zip(jax.tree.leaves(mixed),
