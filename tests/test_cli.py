@@ -96,8 +96,21 @@ def test_decoded_line_breaks_are_escaped_so_each_output_stays_one_line():
     assert decode_cli._one_line("a\nb\r\nc") == "a\\nb\\r\\nc"
 
 
+def test_model_overrides_a_config_file_did_not_set_can_be_given_on_the_command_line():
+    import train.__main__ as train_cli
+    from train import configs
+    config = configs.get("lm1b")                      # sets no model_overrides
+    train_cli._make_room_for_model_overrides(config, [
+        "prog", "--config.model=llama-small", "--config.model_overrides.num_kv_heads=2",
+        "--config.model_overrides.dropout_rate", "0.1"])
+    # Placeholders of the right type (the preset's values) for ml_collections to parse into.
+    assert config.model_overrides.to_dict() == {"num_kv_heads": 4, "dropout_rate": 0.0}
+
+
 def test_train_cli_errors_name_the_problem(tmp_path):
     import train.__main__ as train_cli
+    with pytest.raises(SystemExit, match=r"unknown TransformerConfig field\(s\) \['dropout_rat'\]"):
+        train_cli.main(["prog", "--config", "lm1b", "--config.model_overrides.dropout_rat=0.2"])
     with pytest.raises(SystemExit, match="unknown config 'nope'; available: .*default"):
         train_cli.main(["prog", "--config", "nope"])
     with pytest.raises(SystemExit, match="config file 'missing.py' does not exist"):

@@ -8,6 +8,7 @@ convention, e.g. `--config.num_train_steps=500 --config.model_overrides.d_model=
 
 from __future__ import annotations
 
+import re
 import sys
 
 from absl import app, flags
@@ -39,8 +40,36 @@ def main(argv: list[str] | None = None) -> None:
     # and it looks for them in the argv it is given (sys.argv by default).
     argv = [a for i, a in enumerate(argv) if not (a == "--config" or a.startswith("--config=")
                                                   or (i > 0 and argv[i - 1] == "--config"))]
+    try:
+        _make_room_for_model_overrides(config, argv)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}")
     config_flags.DEFINE_config_dict("config", config, "the experiment config", sys_argv=argv)
     app.run(lambda _: _run(name), argv=argv)
+
+
+def _make_room_for_model_overrides(config, argv: list[str]) -> None:
+    """Adds each `--config.model_overrides.KEY` the config file did not set, holding the
+    preset's value: ml_collections only overrides keys that exist, and takes their type
+    from the value there. KEY must be a `TransformerConfig` field.
+
+        --config.model_overrides.dropout_rate=0.2   (the lm1b config sets none)
+        -> config.model_overrides.dropout_rate = 0.0 (gpt2-small's), then 0.2 from the flag
+    """
+    import models
+    from models.config import check_keys
+    preset = None
+    for arg in argv:
+        m = re.match(r"--config\.model_overrides\.([A-Za-z_]\w*)(=|$)", arg)
+        if not m or m.group(1) in config.model_overrides:
+            continue
+        check_keys({m.group(1): None})
+        if preset is None:
+            model = next((a.split("=", 1)[1] for a in argv if a.startswith("--config.model=")),
+                         config.model)
+            preset = models.get_config(model)
+        with config.unlocked():
+            config.model_overrides[m.group(1)] = getattr(preset, m.group(1))
 
 
 def _run(name: str) -> None:
