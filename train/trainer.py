@@ -131,11 +131,18 @@ def pipeline_config(config, eval_: bool = False) -> data_lib.PipelineConfig:
 
 
 def maybe_initialize_distributed(config) -> None:
-    if config.distributed and not jax.distributed.is_initialized():
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        jax.distributed.initialize(coordinator_address=config.coordinator_address or None,
-                                   num_processes=config.num_processes or None,
+    """`jax.distributed.initialize()` when `config.distributed`: with `coordinator_address`
+    (host:port of process 0), `num_processes` and `process_id` as given; without it, as the
+    cluster says (TPU pods, SLURM, Open MPI and Kubernetes are detected by JAX)."""
+    if not config.distributed or jax.distributed.is_initialized():
+        return
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")   # CPU-only runs
+    if config.coordinator_address:
+        jax.distributed.initialize(coordinator_address=config.coordinator_address,
+                                   num_processes=config.num_processes,
                                    process_id=config.process_id)
+    else:
+        jax.distributed.initialize()
 
 
 def train_and_evaluate(config, workdir: str, *, hooks=()) -> dict:

@@ -56,9 +56,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.max_decode_length = 64
     c.show_examples = 3
     c.metric = "exact_match"               # exact_match | bleu | both (decoded evaluation)
-    # Multi-host: jax.distributed.initialize() when set.
+    # Multi-host: jax.distributed.initialize() when set; the other three only with a
+    # coordinator address ("" = let JAX detect the cluster: TPU pod, SLURM, Open MPI, k8s).
     c.distributed = False
-    c.coordinator_address = ""
+    c.coordinator_address = ""             # host:port of process 0
     c.num_processes = 1
     c.process_id = 0
     return c
