@@ -87,8 +87,22 @@ def _main_thread() -> bool:
 
 
 def get_tokenizer(config, ds: data_lib.Dataset, workdir: str) -> data_lib.Tokenizer:
-    """The run's tokenizer: reloaded from the workdir, or built and saved there."""
+    """The run's tokenizer: reloaded from the workdir, or built and saved there.
+
+    With several processes (sharing the workdir) the lead builds it and the others load
+    that one, so every process encodes the data with the same pieces.
+    """
     path = os.path.join(workdir, "tokenizer")
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        tok = _build_tokenizer(config, ds, path) if jax.process_index() == 0 else None
+        multihost_utils.sync_global_devices("tokenizer saved")
+        return tok if tok is not None else data_lib.load_tokenizer(path)
+    return _build_tokenizer(config, ds, path)
+
+
+def _build_tokenizer(config, ds: data_lib.Dataset, path: str) -> data_lib.Tokenizer:
+    """Loads the tokenizer saved at `path`, or trains (sentencepiece) or makes it and saves it."""
     if os.path.exists(os.path.join(path, "tokenizer.json")):
         return data_lib.load_tokenizer(path)
     if config.tokenizer == "byte":
@@ -101,8 +115,7 @@ def get_tokenizer(config, ds: data_lib.Dataset, workdir: str) -> data_lib.Tokeni
                                            model_type=config.spm_model_type)
     else:
         raise ValueError(f"tokenizer={config.tokenizer!r} must be 'sentencepiece' or 'byte'")
-    if jax.process_index() == 0:
-        tok.save(path)
+    tok.save(path)
     return tok
 
 
