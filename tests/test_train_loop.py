@@ -192,8 +192,10 @@ def test_two_processes_preempted_then_one_device_resuming_equal_one_process(
                      **({"sigterm_at": 1} if i == 1 else {})) for i in range(2)]
     first = [_summary(p) for p in procs]
     assert [s["stopped_by"] for s in first] == ["SIGTERM", "SIGTERM"]
+    # The step they agree on depends on when the notice arrives (step 3's periodic
+    # checkpoint may come first); what matters is that both stop there and save it.
     assert first[0]["step"] == first[1]["step"] and 1 <= first[0]["step"] < 6
-    assert _steps(workdir) == [first[0]["step"]]
+    assert _steps(workdir)[-1] == first[0]["step"]
 
     resumed = _summary(_worker(workdir, data_dir, 1, per_device_batch_size=8))
     assert resumed["resumed_from_step"] == first[0]["step"] and resumed["step"] == 6
