@@ -187,7 +187,7 @@ def test_two_processes_preempted_then_one_device_resuming_equal_one_process(
     workdir = str(tmp_path)
     port = _free_port()
     common = dict(distributed=True, num_processes=2, coordinator_address=f"localhost:{port}",
-                  step_seconds=0.3)
+                  step_seconds=0.5)
     procs = [_worker(workdir, data_dir, 2, process_id=i, **common,
                      **({"sigterm_at": 1} if i == 1 else {})) for i in range(2)]
     first = [_summary(p) for p in procs]
