@@ -139,7 +139,10 @@ def main(argv=None) -> None:
         overrides["vocab_size"] = args.vocab_size
     if args.dropout is not None:
         overrides["dropout_rate"] = args.dropout
-    cfg = models.get_config(args.model, **overrides)
+    try:
+        cfg = models.get_config(args.model, **overrides)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}")
 
     peak = measured_peak(dtype, args.peak_size or (8192 if accel else 2048))
     chip = chip_peak(dtype) if accel else None

@@ -56,3 +56,10 @@ def test_train_benchmark_prints_a_peak_and_a_train_line(capsys):
     assert train["model_flops_per_step"] == bench.train.model_flops(
         models.get_config("transformer-tiny", max_len=8), 4, 8, 6)["model_flops_per_step"]
     assert 0 < train["mfu_vs_measured_peak"] and train["target_tokens_per_s"] > 0
+
+
+def test_train_benchmark_names_bad_arguments():
+    with pytest.raises(SystemExit, match="unknown config 'gpt5'"):
+        bench.train.main(["--model", "gpt5"])
+    with pytest.raises(SystemExit, match="--batch 6 must be a multiple of the 4 devices"):
+        bench.train.main(["--model", "gpt-tiny", "--batch", "6"])

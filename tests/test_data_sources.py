@@ -26,6 +26,8 @@ def test_sentencepiece_has_fixed_ids_round_trips_and_reloads(tmp_path):
     tok = data.train_sentencepiece(texts, 320)
     assert (tok.pad_id, tok.eos_id, tok.bos_id, tok.unk_id) == (0, 1, 2, 3)
     assert tok.id_to_piece([0, 1, 2, 3]) == ["<pad>", "</s>", "<s>", "<unk>"]
+    with pytest.raises(ValueError, match=f"token id -1 is outside \\[0, vocab_size={tok.vocab_size}"):
+        tok.id_to_piece([-1])
     ids = tok.encode(texts[0])
     assert tok.id_to_piece(ids) == tok.pieces(texts[0])
     for text in texts[:5] + ["unseen wörds ☃ with byte fallback"]:
@@ -42,6 +44,8 @@ def test_tokenizer_errors_name_the_problem(tmp_path):
         data.train_sentencepiece(["a b c"], 100)
     with pytest.raises(ValueError, match="empty corpus"):
         data.train_sentencepiece(["", ""], 400)
+    with pytest.raises(ValueError, match=r"token id 260 is outside \[0, vocab_size=260\)"):
+        data.ByteTokenizer().id_to_piece([5, 260])
     with pytest.raises(FileNotFoundError, match="no tokenizer in"):
         data.load_tokenizer(str(tmp_path / "missing"))
 

@@ -53,6 +53,14 @@ class _Specials:
         return out
 
 
+def _checked_ids(ids: Iterable[int], vocab_size: int) -> list[int]:
+    out = [int(i) for i in ids]
+    bad = [i for i in out if not 0 <= i < vocab_size]
+    if bad:
+        raise ValueError(f"token id {bad[0]} is outside [0, vocab_size={vocab_size})")
+    return out
+
+
 class ByteTokenizer(_Specials):
     """UTF-8 bytes shifted past the specials: byte b is id b + 4; vocab_size 260."""
 
@@ -74,7 +82,7 @@ class ByteTokenizer(_Specials):
         """One label per id (for plots): printable ASCII as itself, other bytes as <0xNN>."""
         names = {PAD_ID: "<pad>", EOS_ID: "</s>", BOS_ID: "<s>", UNK_ID: "<unk>"}
         out = []
-        for i in map(int, ids):
+        for i in _checked_ids(ids, self.vocab_size):
             b = i - self.offset
             out.append(names.get(i) or (chr(b) if 32 <= b < 127 else f"<0x{b:02X}>"))
         return out
@@ -113,7 +121,7 @@ class SentencePieceTokenizer(_Specials):
 
     def id_to_piece(self, ids: Iterable[int]) -> list[str]:
         """The piece of each id, specials included (for plots)."""
-        return [self._sp.id_to_piece(int(i)) for i in ids]
+        return [self._sp.id_to_piece(i) for i in _checked_ids(ids, self.vocab_size)]
 
     def save(self, directory: str) -> None:
         os.makedirs(directory, exist_ok=True)
