@@ -39,7 +39,8 @@ DECODER_ONLY = dict(architecture="decoder_only", num_layers=6, d_model=512, num_
                     norm_position="pre", activation="gelu")
 
 
-def _timed(fn):
+def timed(fn):
+    """(fn()'s result, seconds until it is ready)."""
     t0 = time.perf_counter()
     out = jax.block_until_ready(fn())
     return out, time.perf_counter() - t0
@@ -64,7 +65,7 @@ def matmul_bandwidth(n_bytes: int, batch: int, repeats: int = 10) -> float:
     f(x, w).block_until_ready()
     best = math.inf
     for _ in range(repeats):
-        _, t = _timed(lambda: f(x, w))
+        _, t = timed(lambda: f(x, w))
         best = min(best, t)
     return w.size * 4 / best
 
@@ -102,7 +103,7 @@ def no_cache_step_fn(model, steps: int):
 
 
 def best_of(fn, repeats: int) -> float:
-    return min(_timed(fn)[1] for _ in range(repeats))
+    return min(timed(fn)[1] for _ in range(repeats))
 
 
 def run_case(name, cfg, batch, prompt, new, bandwidth, no_cache_steps, only, repeats):
@@ -130,7 +131,7 @@ def run_case(name, cfg, batch, prompt, new, bandwidth, no_cache_steps, only, rep
     for strategy, fn in strategies.items():
         if only and strategy not in only:
             continue
-        _, first = _timed(fn)
+        _, first = timed(fn)
         second = best_of(fn, 1 if strategy == "beam4" else repeats)
         beams = 4 if strategy == "beam4" else 1
         kv = kv_bytes_per_step(cfg, batch, decoder_prompt, new, beams) + extra
@@ -150,7 +151,7 @@ def run_case(name, cfg, batch, prompt, new, bandwidth, no_cache_steps, only, rep
         else:
             src, seq = None, seq.at[:, :prompt].set(prompts)
         run = no_cache_step_fn(model, no_cache_steps)
-        _, first = _timed(lambda: run(params, src, seq, jnp.full((batch,), decoder_prompt, jnp.int32)))
+        _, first = timed(lambda: run(params, src, seq, jnp.full((batch,), decoder_prompt, jnp.int32)))
         second = best_of(lambda: run(params, src, seq, jnp.full((batch,), decoder_prompt, jnp.int32)), 1)
         per_step = second / no_cache_steps
         line = dict(base, strategy="no_cache", first_call_s=round(first, 3),

@@ -24,13 +24,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import models
+from bench.decode import best_of, timed
 from train import configs, parallel, state as state_lib, step as step_lib
 
 # Dense (no sparsity) datasheet peaks, FLOP/s, by device kind substring and dtype.
@@ -54,44 +54,29 @@ def measured_peak(dtype: str, n: int, repeats: int = 5) -> float:
     a = jnp.ones((n, n), dtype)
     f = jax.jit(lambda a, b: a @ b)
     f(a, a).block_until_ready()
-    best = min(_time(lambda: f(a, a)) for _ in range(repeats))
-    return 2 * n ** 3 / best
-
-
-def _time(fn) -> float:
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn())
-    return time.perf_counter() - t0
-
-
-def _attention_params(cfg: models.TransformerConfig) -> int:
-    """q and output projections (N heads) plus k and v (K heads), per token."""
-    h = cfg.head_dim
-    return 2 * cfg.d_model * cfg.num_heads * h + 2 * cfg.d_model * cfg.num_kv_heads * h
-
-
-def _mlp_params(cfg: models.TransformerConfig) -> int:
-    return (3 if cfg.activation == "swiglu" else 2) * cfg.d_model * cfg.mlp_dim
+    return 2 * n ** 3 / best_of(lambda: f(a, a), repeats)
 
 
 def model_flops(cfg: models.TransformerConfig, batch: int, src_len: int, tgt_len: int) -> dict:
     """Analytic training FLOPs of one step (forward + backward = 3 x forward)."""
     nh = cfg.num_heads * cfg.head_dim
+    q_o = 2 * cfg.d_model * nh                                  # query and output projections
+    kv = 2 * cfg.d_model * cfg.num_kv_heads * cfg.head_dim      # key and value projections
+    mlp = (3 if cfg.activation == "swiglu" else 2) * cfg.d_model * cfg.mlp_dim
     out_proj = cfg.d_model * cfg.vocab_size
     attn_qk_av = lambda t, s: 2 * 2 * t * s * nh           # forward FLOPs, one layer, one row
     if cfg.is_encoder_decoder:
-        kv = 2 * cfg.d_model * cfg.num_kv_heads * cfg.head_dim
-        q_o = 2 * cfg.d_model * nh
-        enc = cfg.num_encoder_layers * (_attention_params(cfg) + _mlp_params(cfg))
-        dec = cfg.num_decoder_layers * (_attention_params(cfg) + q_o + _mlp_params(cfg))
-        per_src, per_tgt = enc + cfg.num_decoder_layers * kv, dec + out_proj
+        enc, dec = cfg.num_encoder_layers, cfg.num_decoder_layers
+        # Source tokens: the encoder, and every decoder layer's cross-attention K/V.
+        per_src = enc * (q_o + kv + mlp) + dec * kv
+        # Target tokens: self-attention, cross-attention queries and outputs, MLP, logits.
+        per_tgt = dec * (q_o + kv + q_o + mlp) + out_proj
         dense = 2 * batch * (src_len * per_src + tgt_len * per_tgt)
-        attn = batch * (cfg.num_encoder_layers * attn_qk_av(src_len, src_len)
-                        + cfg.num_decoder_layers * (attn_qk_av(tgt_len, tgt_len)
-                                                    + attn_qk_av(tgt_len, src_len)))
+        attn = batch * (enc * attn_qk_av(src_len, src_len)
+                        + dec * (attn_qk_av(tgt_len, tgt_len) + attn_qk_av(tgt_len, src_len)))
     else:
-        per_src, per_tgt = 0, cfg.num_layers * (_attention_params(cfg) + _mlp_params(cfg)) \
-            + out_proj
+        per_src = 0
+        per_tgt = cfg.num_layers * (q_o + kv + mlp) + out_proj
         dense = 2 * batch * tgt_len * per_tgt
         attn = batch * cfg.num_layers * attn_qk_av(tgt_len, tgt_len)
     return {"matmul_params_per_source_token": per_src,
@@ -168,8 +153,8 @@ def main(argv=None) -> None:
         state, metrics = dp.train_step(state, batch)
         return metrics
 
-    first_call = _time(step)
-    times = [_time(step) for _ in range(args.steps)]
+    first_call = timed(step)[1]
+    times = [timed(step)[1] for _ in range(args.steps)]
     best, median = min(times), statistics.median(times)
     flops = model_flops(cfg, args.batch, src_len, tgt_len)
     tokens = args.batch * tgt_len
