@@ -18,7 +18,6 @@ import json
 import time
 
 import jax
-import numpy as np
 
 import models
 from train import configs, parallel, state as state_lib, step as step_lib

@@ -101,7 +101,7 @@ def test_model_overrides_a_config_file_did_not_set_can_be_given_on_the_command_l
     from train import configs
     config = configs.get("lm1b")                      # sets no model_overrides
     train_cli._make_room_for_model_overrides(config, [
-        "prog", "--config.model=llama-small", "--config.model_overrides.num_kv_heads=2",
+        "prog", "--config.model", "llama-small", "--config.model_overrides.num_kv_heads=2",
         "--config.model_overrides.dropout_rate", "0.1"])
     # Placeholders of the right type (the preset's values) for ml_collections to parse into.
     assert config.model_overrides.to_dict() == {"num_kv_heads": 4, "dropout_rate": 0.0}

@@ -20,13 +20,19 @@ FLAGS = flags.FLAGS
 flags.DEFINE_string("workdir", None, "run directory (default ./runs/<config name>)")
 
 
-def _config_name(argv: list[str]) -> str:
+def _flag_value(argv: list[str], flag: str) -> str | None:
+    """The value of `flag` given as `flag=VALUE` or `flag VALUE` (the last one wins)."""
+    value = None
     for i, a in enumerate(argv):
-        if a == "--config" and i + 1 < len(argv):
-            return argv[i + 1]
-        if a.startswith("--config="):
-            return a.split("=", 1)[1]
-    return "default"
+        if a == flag and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif a.startswith(flag + "="):
+            value = a.split("=", 1)[1]
+    return value
+
+
+def _config_name(argv: list[str]) -> str:
+    return _flag_value(argv, "--config") or "default"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -65,9 +71,7 @@ def _make_room_for_model_overrides(config, argv: list[str]) -> None:
             continue
         check_keys({m.group(1): None})
         if preset is None:
-            model = next((a.split("=", 1)[1] for a in argv if a.startswith("--config.model=")),
-                         config.model)
-            preset = models.get_config(model)
+            preset = models.get_config(_flag_value(argv, "--config.model") or config.model)
         with config.unlocked():
             config.model_overrides[m.group(1)] = getattr(preset, m.group(1))
 
