@@ -20,8 +20,7 @@ import time
 import jax
 
 import models
-from train import configs, parallel, state as state_lib, step as step_lib
-from train import data as data_lib
+from train import configs, data as data_lib, parallel, state as state_lib, step as step_lib
 from train.model_config import model_config
 from train.trainer import pipeline_config
 

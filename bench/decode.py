@@ -17,8 +17,9 @@ Decoding throughput, one JSON line per measurement, all measured in one run:
 
 Every line: `first_call_s` (compile + one run), `decode_s` (the best of `--repeats` further
 runs for greedy and top-p, whose timings on a shared CPU are noisy; one run for the slow
-beam and no-cache lines), `new_tokens_per_s` (prefill included). The no-cache baseline times `no_cache_steps` steps (each costs the same,
-shapes being static) and extrapolates to the full run.
+beam and no-cache lines), `new_tokens_per_s` (prefill included). The no-cache baseline
+times `no_cache_steps` steps (each costs the same, shapes being static) and extrapolates to
+the full run.
 """
 
 from __future__ import annotations
@@ -151,8 +152,10 @@ def run_case(name, cfg, batch, prompt, new, bandwidth, no_cache_steps, only, rep
         else:
             src, seq = None, seq.at[:, :prompt].set(prompts)
         run = no_cache_step_fn(model, no_cache_steps)
-        _, first = timed(lambda: run(params, src, seq, jnp.full((batch,), decoder_prompt, jnp.int32)))
-        second = best_of(lambda: run(params, src, seq, jnp.full((batch,), decoder_prompt, jnp.int32)), 1)
+        _, first = timed(
+            lambda: run(params, src, seq, jnp.full((batch,), decoder_prompt, jnp.int32)))
+        second = best_of(
+            lambda: run(params, src, seq, jnp.full((batch,), decoder_prompt, jnp.int32)), 1)
         per_step = second / no_cache_steps
         line = dict(base, strategy="no_cache", first_call_s=round(first, 3),
                     decode_s=round(per_step * new, 3), measured_steps=no_cache_steps,
@@ -166,7 +169,8 @@ def run_case(name, cfg, batch, prompt, new, bandwidth, no_cache_steps, only, rep
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m bench.decode", description=__doc__.split("\n")[2])
+    parser = argparse.ArgumentParser(prog="python -m bench.decode",
+                                     description=__doc__.split("\n")[2])
     parser.add_argument("--quick", action="store_true",
                         help="a tiny model and short runs (a smoke test, not a measurement)")
     parser.add_argument("--only", nargs="*", default=[],
@@ -193,7 +197,7 @@ def main(argv=None):
         encdec = models.get_config("transformer-base", vocab_size=8192, dropout_rate=0.0)
         no_cache_steps = 8
     param_sizes = []
-    for name, (shape, batch, prompt, new, max_len) in cases.items():
+    for name, (shape, batch, _prompt, _new, max_len) in cases.items():
         if args.cases and name not in args.cases:
             continue
         cfg = (encdec.replace(max_len=max_len) if shape is None
@@ -203,12 +207,13 @@ def main(argv=None):
     for name, cfg, batch in param_sizes:
         model = models.build(cfg)
         tok = jnp.zeros((1, 4), jnp.int32)
-        shapes = jax.eval_shape(lambda: model.init(
-            jax.random.key(0), *((tok, tok) if cfg.is_encoder_decoder else (tok,))))["params"]
+        inputs = (tok, tok) if cfg.is_encoder_decoder else (tok,)
+        shapes = jax.eval_shape(model.init, jax.random.key(0), *inputs)["params"]
         n_bytes = step_param_bytes(shapes)
         bw = bandwidths.setdefault((n_bytes, batch), matmul_bandwidth(n_bytes, batch))
         print(json.dumps({"case": name, "strategy": "roofline", "step_param_bytes": n_bytes,
-                          "matmul_batch": batch, "bandwidth_GB_per_s": round(bw / 1e9, 2)}), flush=True)
+                          "matmul_batch": batch, "bandwidth_GB_per_s": round(bw / 1e9, 2)}),
+              flush=True)
         shape, batch, prompt, new, _ = cases[name]
         run_case(name, cfg, batch, prompt, new, bw, no_cache_steps, args.only, args.repeats)
 

@@ -64,7 +64,10 @@ def model_flops(cfg: models.TransformerConfig, batch: int, src_len: int, tgt_len
     kv = 2 * cfg.d_model * cfg.num_kv_heads * cfg.head_dim      # key and value projections
     mlp = (3 if cfg.activation == "swiglu" else 2) * cfg.d_model * cfg.mlp_dim
     out_proj = cfg.d_model * cfg.vocab_size
-    attn_qk_av = lambda t, s: 2 * 2 * t * s * nh           # forward FLOPs, one layer, one row
+
+    def attn_qk_av(t, s):                                   # forward FLOPs, one layer, one row
+        return 2 * 2 * t * s * nh
+
     if cfg.is_encoder_decoder:
         enc, dec = cfg.num_encoder_layers, cfg.num_decoder_layers
         # Source tokens: the encoder, and every decoder layer's cross-attention K/V.
@@ -127,7 +130,7 @@ def main(argv=None) -> None:
     try:
         cfg = models.get_config(args.model, **overrides)
     except ValueError as e:
-        raise SystemExit(f"error: {e}")
+        raise SystemExit(f"error: {e}") from None
 
     peak = measured_peak(dtype, args.peak_size or (8192 if accel else 2048))
     chip = chip_peak(dtype) if accel else None

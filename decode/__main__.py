@@ -27,7 +27,8 @@ def _parse_ids(line: str, lineno: int) -> list[int]:
     try:
         ids = [int(t) for t in line.split()]
     except ValueError:
-        raise SystemExit(f"input {lineno}: {line!r} is not a list of space-separated token ids")
+        raise SystemExit(
+            f"input {lineno}: {line!r} is not a list of space-separated token ids") from None
     if not ids:
         raise SystemExit(f"input {lineno} is empty")
     return ids
@@ -69,13 +70,14 @@ def main(argv: list[str] | None = None) -> None:
     key = jax.random.key(args.seed)
     tok = None
     if args.workdir:
-        from train.checkpoint import restore_for_decoding   # decode never needs train otherwise
-        from train.model_config import model_config
         import ml_collections
+
+        from train.checkpoint import restore_for_decoding  # decode never needs train otherwise
+        from train.model_config import model_config
         try:
             params, run_config, tok, step = restore_for_decoding(args.workdir)
         except FileNotFoundError as e:
-            raise SystemExit(f"error: {e}")
+            raise SystemExit(f"error: {e}") from None
         cfg = model_config(ml_collections.ConfigDict(run_config), tok.vocab_size)
         model = models.build(cfg)
         print(f"# {args.workdir}: step {step}, {cfg.architecture}", file=sys.stderr)
@@ -85,7 +87,7 @@ def main(argv: list[str] | None = None) -> None:
         try:
             cfg = models.get_config(args.config)
         except ValueError as e:
-            raise SystemExit(str(e))
+            raise SystemExit(str(e)) from None
         model = models.build(cfg)
         dummy = jnp.full((1, 4), 3, jnp.int32)
         params = jax.jit(model.init)(
@@ -111,11 +113,11 @@ def main(argv: list[str] | None = None) -> None:
                     min_p=args.min_p if sample else 0.0,
                     repetition_penalty=args.repetition_penalty)
                 tokens, n = np.asarray(out.tokens), np.asarray(out.lengths)
-            for row, length in zip(tokens, n):
+            for row, length in zip(tokens, n, strict=True):
                 print(_one_line(tok.decode(row[:length])) if tok
                       else " ".join(str(t) for t in row[:length]), flush=True)
     except ValueError as e:
-        raise SystemExit(f"error: {e}")
+        raise SystemExit(f"error: {e}") from None
 
 
 if __name__ == "__main__":

@@ -2,9 +2,10 @@
 
 Each iteration expands the W alive beams of every source by the whole vocabulary, keeps
 the 2W best continuations, moves those among the W best that end in an end token into the
-finished pool (scored by log-prob / ((5 + length) / 6) ** alpha, Wu et al. 2016) and keeps the W best
-others alive. Only the self-attention cache is reordered (gathered by parent beam); the
-encoder's cross-attention keys/values stay one row per source, shared by its beams.
+finished pool (scored by log-prob / ((5 + length) / 6) ** alpha, Wu et al. 2016) and keeps
+the W best others alive. Only the self-attention cache is reordered (gathered by parent
+beam); the encoder's cross-attention keys/values stay one row per source, shared by its
+beams.
 
 A source stops early once its W-th best finished score beats anything an alive beam can
 still reach (its log-prob can only fall; the penalty at most grows to that of the maximum
@@ -43,9 +44,9 @@ class BeamOutput:
     """What `beam_search` returns.
 
     Attributes:
-      tokens: int32[B, W, N] new tokens of each beam, best first, pad (0) after the end.
-      scores: float32[B, W] length-penalised log-probabilities, best first.
-      lengths: int32[B, W] new tokens of each beam, the end token included.
+        tokens: int32[B, W, N] new tokens of each beam, best first, pad (0) after the end.
+        scores: float32[B, W] length-penalised log-probabilities, best first.
+        lengths: int32[B, W] new tokens of each beam, the end token included.
     """
 
     tokens: Int[Array, "B W N"]
@@ -58,13 +59,13 @@ class BeamState:
     """The beam-search carry.
 
     Attributes:
-      step: int32[] tokens chosen so far (the length of every alive beam).
-      logits: float32[B*W, V] next-token logits of the alive beams.
-      cache: the model cache, B*W self-attention rows.
-      alive_tokens: int32[B, W, N]; alive_logprobs: float32[B, W] (NEG: empty slot).
-      finished_tokens: int32[B, W, N]; finished_scores: float32[B, W] (NEG: empty);
-      finished_lengths: int32[B, W].
-      done: bool[B] sources whose W finished beams can no longer change.
+        step: int32[] tokens chosen so far (the length of every alive beam).
+        logits: float32[B*W, V] next-token logits of the alive beams.
+        cache: the model cache, B*W self-attention rows.
+        alive_tokens: int32[B, W, N]; alive_logprobs: float32[B, W] (NEG: empty slot).
+        finished_tokens: int32[B, W, N]; finished_scores: float32[B, W] (NEG: empty);
+        finished_lengths: int32[B, W].
+        done: bool[B] sources whose W finished beams can no longer change.
     """
 
     step: Int[Array, ""]
@@ -106,8 +107,9 @@ def beam_loop(step_fn, state: BeamState, *, alpha, eos_ids) -> BeamState:
         # A candidate finishes only if it ranks among the W best, i.e. it would have taken a
         # beam: then beam_size=1 is exactly greedy decoding.
         in_top_w_C = jnp.arange(2 * W) < W
-        is_eos_BC = (jnp.isin(token_BC, eos_E) if eos_E is not None
-                     else jnp.zeros_like(token_BC, bool)) & (cand_BC > NEG / 2) & in_top_w_C[None, :]
+        is_eos_BC = ((jnp.isin(token_BC, eos_E) if eos_E is not None
+                      else jnp.zeros_like(token_BC, bool))
+                     & (cand_BC > NEG / 2) & in_top_w_C[None, :])
         # Finished: old pool and the candidates that just ended, best W.
         new_scores_BC = jnp.where(is_eos_BC, cand_BC / gnmt_penalty(s.step + 1, alpha), NEG)
         fin_scores, fin_tokens, fin_lengths = _top(
@@ -181,13 +183,13 @@ def beam_search(
     """The `beam_size` best continuations of each prompt (source), best first.
 
     Args:
-      model, params, prompts, lengths, max_new_tokens, eos_id, cache_len: as `generate`.
-      beam_size: W >= 1; W = 1 with length_penalty 0 is greedy decoding.
-      length_penalty: GNMT alpha >= 0 (0: plain sums of log-probs); traced, so changing
-        it never recompiles.
+        model, params, prompts, lengths, max_new_tokens, eos_id, cache_len: as `generate`.
+        beam_size: W >= 1; W = 1 with length_penalty 0 is greedy decoding.
+        length_penalty: GNMT alpha >= 0 (0: plain sums of log-probs); traced, so changing
+            it never recompiles.
 
     Returns:
-      A `BeamOutput`.
+        A `BeamOutput`.
     """
     cfg = model.config
     prompts, lengths = checks.check_prompts(cfg, prompts, lengths)

@@ -36,18 +36,18 @@ class DecodeOutput:
     """What `generate` returns (all arrays; detokenise outside jit).
 
     Attributes:
-      tokens: int32[B, N] new tokens, pad (0) after the end token.
-      lengths: int32[B] new tokens up to and including the end token.
-      logprobs: float32[B, N] the model's log-probability of each chosen token (before any
-        processor), 0 after the end token.
-      cache_lengths: int32[B] decoder cache slots each row filled (prompt + fed tokens).
-      cache_len: the cache's size in slots (static); cache_lengths never exceed it.
+        tokens: int32[B, N] new tokens, pad (0) after the end token.
+        lengths: int32[B] new tokens up to and including the end token.
+        logprobs: float32[B, N] the model's log-probability of each chosen token (before any
+            processor), 0 after the end token.
+        cache_lengths: int32[B] decoder cache slots each row filled (prompt + fed tokens).
+        cache_len: the cache's size in slots (static); cache_lengths never exceed it.
     """
 
     tokens: Int[Array, "B N"]
-    lengths: Int[Array, "B"]
+    lengths: Int[Array, " B"]
     logprobs: Float[Array, "B N"]
-    cache_lengths: Int[Array, "B"]
+    cache_lengths: Int[Array, " B"]
     cache_len: int = flax.struct.field(pytree_node=False, default=0)
 
 
@@ -133,7 +133,8 @@ def _prompt_seen(cfg, prompts_BP, lengths_B):
 
 
 @functools.partial(
-    jax.jit, static_argnames=("model", "max_new_tokens", "cache_len", "eos_ids", "strategy", "loop"))
+    jax.jit,
+    static_argnames=("model", "max_new_tokens", "cache_len", "eos_ids", "strategy", "loop"))
 def _generate(model, params, prompts_BP, lengths_B, rng, sampling: SamplingParams, *,
               max_new_tokens, cache_len, eos_ids, strategy, loop) -> DecodeOutput:
     cfg = model.config
@@ -167,22 +168,22 @@ def generate(
     """Autoregressive decoding with a KV cache, as one jitted computation.
 
     Args:
-      model: a `models.build(...)` module; params: its parameters.
-      prompts: int[B, P] right-padded prompts (decoder-only) or sources (encoder-decoder),
-        pad id 0; lengths: int[B] their true lengths.
-      max_new_tokens: N, the tokens to generate per row (static).
-      rng: PRNG key, required when any temperature > 0.
-      temperature: 0 is greedy. top_k (0 off), top_p (1 off), min_p (0 off),
-        repetition_penalty (1 off): each a scalar or one value per row, traced.
-      eos_id: an end id, several, or None to always generate N tokens.
-      cache_len: decoder cache slots; default the decoder prompt width + N.
-      loop: "scan" (default; differentiable) or "while" (stops once all rows are done).
+        model: a `models.build(...)` module; params: its parameters.
+        prompts: int[B, P] right-padded prompts (decoder-only) or sources (encoder-decoder),
+            pad id 0; lengths: int[B] their true lengths.
+        max_new_tokens: N, the tokens to generate per row (static).
+        rng: PRNG key, required when any temperature > 0.
+        temperature: 0 is greedy. top_k (0 off), top_p (1 off), min_p (0 off),
+            repetition_penalty (1 off): each a scalar or one value per row, traced.
+        eos_id: an end id, several, or None to always generate N tokens.
+        cache_len: decoder cache slots; default the decoder prompt width + N.
+        loop: "scan" (default; differentiable) or "while" (stops once all rows are done).
 
     Returns:
-      A `DecodeOutput`.
+        A `DecodeOutput`.
 
     Raises:
-      ValueError: naming the argument, its value and the limit it breaks.
+        ValueError: naming the argument, its value and the limit it breaks.
 
     `generate.lower(...)` takes the same arguments and returns the `jax.stages.Lowered`
     computation instead of running it (ahead-of-time compilation, cost analysis, or a look

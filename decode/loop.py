@@ -17,7 +17,7 @@ Worked example, max_new_tokens=4, eos_ids=(1,), rows choosing 7 1 ... and 5 6 8 
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import flax.struct
 import jax
@@ -35,23 +35,23 @@ class LoopState:
     """The loop carry.
 
     Attributes:
-      step: int32[] the index of the token chosen next.
-      logits: float32[B, V] the model's logits for that token.
-      cache: the model's cache pytree, carried and updated in place.
-      rng: the PRNG key, split once per iteration.
-      done: bool[B] rows that emitted an end token.
-      lengths: int32[B] new tokens per row, the end token included.
-      tokens: int32[B, N] chosen tokens, pad after the end token.
-      logprobs: float32[B, N] the model's log-probability of each chosen token, 0 after end.
-      seen: bool[B, V] tokens seen so far (for the repetition penalty), or None.
+        step: int32[] the index of the token chosen next.
+        logits: float32[B, V] the model's logits for that token.
+        cache: the model's cache pytree, carried and updated in place.
+        rng: the PRNG key, split once per iteration.
+        done: bool[B] rows that emitted an end token.
+        lengths: int32[B] new tokens per row, the end token included.
+        tokens: int32[B, N] chosen tokens, pad after the end token.
+        logprobs: float32[B, N] the model's log-probability of each chosen token, 0 after end.
+        seen: bool[B, V] tokens seen so far (for the repetition penalty), or None.
     """
 
     step: Int[Array, ""]
     logits: Float[Array, "B V"]
     cache: object
     rng: jax.Array
-    done: Bool[Array, "B"]
-    lengths: Int[Array, "B"]
+    done: Bool[Array, " B"]
+    lengths: Int[Array, " B"]
     tokens: Int[Array, "B N"]
     logprobs: Float[Array, "B N"]
     seen: Bool[Array, "B V"] | None

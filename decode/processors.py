@@ -8,7 +8,7 @@ usual order: repetition penalty, temperature, top-k, top-p, min-p.
     >>> top_k_filter(jnp.array([[1., 3., 3., 2.]]), 2)      # ties go to the lower id
     [[-inf, 3., 3., -inf]]
     >>> top_p_filter(jnp.log(jnp.array([[.5, .25, .125, .125]])), .75)
-    [[log .5, log .25, -inf, -inf]]                           # keeps the smallest set with mass >= p
+    [[log .5, log .25, -inf, -inf]]                         # keeps the smallest set with mass >= p
 """
 
 from __future__ import annotations
@@ -96,7 +96,8 @@ def min_p_filter(logits_BV: Float[Array, "B V"], min_p) -> Float[Array, "B V"]:
     return jnp.where(keep, logits_BV, NEG_INF)
 
 
-def apply_repetition_penalty(logits_BV: Float[Array, "B V"], seen_BV: Bool[Array, "B V"], penalty) -> Float[Array, "B V"]:
+def apply_repetition_penalty(logits_BV: Float[Array, "B V"], seen_BV: Bool[Array, "B V"],
+                             penalty) -> Float[Array, "B V"]:
     """CTRL's penalty on tokens already seen (prompt or output): positive logits are
     divided by `penalty`, negative ones multiplied; penalty = 1 changes nothing."""
     r_B1 = _per_row(penalty, logits_BV).astype(logits_BV.dtype)
@@ -109,9 +110,9 @@ class SamplingParams:
     """Traced sampling parameters, each a float/int array of shape [B].
 
     Attributes:
-      temperature: 0 means greedy for that row.
-      top_k: 0 means off. top_p: 1 means off. min_p: 0 means off.
-      repetition_penalty: 1 means off.
+        temperature: 0 means greedy for that row.
+        top_k: 0 means off. top_p: 1 means off. min_p: 0 means off.
+        repetition_penalty: 1 means off.
     """
 
     temperature: Array

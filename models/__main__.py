@@ -30,8 +30,10 @@ def _parse_overrides(pairs: list[str]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m models", description=__doc__.split("\n")[2])
-    parser.add_argument("--config", default="transformer-tiny", help=f"one of {models.list_configs()}")
+    parser = argparse.ArgumentParser(prog="python -m models",
+                                     description=__doc__.split("\n")[2])
+    parser.add_argument("--config", default="transformer-tiny",
+                        help=f"one of {models.list_configs()}")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--length", type=int, default=64)
     args, rest = parser.parse_known_args(argv)
@@ -51,11 +53,12 @@ def main(argv: list[str] | None = None) -> None:
         logits = forward(params, *inputs)
     logits.block_until_ready()
     step_s = (time.perf_counter() - t0) / 5
-    print(f"config      {args.config}: {cfg.architecture}, L={cfg.decoder_layers}, D={cfg.d_model}, "
-          f"N={cfg.num_heads}, K={cfg.num_kv_heads}, positions={cfg.positions}, norm={cfg.norm}/"
-          f"{cfg.norm_position}, activation={cfg.activation}")
+    print(f"config      {args.config}: {cfg.architecture}, L={cfg.decoder_layers}, "
+          f"D={cfg.d_model}, N={cfg.num_heads}, K={cfg.num_kv_heads}, positions={cfg.positions}, "
+          f"norm={cfg.norm}/{cfg.norm_position}, activation={cfg.activation}")
     print(f"parameters  {n_params:,}")
-    print(f"inputs      {' + '.join(str(x.shape) for x in inputs)} -> logits {logits.shape} {logits.dtype}")
+    print(f"inputs      {' + '.join(str(x.shape) for x in inputs)} -> logits {logits.shape} "
+          f"{logits.dtype}")
     print(f"forward     compile {compile_s:.2f} s, then {step_s * 1e3:.2f} ms per call "
           f"({args.batch * args.length / step_s:,.0f} tokens/s) on {jax.devices()[0].platform}")
 

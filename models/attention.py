@@ -32,16 +32,16 @@ def dot_product_attention(
     """softmax(q k^T / sqrt(H) masked) v, with the softmax in float32.
 
     Args:
-      q_BTNH: queries.
-      k_BSKH, v_BSKH: keys and values with K heads, N % K == 0. Their batch Bk may divide
-        B: then B = Bk * W and the W query rows of one key row (beams sharing one encoded
-        source) attend to it without the keys being copied.
-      mask_BTS: True where a query may see a key; broadcastable to [B, T, S]; None means
-        everything is visible. A query row with no visible key returns zeros, not NaN.
-      dropout_rate, dropout_rng: dropout on the probabilities (training only).
+        q_BTNH: queries.
+        k_BSKH, v_BSKH: keys and values with K heads, N % K == 0. Their batch Bk may divide
+            B: then B = Bk * W and the W query rows of one key row (beams sharing one encoded
+            source) attend to it without the keys being copied.
+        mask_BTS: True where a query may see a key; broadcastable to [B, T, S]; None means
+            everything is visible. A query row with no visible key returns zeros, not NaN.
+        dropout_rate, dropout_rng: dropout on the probabilities (training only).
 
     Returns:
-      out_BTNH in the dtype of v, and probs_BNTS (float32) for inspection.
+        out_BTNH in the dtype of v, and probs_BNTS (float32) for inspection.
     """
     B, T, N, H = q_BTNH.shape
     Bk, S, K, Hk = k_BSKH.shape
@@ -75,7 +75,8 @@ def dot_product_attention(
     return out_BTNH, probs_BNTS.reshape(B, N, T, S)
 
 
-def apply_rope(x_BTNH: Float[Array, "B T N H"], positions_BT: Int[Array, "B T"], theta: float) -> Float[Array, "B T N H"]:
+def apply_rope(x_BTNH: Float[Array, "B T N H"], positions_BT: Int[Array, "B T"],
+               theta: float) -> Float[Array, "B T N H"]:
     """Rotary position embedding (rotate-half form), computed in float32.
 
     Channel i of the first half and channel i of the second half form a pair rotated by
@@ -175,7 +176,7 @@ class CrossKVProjection(nn.Module):
     num_layers: int
 
     @nn.compact
-    def __call__(self, encoded_BSD: Float[Array, "B S D"]) -> tuple[Array, Array]:
+    def __call__(self, encoded_BSD: Float[Array, "B S D"]) -> tuple[Array, " Array"]:
         """Returns k_LBKSH, v_LBKSH."""
         cfg = self.config
         shape = (self.num_layers, cfg.d_model, cfg.num_kv_heads, cfg.head_dim)

@@ -26,12 +26,12 @@ class LayerInputs:
     """What every layer of a stack reads and nobody writes (broadcast under `nn.scan`).
 
     Attributes:
-      self_mask: bool[B, T, S] self-attention mask (S = T without a cache).
-      positions: int32[B, T] absolute positions of the T tokens (for rotary positions).
-      cross_k, cross_v: float[L, Bs, K, Ssrc, H] cross-attention keys/values of all
-        layers (`KVCache` layout), or None in a stack without cross-attention.
-      cross_mask: bool[B, T or 1, Ssrc] cross-attention mask, or None.
-      deterministic: no dropout (static).
+        self_mask: bool[B, T, S] self-attention mask (S = T without a cache).
+        positions: int32[B, T] absolute positions of the T tokens (for rotary positions).
+        cross_k, cross_v: float[L, Bs, K, Ssrc, H] cross-attention keys/values of all
+            layers (`KVCache` layout), or None in a stack without cross-attention.
+        cross_mask: bool[B, T or 1, Ssrc] cross-attention mask, or None.
+        deterministic: no dropout (static).
     """
 
     self_mask: Bool[Array, "B T S"] | None

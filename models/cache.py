@@ -2,9 +2,9 @@
 
 Self-attention keys/values are preallocated to a fixed length S and stacked over the L
 decoder layers, heads before slots ([L, B, K, S, H]: the layout the attention dot reads
-without a transposed copy); `lengths` says how many slots of each row are filled, which is also where
-that row's next token goes. Cross-attention keys/values (encoder-decoder only) live in
-their own fields: projected once from the encoder output, never written again.
+without a transposed copy); `lengths` says how many slots of each row are filled, which is
+also where that row's next token goes. Cross-attention keys/values (encoder-decoder only)
+live in their own fields: projected once from the encoder output, never written again.
 
 Writing T new tokens into a row with `lengths[b] = 3` fills slots 3 .. 3+T-1:
 
@@ -31,24 +31,25 @@ class KVCache:
     """Decoding state of a transformer decoder.
 
     Attributes:
-      k: float[L, B, K, S, H] self-attention keys, stacked over layers.
-      v: float[L, B, K, S, H] self-attention values.
-      lengths: int32[B] filled slots per row (= the position of its next token).
-      cross_k: float[L, Bs, K, Ssrc, H] cross-attention keys, or None (decoder-only).
-        Bs divides B: beams of one source share its rows (B = Bs * beams).
-      cross_v: float[L, Bs, K, Ssrc, H] cross-attention values, or None.
-      cross_mask: bool[Bs, Ssrc] True at real (non-padding) source tokens, or None.
+        k: float[L, B, K, S, H] self-attention keys, stacked over layers.
+        v: float[L, B, K, S, H] self-attention values.
+        lengths: int32[B] filled slots per row (= the position of its next token).
+        cross_k: float[L, Bs, K, Ssrc, H] cross-attention keys, or None (decoder-only).
+            Bs divides B: beams of one source share its rows (B = Bs * beams).
+        cross_v: float[L, Bs, K, Ssrc, H] cross-attention values, or None.
+        cross_mask: bool[Bs, Ssrc] True at real (non-padding) source tokens, or None.
     """
 
     k: Float[Array, "L B K S H"]
     v: Float[Array, "L B K S H"]
-    lengths: Int[Array, "B"]
+    lengths: Int[Array, " B"]
     cross_k: Float[Array, "L Bs K Ssrc H"] | None = None
     cross_v: Float[Array, "L Bs K Ssrc H"] | None = None
     cross_mask: Bool[Array, "Bs Ssrc"] | None = None
 
     @classmethod
-    def create(cls, config: TransformerConfig, batch_size: int, cache_len: int | None = None) -> "KVCache":
+    def create(cls, config: TransformerConfig, batch_size: int,
+               cache_len: int | None = None) -> KVCache:
         """An empty cache of `cache_len` slots (default `config.max_len`) per row."""
         cache_len = config.max_len if cache_len is None else cache_len
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
@@ -74,7 +75,7 @@ class KVCache:
         """Keys and values of `layer` as [B, S, K, H] (a view: the swap folds into the dot)."""
         return jnp.swapaxes(self.k[layer], 1, 2), jnp.swapaxes(self.v[layer], 1, 2)
 
-    def write(self, layer, k_BTKH, v_BTKH, positions_BT) -> "KVCache":
+    def write(self, layer, k_BTKH, v_BTKH, positions_BT) -> KVCache:
         """Writes the new keys/values of `layer` at each row's `positions_BT`.
 
         A scatter of B*T slots: with the buffers donated (or carried by a loop) XLA updates
@@ -87,7 +88,7 @@ class KVCache:
         v = self.v.at[layer, rows_B1, :, positions_BT].set(v_BTKH.astype(self.v.dtype))
         return self.replace(k=k, v=v)
 
-    def take_rows(self, rows_B) -> "KVCache":
+    def take_rows(self, rows_B) -> KVCache:
         """Self-attention rows gathered by index (beam search reorders and duplicates rows
         this way); the cross-attention rows, one per source and shared by its beams, stay."""
         return self.replace(

@@ -35,7 +35,8 @@ def check_tokens(config: TransformerConfig, tokens, name: str, max_len: int | No
     if B < 1 or T < 1:
         raise ValueError(f"{name} has an empty dimension: shape {tokens.shape}")
     if T > limit:
-        raise ValueError(f"{name} has length {T}, beyond the limit {limit} (max_len or cache length)")
+        raise ValueError(f"{name} has length {T}, beyond the limit {limit} "
+                         "(max_len or cache length)")
     if is_concrete(tokens):
         values = np.asarray(tokens)
         bad = values[(values < 0) | (values >= config.vocab_size)]

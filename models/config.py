@@ -36,35 +36,35 @@ class TransformerConfig:
     """Architecture of a decoder-only or encoder-decoder transformer.
 
     Attributes:
-      architecture: "decoder_only" (GPT/Llama) or "encoder_decoder" (Vaswani/T5/BART).
-      vocab_size: V, shared by source and target.
-      d_model: D, the residual width.
-      num_heads: N, query heads.
-      num_kv_heads: K, key/value heads; N for multi-head, 1 for multi-query, in between for
-        grouped-query attention. None means N.
-      head_dim: H; None means D // N.
-      mlp_dim: F, the MLP hidden width.
-      num_layers: L of a decoder-only stack.
-      num_encoder_layers, num_decoder_layers: L of each encoder-decoder stack.
-      max_len: the longest sequence (positions 0 .. max_len - 1) and the largest cache.
-      positions: "sinusoidal" or "learned" (added to the embeddings) or "rope" (rotary,
-        applied to queries and keys of self-attention).
-      rope_theta: the rotary base frequency.
-      norm: "layernorm" or "rmsnorm"; norm_position: "pre" (x + f(norm(x)), with a final
-        norm after the stack) or "post" (norm(x + f(x)), as in Vaswani et al.).
-      norm_eps: epsilon of every norm.
-      activation: "relu", "gelu" (tanh approximation, as GPT-2) or "swiglu" (gated).
-      use_bias: biases in the attention and MLP projections.
-      share_embeddings: encoder-decoder only: source and target use one embedding table.
-      tie_embeddings: the output projection is the transposed target embedding.
-      scale_embeddings: multiply embeddings by sqrt(D) (Vaswani et al.); their initial
-        scale is then D ** -0.5 so the scaled input has unit variance.
-      dropout_rate: on embeddings and on every sublayer output before the residual add.
-      attention_dropout_rate: on the attention probabilities.
-      dtype: compute dtype name; param_dtype: parameter dtype name.
-      scan_layers: run the layers with `nn.scan` (parameters stacked over layers).
-      remat: rematerialise each layer in the backward pass (`nn.remat`).
-      pad_id, eos_id, bos_id: special token ids (bos is the decoder start token).
+        architecture: "decoder_only" (GPT/Llama) or "encoder_decoder" (Vaswani/T5/BART).
+        vocab_size: V, shared by source and target.
+        d_model: D, the residual width.
+        num_heads: N, query heads.
+        num_kv_heads: K, key/value heads; N for multi-head, 1 for multi-query, in between for
+            grouped-query attention. None means N.
+        head_dim: H; None means D // N.
+        mlp_dim: F, the MLP hidden width.
+        num_layers: L of a decoder-only stack.
+        num_encoder_layers, num_decoder_layers: L of each encoder-decoder stack.
+        max_len: the longest sequence (positions 0 .. max_len - 1) and the largest cache.
+        positions: "sinusoidal" or "learned" (added to the embeddings) or "rope" (rotary,
+            applied to queries and keys of self-attention).
+        rope_theta: the rotary base frequency.
+        norm: "layernorm" or "rmsnorm"; norm_position: "pre" (x + f(norm(x)), with a final
+            norm after the stack) or "post" (norm(x + f(x)), as in Vaswani et al.).
+        norm_eps: epsilon of every norm.
+        activation: "relu", "gelu" (tanh approximation, as GPT-2) or "swiglu" (gated).
+        use_bias: biases in the attention and MLP projections.
+        share_embeddings: encoder-decoder only: source and target use one embedding table.
+        tie_embeddings: the output projection is the transposed target embedding.
+        scale_embeddings: multiply embeddings by sqrt(D) (Vaswani et al.); their initial
+            scale is then D ** -0.5 so the scaled input has unit variance.
+        dropout_rate: on embeddings and on every sublayer output before the residual add.
+        attention_dropout_rate: on the attention probabilities.
+        dtype: compute dtype name; param_dtype: parameter dtype name.
+        scan_layers: run the layers with `nn.scan` (parameters stacked over layers).
+        remat: rematerialise each layer in the backward pass (`nn.remat`).
+        pad_id, eos_id, bos_id: special token ids (bos is the decoder start token).
     """
 
     architecture: Architecture = "decoder_only"
@@ -172,7 +172,7 @@ class TransformerConfig:
     def params_dtype(self) -> jnp.dtype:
         return jnp.dtype(self.param_dtype)
 
-    def replace(self, **changes) -> "TransformerConfig":
+    def replace(self, **changes) -> TransformerConfig:
         """A copy with `changes` applied and validated; unknown keys name themselves.
 
         `head_dim` and `num_kv_heads` that equal their defaults (D // N and N) are derived

@@ -30,7 +30,8 @@ def causal_mask(q_pos_BT: Int[Array, "B T"], k_pos_BS: Int[Array, "B S"]) -> Boo
     return k_pos_BS[:, None, :] <= q_pos_BT[:, :, None]
 
 
-def padding_mask(q_valid_BT: Bool[Array, "B T"], k_valid_BS: Bool[Array, "B S"]) -> Bool[Array, "B T S"]:
+def padding_mask(q_valid_BT: Bool[Array, "B T"],
+                 k_valid_BS: Bool[Array, "B S"]) -> Bool[Array, "B T S"]:
     """Only real (non-padding) queries see only real keys."""
     return q_valid_BT[:, :, None] & k_valid_BS[:, None, :]
 

@@ -60,8 +60,8 @@ def get_config(name: str, **overrides) -> TransformerConfig:
     """A preset with `overrides` applied, validated.
 
     Raises:
-      ValueError: `name` is not a preset (the message lists them) or an override key is
-        not a config field (the message names it).
+        ValueError: `name` is not a preset (the message lists them) or an override key is
+            not a config field (the message names it).
     """
     if name not in _PRESETS:
         raise ValueError(f"unknown config {name!r}; known configs: {list_configs()}")

@@ -24,7 +24,12 @@ from models.attention import CrossKVProjection
 from models.blocks import DecoderLayer, LayerInputs, LayerStack, SelfAttentionLayer
 from models.cache import KVCache
 from models.checks import (
-    check_cache_room, check_int_array, check_new_lengths, check_same_shape, check_tokens)
+    check_cache_room,
+    check_int_array,
+    check_new_lengths,
+    check_same_shape,
+    check_tokens,
+)
 from models.config import TransformerConfig
 from models.layers import InputEmbedding, token_embedding
 from models.masks import causal_mask, combine_masks, padding_mask, positions_like, segment_mask
@@ -59,7 +64,7 @@ class _CachedDecoder(nn.Module):
                 param_dtype=cfg.params_dtype, kernel_init=nn.initializers.xavier_uniform())
 
     def prefill(
-        self, tokens_BT: Int[Array, "B T"], lengths_B: Int[Array, "B"], cache: KVCache
+        self, tokens_BT: Int[Array, "B T"], lengths_B: Int[Array, " B"], cache: KVCache
     ) -> tuple[Float[Array, "B T V"], KVCache]:
         """Runs a right-padded block of tokens through the decoder, writing the cache.
 
@@ -71,7 +76,7 @@ class _CachedDecoder(nn.Module):
             -> cache.lengths = [3, 1]; the next token of row 1 goes to slot 1.
 
         Returns:
-          float32 logits_BTV (row b's next-token logits are at lengths[b] - 1) and the cache.
+            float32 logits_BTV (row b's next-token logits are at lengths[b] - 1) and the cache.
         """
         S = cache.cache_len
         check_tokens(self.config, tokens_BT, "tokens", max_len=S)
@@ -89,7 +94,8 @@ class _CachedDecoder(nn.Module):
         logits_BTV, cache = self._decode(tokens_BT, positions_BT, mask_BTS, cache, True)
         return logits_BTV, cache.replace(lengths=cache.lengths + lengths_B.astype(jnp.int32))
 
-    def step(self, tokens_B: Int[Array, "B"], cache: KVCache) -> tuple[Float[Array, "B V"], KVCache]:
+    def step(self, tokens_B: Int[Array, " B"],
+             cache: KVCache) -> tuple[Float[Array, "B V"], KVCache]:
         """One token per row at slot cache.lengths[b]; returns the next-token logits."""
         check_int_array(tokens_B, "tokens", 1, "int[B]")
         ones_B = jnp.ones(tokens_B.shape, jnp.int32)

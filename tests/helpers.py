@@ -26,7 +26,7 @@ class Fns:
         self.model = model = models.build(cfg)
         self.forward = jax.jit(lambda p, *a: model.apply({"params": p}, *a))
         self.prefill = jax.jit(
-            lambda p, t, l, c: model.apply({"params": p}, t, l, c, method="prefill"))
+            lambda p, t, n, c: model.apply({"params": p}, t, n, c, method="prefill"))
         self.step = jax.jit(lambda p, t, c: model.apply({"params": p}, t, c, method="step"))
         self._init_cache = jax.jit(
             lambda p, src, n: model.apply({"params": p}, src, n, method="init_cache"),

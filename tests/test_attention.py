@@ -70,7 +70,8 @@ def test_grouped_query_equals_multi_head_with_repeated_kv(K):
     mask = _mask_kinds(2, 5, 7)["causal+padding+segment"]
     out, _ = models.dot_product_attention(q, k, v, mask)
     G = 4 // K
-    mha, _ = models.dot_product_attention(q, jnp.repeat(k, G, axis=2), jnp.repeat(v, G, axis=2), mask)
+    mha, _ = models.dot_product_attention(q, jnp.repeat(k, G, axis=2), jnp.repeat(v, G, axis=2),
+                                          mask)
     np.testing.assert_allclose(out, mha, atol=1e-6)
     np.testing.assert_allclose(
         out, reference_attention(q, jnp.repeat(k, G, 2), jnp.repeat(v, G, 2), mask), atol=1e-5)

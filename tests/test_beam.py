@@ -51,7 +51,8 @@ def test_beam_search_equals_exhaustive_search(alpha):
     out = decode.beam_search(model, params, prompts, lengths, beam_size=W, max_new_tokens=n,
                              length_penalty=alpha, eos_id=eos)
     for b in range(2):
-        seqs, scores = exhaustive(model, params, prompts[b, : lengths[b]].tolist(), n, alpha, eos, W)
+        seqs, scores = exhaustive(model, params, prompts[b, : lengths[b]].tolist(), n, alpha,
+                                  eos, W)
         got = [tuple(out.tokens[b, w, : out.lengths[b, w]].tolist()) for w in range(W)]
         assert got[:20] == seqs[:20]
         np.testing.assert_allclose(out.scores[b], scores, atol=1e-4, rtol=1e-5)
@@ -84,7 +85,8 @@ def test_beams_share_the_cross_attention_keys_values():
     f = fns(tiny("encoder_decoder", max_len=32))
     params = f.init()
     prompts, lengths = decode.pad_prompts([[5, 6, 7], [9, 10]])
-    _, cache = start_decoding(f.model, params, jnp.asarray(prompts), jnp.asarray(lengths), 9, beams=4)
+    _, cache = start_decoding(f.model, params, jnp.asarray(prompts), jnp.asarray(lengths), 9,
+                              beams=4)
     assert cache.k.shape[1] == 8                        # self-attention: B * W rows
     assert cache.cross_k.shape[1] == 2                  # cross-attention: B rows, not tiled
     out = decode.beam_search(f.model, params, prompts, lengths, beam_size=4, max_new_tokens=8)
@@ -108,7 +110,8 @@ def test_beam_search_bad_input():
     assert decode.beam._beam_search._cache_size() == before + 1   # alpha is traced
     with pytest.raises(ValueError, match=r"length_penalty=-1 is outside \[0.0, inf\)"):
         decode.beam_search(f.model, params, p, n, length_penalty=-1.0, max_new_tokens=4)
-    with pytest.raises(ValueError, match=r"max_new_tokens 30 = 38 is beyond the model's max_len 32"):
+    with pytest.raises(ValueError,
+                       match=r"max_new_tokens 30 = 38 is beyond the model's max_len 32"):
         decode.beam_search(f.model, params, p, n, max_new_tokens=30)
     with pytest.raises(ValueError, match=r"lengths must be an int array of shape \(1,\)"):
         decode.beam_search(f.model, params, p, np.array([2, 2]), max_new_tokens=4)

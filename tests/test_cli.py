@@ -37,9 +37,11 @@ def test_decode_cli_reads_stdin_and_matches_the_api(capsys, monkeypatch):
 def test_decode_cli_errors_are_clear():
     with pytest.raises(SystemExit, match="unknown config 'nope'"):
         decode_cli.main(["--config", "nope", "1 2"])
-    with pytest.raises(SystemExit, match="input 1: 'a b' is not a list of space-separated token ids"):
+    with pytest.raises(SystemExit,
+                       match="input 1: 'a b' is not a list of space-separated token ids"):
         decode_cli.main(["--config", "gpt-tiny", "a b"])
-    with pytest.raises(SystemExit, match=r"prompts hold token id 999 outside \[0, vocab_size=512\)"):
+    with pytest.raises(SystemExit,
+                       match=r"prompts hold token id 999 outside \[0, vocab_size=512\)"):
         decode_cli.main(["--config", "gpt-tiny", "5 999"])
     with pytest.raises(SystemExit, match="top_p=0 is outside"):
         decode_cli.main(["--config", "gpt-tiny", "--strategy", "sample", "--top-p", "0", "5"])
@@ -48,7 +50,8 @@ def test_decode_cli_errors_are_clear():
 def test_decode_benchmark_runs_and_prints_json_lines(capsys):
     """A smoke test of the benchmark's code path (tiny model; nothing is timed or asserted
     about speed)."""
-    bench.decode.main(["--quick", "--repeats", "1", "--cases", "b8_t256", "--only", "greedy", "no_cache"])
+    bench.decode.main(["--quick", "--repeats", "1", "--cases", "b8_t256", "--only", "greedy",
+                       "no_cache"])
     lines = [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
     strategies = [line.get("strategy") for line in lines]
     assert strategies[1:] == ["roofline", "greedy", "no_cache", "speedup"]

@@ -4,9 +4,9 @@ import chex
 import jax
 import numpy as np
 import pytest
+from helpers import tiny
 
 import models
-from helpers import tiny
 from train import data
 from train.data import pipeline as P
 
@@ -45,11 +45,12 @@ def test_packed_rows_hold_whole_examples_in_order(copy_ds):
     seen = 0
     for r in range(2):
         for b in range(4):
-            ins = _segments(*(batch[f"inputs{k}"][r, b] for k in ("", "_segmentation", "_position")))
+            ins = _segments(*(batch[f"inputs{k}"][r, b] for k in ("", "_segmentation",
+                                                                 "_position")))
             tgs = _segments(*(batch[f"targets{k}"][r, b] for k in ("", "_segmentation",
                                                                   "_position")))
             assert len(ins) == len(tgs) >= 1
-            for i, t in zip(ins, tgs):
+            for i, t in zip(ins, tgs, strict=True):
                 assert i[-1] == t[-1] == data.EOS_ID
                 assert TOK.decode(i) == TOK.decode(t) in want      # copy task: same sides
                 seen += 1
@@ -96,7 +97,7 @@ def test_resumed_iterator_yields_the_same_next_batches(copy_ds):
                                         shard_count=1)
     resumed = data.train_iterator(fresh_source, cfg)
     resumed.set_state(state)
-    for a, b in zip(straight, [next(resumed) for _ in range(5)]):
+    for a, b in zip(straight, [next(resumed) for _ in range(5)], strict=True):
         chex.assert_trees_all_equal(a, b)
     assert not np.array_equal(source[0]["inputs"], source[epoch_len]["inputs"])
 
@@ -171,7 +172,8 @@ def test_length_rules_are_counted_and_truncation_keeps_eos(copy_ds):
     assert d.dropped_too_long == c.truncated == int((lengths > 11).sum()) > 0
     assert d.kept + d.dropped_too_long == c.kept == 20_000
     batch = cut[0]
-    for row_tokens, row_seg in zip(batch["targets"][0], batch["targets_segmentation"][0]):
+    for row_tokens, row_seg in zip(batch["targets"][0], batch["targets_segmentation"][0],
+                                   strict=True):
         for k in set(row_seg.tolist()) - {0}:
             assert row_tokens[row_seg == k][-1] == data.EOS_ID
 
@@ -198,7 +200,7 @@ def test_eval_batches_cover_each_example_once_with_equal_counts(copy_ds):
         for b in bs:
             empty = b["example_index"] < 0
             assert np.all(b["inputs"][empty] == 0)
-            for r, i in zip(b["inputs"][~empty], b["example_index"][~empty]):
+            for r, i in zip(b["inputs"][~empty], b["example_index"][~empty], strict=True):
                 assert TOK.decode(r) == copy_ds.example("test", int(i))[0]
 
 
@@ -209,6 +211,7 @@ def test_pipeline_errors_name_the_value(copy_ds):
         data.PipelineConfig(per_device_batch_size=1, overlong="clip")
     with pytest.raises(ValueError, match=r"bucket_boundaries=\(16, 8\) must be increasing"):
         data.PipelineConfig(per_device_batch_size=1, bucket_boundaries=(16, 8))
-    with pytest.raises(ValueError, match="fewer than one batch of 40000 rows .1 processes x 4 devices"):
+    with pytest.raises(ValueError,
+                       match="fewer than one batch of 40000 rows .1 processes x 4 devices"):
         data.train_source(copy_ds, TOK, _cfg(per_device_batch_size=10_000, packing=False),
                           num_devices=4, shard_index=0, shard_count=1)

@@ -26,7 +26,8 @@ def test_sentencepiece_has_fixed_ids_round_trips_and_reloads(tmp_path):
     tok = data.train_sentencepiece(texts, 320)
     assert (tok.pad_id, tok.eos_id, tok.bos_id, tok.unk_id) == (0, 1, 2, 3)
     assert tok.id_to_piece([0, 1, 2, 3]) == ["<pad>", "</s>", "<s>", "<unk>"]
-    with pytest.raises(ValueError, match=f"token id -1 is outside \\[0, vocab_size={tok.vocab_size}"):
+    with pytest.raises(ValueError,
+                       match=f"token id -1 is outside \\[0, vocab_size={tok.vocab_size}"):
         tok.id_to_piece([-1])
     ids = tok.encode(texts[0])
     assert tok.id_to_piece(ids) == tok.pieces(texts[0])
@@ -110,7 +111,8 @@ def test_line_aligned_files_and_local_text(data_dir, tmp_path):
 
 def test_missing_file_and_unknown_dataset_are_named(data_dir, tmp_path):
     with pytest.raises(FileNotFoundError, match="data file '.*nothere.tsv' does not exist"):
-        data.load_dataset("local_translation", data_dir, data_files=(str(tmp_path / "nothere.tsv"),))
+        data.load_dataset("local_translation", data_dir,
+                          data_files=(str(tmp_path / "nothere.tsv"),))
     with pytest.raises(ValueError, match="local datasets need data_files"):
         data.load_dataset("local_text", data_dir)
     with pytest.raises(ValueError, match=r"unknown dataset 'wmt99'; available: .*toy_translation"):

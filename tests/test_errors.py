@@ -47,11 +47,13 @@ def test_sequences_longer_than_max_len(dec, encdec):
 
 def test_rank_and_dtype_mismatches(dec, encdec):
     f, p = dec
-    with pytest.raises(ValueError, match=r"tokens must be int\[B, T\] \(rank 2\), got shape \(5,\)"):
+    with pytest.raises(ValueError,
+                       match=r"tokens must be int\[B, T\] \(rank 2\), got shape \(5,\)"):
         _apply(f, p, jnp.arange(5))
     with pytest.raises(ValueError, match=r"tokens must have an integer dtype, got float32"):
         _apply(f, p, jnp.ones((1, 5)))
-    with pytest.raises(ValueError, match=r"segment_ids has shape \(1, 4\), but tokens has shape \(1, 5\)"):
+    with pytest.raises(ValueError,
+                       match=r"segment_ids has shape \(1, 4\), but tokens has shape \(1, 5\)"):
         _apply(f, p, random_tokens(0, (1, 5), 61), segment_ids=jnp.ones((1, 4), jnp.int32))
     f, p = encdec
     with pytest.raises(ValueError, match=r"batch sizes differ: src \(2, 4\), tgt_in \(1, 3\)"):
@@ -64,7 +66,8 @@ def test_rank_and_dtype_mismatches(dec, encdec):
 def test_cache_misuse(dec, encdec):
     f, p = dec
     cache = models.KVCache.create(f.cfg, 2, 8)
-    with pytest.raises(ValueError, match=r"cache full: row 1 would reach 9 tokens, beyond the cache length 8"):
+    with pytest.raises(ValueError,
+                       match=r"cache full: row 1 would reach 9 tokens, beyond the cache length 8"):
         _apply(f, p, random_tokens(0, (2, 9), 61)[:, :8], jnp.array([8, 8]),
                cache.replace(lengths=jnp.array([0, 1])), method="prefill")
     with pytest.raises(ValueError, match=r"tokens has length 9, beyond the limit 8"):

@@ -189,8 +189,10 @@ BAD = [
     (dict(lengths=[3]), r"lengths\[0\]=3 must be in \[1, padded width 2\]"),
     (dict(lengths=[2, 2]), r"lengths must be an int array of shape \(1,\)"),
     (dict(max_new_tokens=0), r"max_new_tokens=0 must be a positive int"),
-    (dict(max_new_tokens=31), r"prompt width 2 \+ max_new_tokens 31 = 33 is beyond the model's max_len 32"),
-    (dict(cache_len=5), r"cache_len=5 must be in \[prompt width 2 \+ max_new_tokens = 6, max_len 32\]"),
+    (dict(max_new_tokens=31), r"prompt width 2 \+ max_new_tokens 31 = 33 is beyond the "
+                              r"model's max_len 32"),
+    (dict(cache_len=5), r"cache_len=5 must be in \[prompt width 2 \+ max_new_tokens = 6, "
+                        r"max_len 32\]"),
     (dict(temperature=-0.1), r"temperature=-0.1 is outside \[0.0, inf\]"),
     (dict(temperature=[1.0, 2.0]), r"temperature must be a scalar or have shape \(1,\)"),
     (dict(top_p=0.0), r"top_p=0 is outside \(0.0, 1.0\]"),
@@ -219,7 +221,8 @@ def test_bad_input_names_the_argument_the_value_and_the_limit(bad, message):
 
 def test_bad_sources_for_encoder_decoder():
     model, params = setup("encoder_decoder")
-    with pytest.raises(ValueError, match=r"sources row 0 has length 3 but its non-pad tokens are at \[0, 2\]"):
+    with pytest.raises(ValueError,
+                       match=r"sources row 0 has length 3 but its non-pad tokens are at \[0, 2\]"):
         decode.generate(model, params, np.array([[5, 0, 6, 0]]), np.array([3]), max_new_tokens=2)
     with pytest.raises(ValueError, match=r"1 \(start token\) \+ max_new_tokens 32 = 33 is beyond"):
         decode.generate(model, params, np.array([[5]]), np.array([1]), max_new_tokens=32)

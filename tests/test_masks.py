@@ -35,4 +35,5 @@ def test_combine_masks_ands_and_skips_none():
 
 
 def test_positions_like():
-    np.testing.assert_array_equal(masks.positions_like(jnp.zeros((2, 3), jnp.int32)), [[0, 1, 2]] * 2)
+    np.testing.assert_array_equal(masks.positions_like(jnp.zeros((2, 3), jnp.int32)),
+                                  [[0, 1, 2]] * 2)

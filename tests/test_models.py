@@ -24,7 +24,8 @@ def _with_delta(f, params, args, embed_name, delta):
         return f.model.apply({"params": params}, *args)
 
 
-@pytest.mark.parametrize("arch,embed", [("decoder_only", "embed"), ("encoder_decoder", "tgt_embed")])
+@pytest.mark.parametrize("arch,embed",
+                         [("decoder_only", "embed"), ("encoder_decoder", "tgt_embed")])
 def test_no_leakage_from_future_tokens(arch, embed):
     f = fns(tiny(arch, positions="rope", num_kv_heads=2))
     params = f.init()
@@ -101,9 +102,13 @@ def test_grouped_query_model_equals_multi_head_model_with_repeated_kv_weights():
     gqa = fns(tiny(num_kv_heads=2, positions="rope"))
     mha = fns(tiny(num_kv_heads=4, positions="rope"))
     params = gqa.init()
-    repeat = lambda x: jnp.repeat(x, 2, axis=-2)  # kernel [D, K, H] / bias [K, H] -> 4 heads
+
+    def repeat(x):  # kernel [D, K, H] / bias [K, H] -> 4 heads
+        return jnp.repeat(x, 2, axis=-2)
+
     mha_params = jax.tree_util.tree_map_with_path(
-        lambda path, x: repeat(x) if any(getattr(p, "key", None) in ("key", "value") for p in path) else x,
+        lambda path, x: (repeat(x) if any(getattr(p, "key", None) in ("key", "value")
+                                          for p in path) else x),
         params)
     chex.assert_trees_all_equal_shapes(mha_params, mha.init())
     tokens = random_tokens(8, (2, 9), 61)
@@ -147,8 +152,11 @@ def test_dropout_is_active_only_when_not_deterministic():
     f = fns(tiny(dropout_rate=0.3, attention_dropout_rate=0.3))
     params = f.init()
     tokens = random_tokens(11, (2, 5), 61)
-    apply = lambda det, seed: f.model.apply(
-        {"params": params}, tokens, deterministic=det, rngs={"dropout": jax.random.key(seed)})
+
+    def apply(det, seed):
+        return f.model.apply(
+            {"params": params}, tokens, deterministic=det, rngs={"dropout": jax.random.key(seed)})
+
     np.testing.assert_array_equal(apply(True, 0), apply(True, 1))
     assert not np.allclose(apply(False, 0), apply(False, 1))
     np.testing.assert_array_equal(apply(False, 0), apply(False, 0))
@@ -176,6 +184,7 @@ def test_remat_changes_nothing_but_memory(scan):
     def loss(f, p):
         return jnp.mean(f.model.apply({"params": p}, tokens) ** 2)
 
-    np.testing.assert_allclose(remat.forward(params, tokens), plain.forward(params, tokens), atol=1e-6)
+    np.testing.assert_allclose(remat.forward(params, tokens), plain.forward(params, tokens),
+                               atol=1e-6)
     chex.assert_trees_all_close(jax.jit(jax.grad(lambda p: loss(remat, p)))(params),
                                 jax.jit(jax.grad(lambda p: loss(plain, p)))(params), atol=1e-6)

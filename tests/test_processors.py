@@ -44,13 +44,18 @@ def test_top_p_boundary():
 def test_min_p_keeps_tokens_above_a_fraction_of_the_top():
     probs = jnp.array([[0.4, 0.2, 0.19, 0.01, 0.2]])
     # Threshold min_p * 0.4: 0.49 keeps the 0.2s (>= 0.196) but not 0.19; 0.51 drops them.
-    np.testing.assert_array_equal(kept(decode.min_p_filter(jnp.log(probs), 0.49)), [[1, 1, 0, 0, 1]])
-    np.testing.assert_array_equal(kept(decode.min_p_filter(jnp.log(probs), 0.51)), [[1, 0, 0, 0, 0]])
+    np.testing.assert_array_equal(kept(decode.min_p_filter(jnp.log(probs), 0.49)),
+                                  [[1, 1, 0, 0, 1]])
+    np.testing.assert_array_equal(kept(decode.min_p_filter(jnp.log(probs), 0.51)),
+                                  [[1, 0, 0, 0, 0]])
     np.testing.assert_array_equal(
-        kept(decode.min_p_filter(jnp.log(jnp.concatenate([probs, probs])), jnp.array([0.49, 0.01]))),
+        kept(decode.min_p_filter(jnp.log(jnp.concatenate([probs, probs])),
+                                 jnp.array([0.49, 0.01]))),
         [[1, 1, 0, 0, 1], [1, 1, 1, 1, 1]])
-    np.testing.assert_array_equal(kept(decode.min_p_filter(jnp.log(probs), 0.0)), [[1, 1, 1, 1, 1]])
-    np.testing.assert_array_equal(kept(decode.min_p_filter(jnp.log(probs), 0.99)), [[1, 0, 0, 0, 0]])
+    np.testing.assert_array_equal(kept(decode.min_p_filter(jnp.log(probs), 0.0)),
+                                  [[1, 1, 1, 1, 1]])
+    np.testing.assert_array_equal(kept(decode.min_p_filter(jnp.log(probs), 0.99)),
+                                  [[1, 0, 0, 0, 0]])
 
 
 def test_temperature_and_repetition_penalty():
@@ -84,7 +89,8 @@ def test_greedy_rows_inside_a_sampling_batch_take_the_argmax():
     params = SamplingParams(jnp.array([0.0, 1.0]), jnp.zeros(2, jnp.int32), jnp.ones(2),
                             jnp.zeros(2), jnp.ones(2))
     for seed in range(20):
-        assert int(select_tokens(logits, jax.random.key(seed), params, Strategy(sample=True))[0]) == 1
+        assert int(select_tokens(logits, jax.random.key(seed), params,
+                                 Strategy(sample=True))[0]) == 1
 
 
 def sorted_top_k(logits, k):
@@ -115,7 +121,8 @@ def test_bisection_filters_equal_sorting_oracles(seed):
     logits[0, :3] = -np.inf
     for k in (1, 2, 7, 49, 50):
         np.testing.assert_array_equal(kept(decode.top_k_filter(jnp.asarray(logits), k)),
-                                      sorted_top_k(logits, k) & np.isfinite(logits), err_msg=f"k={k}")
+                                      sorted_top_k(logits, k) & np.isfinite(logits),
+                                      err_msg=f"k={k}")
     smooth = rng.normal(size=(4, 300)).astype(np.float32) * 3
     for p in (0.05, 0.3, 0.9, 0.999):
         np.testing.assert_array_equal(kept(decode.top_p_filter(jnp.asarray(smooth), p)),

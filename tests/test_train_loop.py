@@ -19,12 +19,12 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from train_helpers import tiny_train_config
 
 import models
 from train import checkpoint, trainer
 from train.model_config import model_config
 from train.trainer import train_and_evaluate
-from train_helpers import tiny_train_config
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 

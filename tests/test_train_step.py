@@ -5,11 +5,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import tiny
+from train_helpers import tiny_train_config
 
 import models
 from train import losses, parallel, state as state_lib, step as step_lib
-from helpers import tiny
-from train_helpers import tiny_train_config
 
 W = 12
 
@@ -115,7 +115,7 @@ def test_scheduled_sampling_at_rate_0_is_teacher_forcing_and_at_1_feeds_predicti
     ss.update(max_rate=0.5, ramp_steps=1)            # rate 0.5 from step 1 on
     mixed = _run("pmap", 4, batches, scheduled_sampling=ss)
     assert any(not np.allclose(a, b) for a, b in zip(jax.tree.leaves(mixed),
-                                                     jax.tree.leaves(plain)))
+                                                     jax.tree.leaves(plain), strict=True))
     b = _batch(3, 2)
     dec_in = step_lib.shift_right(b["targets"], b["targets_position"],
                                   b["targets_segmentation"], 2)

@@ -25,6 +25,7 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from train_helpers import tiny_train_config  # noqa: E402
+
 from train.trainer import train_and_evaluate  # noqa: E402
 
 

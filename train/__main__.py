@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         config = configs.get(name)
     except (ValueError, FileNotFoundError) as e:
-        raise SystemExit(f"error: {e}")
+        raise SystemExit(f"error: {e}") from None
     # `--config NAME` selects the file; what ml_collections parses is only the overrides,
     # and it looks for them in the argv it is given (sys.argv by default).
     argv = [a for i, a in enumerate(argv) if not (a == "--config" or a.startswith("--config=")
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         _make_room_for_model_overrides(config, argv)
     except ValueError as e:
-        raise SystemExit(f"error: {e}")
+        raise SystemExit(f"error: {e}") from None
     config_flags.DEFINE_config_dict("config", config, "the experiment config", sys_argv=argv)
     app.run(lambda _: _run(name), argv=argv)
 
@@ -80,6 +80,7 @@ def _run(name: str) -> None:
     import os
 
     from absl import logging
+
     from train.trainer import train_and_evaluate
     if not FLAGS["verbosity"].present:   # TFDS and orbax log every file at INFO; -v 0 shows it
         logging.set_verbosity(logging.WARNING)
@@ -88,7 +89,7 @@ def _run(name: str) -> None:
     try:
         summary = train_and_evaluate(config, workdir)
     except FloatingPointError as e:
-        raise SystemExit(f"error: {e}")
+        raise SystemExit(f"error: {e}") from None
     if "stopped_by" in summary:
         return
     test = summary.get("test", {})

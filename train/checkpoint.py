@@ -18,7 +18,7 @@ import os
 import numpy as np
 import orbax.checkpoint as ocp
 
-from train.data.tokenizer import (ByteTokenizer, SentencePieceTokenizer, Tokenizer)
+from train.data.tokenizer import ByteTokenizer, SentencePieceTokenizer, Tokenizer
 
 
 def manager(workdir: str, keep: int = 3) -> ocp.CheckpointManager:

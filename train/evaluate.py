@@ -50,8 +50,8 @@ def scores(hypotheses: list[str], references: list[str], metric: str) -> dict:
     """`exact_match` (fraction of identical strings) and/or corpus `bleu` (sacrebleu)."""
     out = {}
     if metric in ("exact_match", "both"):
-        out["exact_match"] = float(np.mean([h.strip() == r.strip()
-                                            for h, r in zip(hypotheses, references)]))
+        out["exact_match"] = float(np.mean([
+            h.strip() == r.strip() for h, r in zip(hypotheses, references, strict=True)]))
     if metric in ("bleu", "both"):
         out["bleu"] = float(sacrebleu.corpus_bleu(hypotheses, [references], force=True).score)
     return out
@@ -67,4 +67,5 @@ def decoded_metrics(model, params, tok, ds: Dataset, split: str, n: int, config,
                      max_new_tokens=config.max_decode_length, beam_size=beam_size,
                      length_penalty=config.length_penalty)
     refs = [t for _, t in pairs]
-    return scores(hyps, refs, config.metric), [(s, r, h) for (s, r), h in zip(pairs, hyps)]
+    triples = [(s, r, h) for (s, r), h in zip(pairs, hyps, strict=True)]
+    return scores(hyps, refs, config.metric), triples

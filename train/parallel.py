@@ -48,7 +48,10 @@ class DataParallel:
         self.mesh = Mesh(np.asarray(jax.devices()), (AXIS,))
         self._replicated = NamedSharding(self.mesh, P())
         self._sharded = NamedSharding(self.mesh, P(AXIS))
-        squeeze = lambda tree: jax.tree.map(lambda x: x[0], tree)
+
+        def squeeze(tree):
+            return jax.tree.map(lambda x: x[0], tree)
+
         self._train = jax.jit(jax.shard_map(
             lambda s, b: train_step(s, squeeze(b)), mesh=self.mesh, in_specs=(P(), P(AXIS)),
             out_specs=(P(), P())), donate_argnums=(0,))

@@ -1,4 +1,5 @@
-"""TrainState and the optax optimiser: adamw, warmup then rsqrt or cosine, clipping, accumulation."""
+"""TrainState and the optax optimiser: adamw, warmup then rsqrt or cosine, clipping,
+accumulation."""
 
 from __future__ import annotations
 
@@ -72,7 +73,10 @@ def make_optimizer(config) -> tuple[optax.GradientTransformation, optax.Schedule
     parts = []
     if config.grad_clip_norm:
         parts.append(optax.clip_by_global_norm(config.grad_clip_norm))
-    decay_mask = lambda params: jax.tree.map(lambda p: p.ndim > 1, params)
+
+    def decay_mask(params):
+        return jax.tree.map(lambda p: p.ndim > 1, params)
+
     parts.append(optax.adamw(schedule, b1=config.adam_b1, b2=config.adam_b2, eps=config.adam_eps,
                              weight_decay=config.weight_decay, mask=decay_mask))
     tx = optax.chain(*parts)

@@ -20,8 +20,14 @@ import jax
 import numpy as np
 
 import models
-from train import checkpoint, evaluate, parallel, state as state_lib, step as step_lib
-from train import data as data_lib
+from train import (
+    checkpoint,
+    data as data_lib,
+    evaluate,
+    parallel,
+    state as state_lib,
+    step as step_lib,
+)
 from train.model_config import model_config
 
 
@@ -122,10 +128,12 @@ def _build_tokenizer(config, ds: data_lib.Dataset, path: str) -> data_lib.Tokeni
 def _load_dataset(config, lead: bool) -> data_lib.Dataset:
     """Opens the dataset; with several processes the lead prepares it first, alone, so that
     processes sharing a data directory never write the same TFDS files at once."""
-    load = lambda: data_lib.load_dataset(
-        config.dataset, config.data_dir or None,
-        data_files=tuple(p for p in config.data_files.split(",") if p),
-        reverse_translation=config.reverse_translation)
+    def load():
+        return data_lib.load_dataset(
+            config.dataset, config.data_dir or None,
+            data_files=tuple(p for p in config.data_files.split(",") if p),
+            reverse_translation=config.reverse_translation)
+
     if jax.process_count() == 1:
         return load()
     from jax.experimental import multihost_utils
@@ -248,7 +256,8 @@ def train_and_evaluate(config, workdir: str, *, hooks=()) -> dict:
         progress.close()
         if stopped:
             if lead:
-                print(f"{stopped} received: saved a checkpoint at step {step} and stopped", flush=True)
+                print(f"{stopped} received: saved a checkpoint at step {step} and stopped",
+                      flush=True)
             summary = {"step": step, "resumed_from_step": resumed_from, "stopped_by": stopped,
                        "train_seconds": round(train_seconds, 2)}
         else:

@@ -7,10 +7,34 @@
     it = train_iterator(source, cfg)                              # it.get_state()/set_state()
 """
 
-from train.data.builders import BadLines, GENERATED, LOCAL
-from train.data.datasets import Dataset, STANDARD, available, load_dataset
-from train.data.pipeline import (BatchSource, DataStats, PipelineConfig, eval_batches,
-                                 shard_indices, tokenize_split, train_iterator, train_source)
-from train.data.tokenizer import (BOS_ID, EOS_ID, PAD_ID, UNK_ID, ByteTokenizer,
-                                  SentencePieceTokenizer, Tokenizer, load_tokenizer,
-                                  train_sentencepiece)
+from train.data.builders import GENERATED, LOCAL, BadLines
+from train.data.datasets import STANDARD, Dataset, available, load_dataset
+from train.data.pipeline import (
+    BatchSource,
+    DataStats,
+    PipelineConfig,
+    eval_batches,
+    shard_indices,
+    tokenize_split,
+    train_iterator,
+    train_source,
+)
+from train.data.tokenizer import (
+    BOS_ID,
+    EOS_ID,
+    PAD_ID,
+    UNK_ID,
+    ByteTokenizer,
+    SentencePieceTokenizer,
+    Tokenizer,
+    load_tokenizer,
+    train_sentencepiece,
+)
+
+__all__ = [
+    "BOS_ID", "EOS_ID", "GENERATED", "LOCAL", "PAD_ID", "STANDARD", "UNK_ID", "BadLines",
+    "BatchSource", "ByteTokenizer", "DataStats", "Dataset", "PipelineConfig",
+    "SentencePieceTokenizer", "Tokenizer", "available", "eval_batches", "load_dataset",
+    "load_tokenizer", "shard_indices", "tokenize_split", "train_iterator", "train_sentencepiece",
+    "train_source",
+]

@@ -168,7 +168,8 @@ def _split_of(text: str) -> str:
 
 
 def _assign_splits(sources: list[list], key) -> dict[str, list]:
-    """One source: hash split. Two: train, test (validation = test). Three: train/validation/test."""
+    """One source: hash split. Two: train, test (validation = test).
+    Three: train/validation/test."""
     if len(sources) == 1:
         out: dict[str, list] = {"train": [], "validation": [], "test": []}
         for item in sources[0]:
@@ -177,7 +178,7 @@ def _assign_splits(sources: list[list], key) -> dict[str, list]:
     if len(sources) == 2:
         return {"train": sources[0], "validation": sources[1], "test": sources[1]}
     if len(sources) == 3:
-        return dict(zip(("train", "validation", "test"), sources))
+        return dict(zip(("train", "validation", "test"), sources, strict=True))
     raise ValueError(f"got {len(sources)} data sources; give 1 (split 90/5/5 by hash), "
                      "2 (train, test) or 3 (train, validation, test)")
 
@@ -275,7 +276,7 @@ class _LocalBuilder(_Builder):
     def _generate_examples(self, items):
         for i, item in enumerate(items):
             values = item if isinstance(item, tuple) else (item,)
-            yield i, dict(zip(self.keys, values))
+            yield i, dict(zip(self.keys, values, strict=True))
 
 
 class LocalTranslation(_LocalBuilder):

@@ -124,7 +124,9 @@ def tokenize_split(dataset: Dataset, split: str, tokenizer: Tokenizer, *, shard_
         cache = os.path.join(cache_dir, f"{dataset.name.replace('/', '_')}-{split}-"
                                         f"{key.hexdigest()[:16]}")
         if os.path.exists(os.path.join(cache, "done")):
-            load = lambda n: np.load(os.path.join(cache, n), mmap_mode="r")
+            def load(n):
+                return np.load(os.path.join(cache, n), mmap_mode="r")
+
             return TokenizedSplit(tuple(load(f"tokens{s}.npy") for s in range(sides)),
                                   tuple(load(f"offsets{s}.npy") for s in range(sides)),
                                   load("example_ids.npy"))
@@ -304,7 +306,7 @@ def assemble(tokens: tuple[np.ndarray, ...], items: Items, rows: list[list[int]]
              widths: tuple[int, ...], names: tuple[str, ...], force_eos: bool) -> dict:
     """Numpy arrays `[rows, width]` for each side: tokens, segmentation and positions."""
     out = {}
-    for s, (name, width) in enumerate(zip(names, widths)):
+    for s, (name, width) in enumerate(zip(names, widths, strict=True)):
         tok = np.zeros((len(rows), width), np.int32)
         seg = np.zeros((len(rows), width), np.int32)
         pos = np.zeros((len(rows), width), np.int32)
