@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench clean
+.PHONY: demo test lint bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest
+
+# ruff: lint and import order (configured in pyproject.toml); CI runs it before the tests.
+lint: $(STAMP)
+	$(PY) -m ruff check .
 
 # The benchmarks behind the README's tables (about 35 minutes on 2 CPU cores).
 bench: $(STAMP)

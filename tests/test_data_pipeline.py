@@ -4,7 +4,7 @@ import chex
 import jax
 import numpy as np
 import pytest
-from helpers import tiny
+from tests.helpers import tiny
 
 import models
 from train import data

@@ -19,7 +19,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from train_helpers import tiny_train_config
+from tests.train_helpers import tiny_train_config
 
 import models
 from train import checkpoint, trainer

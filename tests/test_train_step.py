@@ -5,8 +5,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import tiny
-from train_helpers import tiny_train_config
+from tests.helpers import tiny
+from tests.train_helpers import tiny_train_config
 
 import models
 from train import losses, parallel, state as state_lib, step as step_lib

@@ -22,9 +22,9 @@ _devices = int(sys.argv[3])
 _flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
 os.environ["XLA_FLAGS"] = f"{_flags} --xla_force_host_platform_device_count={_devices}".strip()
 os.environ["JAX_PLATFORMS"] = "cpu"
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # the repo root
 
-from train_helpers import tiny_train_config  # noqa: E402
+from tests.train_helpers import tiny_train_config  # noqa: E402
 
 from train.trainer import train_and_evaluate  # noqa: E402
 
