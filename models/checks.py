@@ -8,11 +8,27 @@ the host before entering the compiled function.
 
 from __future__ import annotations
 
+import numbers
+from typing import TYPE_CHECKING
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.config import TransformerConfig
+if TYPE_CHECKING:   # config.py itself uses the checks below
+    from models.config import TransformerConfig
+
+
+def is_int(value) -> bool:
+    """An integral number: a Python int or a numpy integer scalar, never a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def check_positive_int(value, name: str) -> int:
+    """`value` as an int >= 1 (numpy integer scalars accepted), else a ValueError naming it."""
+    if not is_int(value) or value < 1:
+        raise ValueError(f"{name}={value!r} must be a positive int")
+    return int(value)
 
 
 def is_concrete(x) -> bool:

@@ -4,9 +4,9 @@ import chex
 import jax
 import numpy as np
 import pytest
-from tests.helpers import tiny
 
 import models
+from tests.helpers import tiny
 from train import data
 from train.data import pipeline as P
 

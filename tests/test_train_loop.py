@@ -19,9 +19,9 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from tests.train_helpers import tiny_train_config
 
 import models
+from tests.train_helpers import tiny_train_config
 from train import checkpoint, trainer
 from train.model_config import model_config
 from train.trainer import train_and_evaluate

@@ -5,10 +5,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tests.helpers import tiny
-from tests.train_helpers import tiny_train_config
 
 import models
+from tests.helpers import tiny
+from tests.train_helpers import tiny_train_config
 from train import losses, parallel, state as state_lib, step as step_lib
 
 W = 12

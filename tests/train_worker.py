@@ -25,7 +25,6 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # the repo root
 
 from tests.train_helpers import tiny_train_config  # noqa: E402
-
 from train.trainer import train_and_evaluate  # noqa: E402
 
 

@@ -18,7 +18,7 @@ import os
 import numpy as np
 import orbax.checkpoint as ocp
 
-from train.data.tokenizer import ByteTokenizer, SentencePieceTokenizer, Tokenizer
+from models.tokenizer import ByteTokenizer, SentencePieceTokenizer, Tokenizer
 
 
 def manager(workdir: str, keep: int = 3) -> ocp.CheckpointManager:
@@ -29,7 +29,7 @@ def manager(workdir: str, keep: int = 3) -> ocp.CheckpointManager:
 
 
 def tokenizer_json(tok: Tokenizer) -> dict:
-    proto = getattr(tok, "_proto", b"")
+    proto = getattr(tok, "model_proto", b"")
     return {"kind": tok.kind, "model_b64": base64.b64encode(proto).decode()}
 
 

@@ -7,6 +7,16 @@
     it = train_iterator(source, cfg)                              # it.get_state()/set_state()
 """
 
+from models.tokenizer import (
+    BOS_ID,
+    EOS_ID,
+    PAD_ID,
+    UNK_ID,
+    ByteTokenizer,
+    SentencePieceTokenizer,
+    Tokenizer,
+    load_tokenizer,
+)
 from train.data.builders import GENERATED, LOCAL, BadLines
 from train.data.datasets import STANDARD, Dataset, available, load_dataset
 from train.data.pipeline import (
@@ -19,17 +29,7 @@ from train.data.pipeline import (
     train_iterator,
     train_source,
 )
-from train.data.tokenizer import (
-    BOS_ID,
-    EOS_ID,
-    PAD_ID,
-    UNK_ID,
-    ByteTokenizer,
-    SentencePieceTokenizer,
-    Tokenizer,
-    load_tokenizer,
-    train_sentencepiece,
-)
+from train.data.tokenizer import train_sentencepiece
 
 __all__ = [
     "BOS_ID", "EOS_ID", "GENERATED", "LOCAL", "PAD_ID", "STANDARD", "UNK_ID", "BadLines",

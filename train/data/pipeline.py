@@ -34,8 +34,8 @@ import threading
 import grain
 import numpy as np
 
+from models.tokenizer import EOS_ID, Tokenizer
 from train.data.datasets import Dataset
-from train.data.tokenizer import EOS_ID, Tokenizer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,7 +120,7 @@ def tokenize_split(dataset: Dataset, split: str, tokenizer: Tokenizer, *, shard_
     cache = None
     if cache_dir:
         key = hashlib.sha256(repr((dataset.name, dataset.keys, split, len(source), shard_index,
-                                   shard_count, _tokenizer_digest(tokenizer))).encode())
+                                   shard_count, tokenizer.identity)).encode())
         cache = os.path.join(cache_dir, f"{dataset.name.replace('/', '_')}-{split}-"
                                         f"{key.hexdigest()[:16]}")
         if os.path.exists(os.path.join(cache, "done")):
@@ -155,12 +155,6 @@ def tokenize_split(dataset: Dataset, split: str, tokenizer: Tokenizer, *, shard_
         np.save(os.path.join(cache, "example_ids.npy"), ids)
         open(os.path.join(cache, "done"), "w").close()
     return out
-
-
-def _tokenizer_digest(tokenizer: Tokenizer) -> str:
-    probe = "The quick brown fox, 12345. ünïcödé ☃"
-    return f"{type(tokenizer).__name__}/{tokenizer.vocab_size}/{tokenizer.encode(probe)}" + (
-        hashlib.sha256(tokenizer._proto).hexdigest() if hasattr(tokenizer, "_proto") else "")
 
 
 # ---------------------------------------------------------------------------------------------
