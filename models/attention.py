@@ -93,14 +93,14 @@ def apply_rope(x_BTNH: Float[Array, "B T N H"], positions_BT: Int[Array, "B T"],
 
 def _dense_heads(config: TransformerConfig, heads: int, name: str) -> nn.DenseGeneral:
     return nn.DenseGeneral(
-        (heads, config.head_dim), use_bias=config.use_bias, dtype=config.compute_dtype,
-        param_dtype=config.params_dtype, kernel_init=nn.initializers.xavier_uniform(), name=name)
+        (heads, config.head_dim), use_bias=config.use_bias, dtype=config.dtype,
+        param_dtype=config.param_dtype, kernel_init=nn.initializers.xavier_uniform(), name=name)
 
 
 def _dense_out(config: TransformerConfig) -> nn.DenseGeneral:
     return nn.DenseGeneral(
-        config.d_model, axis=(-2, -1), use_bias=config.use_bias, dtype=config.compute_dtype,
-        param_dtype=config.params_dtype, kernel_init=nn.initializers.xavier_uniform(),
+        config.d_model, axis=(-2, -1), use_bias=config.use_bias, dtype=config.dtype,
+        param_dtype=config.param_dtype, kernel_init=nn.initializers.xavier_uniform(),
         name="out")
 
 
@@ -185,13 +185,13 @@ class CrossKVProjection(nn.Module):
             1.0, "fan_avg", "uniform", in_axis=1, out_axis=(2, 3), batch_axis=(0,))
         out = []
         for name in ("key", "value"):
-            kernel_LDKH = self.param(f"{name}_kernel", init, shape, cfg.params_dtype)
+            kernel_LDKH = self.param(f"{name}_kernel", init, shape, cfg.param_dtype)
             y_LBKSH = jnp.einsum(
-                "BSD,LDKH->LBKSH", encoded_BSD.astype(cfg.compute_dtype),
-                kernel_LDKH.astype(cfg.compute_dtype))
+                "BSD,LDKH->LBKSH", encoded_BSD.astype(cfg.dtype),
+                kernel_LDKH.astype(cfg.dtype))
             if cfg.use_bias:
                 bias_LKH = self.param(
-                    f"{name}_bias", nn.initializers.zeros, shape[:1] + shape[2:], cfg.params_dtype)
-                y_LBKSH = y_LBKSH + bias_LKH.astype(cfg.compute_dtype)[:, None, :, None, :]
+                    f"{name}_bias", nn.initializers.zeros, shape[:1] + shape[2:], cfg.param_dtype)
+                y_LBKSH = y_LBKSH + bias_LKH.astype(cfg.dtype)[:, None, :, None, :]
             out.append(y_LBKSH)
         return out[0], out[1]

@@ -23,6 +23,7 @@ import flax.struct
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
+from models.checks import check_positive_int, is_int
 from models.config import TransformerConfig
 
 
@@ -52,15 +53,14 @@ class KVCache:
                cache_len: int | None = None) -> KVCache:
         """An empty cache of `cache_len` slots (default `config.max_len`) per row."""
         cache_len = config.max_len if cache_len is None else cache_len
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size={batch_size!r} must be a positive int")
-        if isinstance(cache_len, bool) or not isinstance(cache_len, int) \
-                or not 1 <= cache_len <= config.max_len:
+        batch_size = check_positive_int(batch_size, "batch_size")
+        if not is_int(cache_len) or not 1 <= cache_len <= config.max_len:
             raise ValueError(
                 f"cache_len={cache_len!r} must be an int in [1, max_len={config.max_len}]")
+        cache_len = int(cache_len)
         shape = (config.decoder_layers, batch_size, config.num_kv_heads, cache_len,
                  config.head_dim)
-        zeros = jnp.zeros(shape, config.compute_dtype)
+        zeros = jnp.zeros(shape, config.dtype)
         return cls(k=zeros, v=zeros, lengths=jnp.zeros((batch_size,), jnp.int32))
 
     @property

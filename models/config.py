@@ -1,16 +1,31 @@
 """`TransformerConfig`: every architectural choice in one frozen, hashable dataclass.
 
 The model sees only this object; experiments and the command line build it (from a preset
-plus overrides) and vary it with `.replace(...)`. Construction validates every field and
-raises `ValueError` naming the field, the value and the rule it breaks.
+plus overrides) and vary it with `.replace(...)`. Construction checks every field's type and
+value and raises `ValueError` naming the field, the value and the rule it breaks.
+
+One rule for derived sizes: `num_kv_heads=None` means N and `head_dim=None` means D // N,
+resolved when the config is made. The stored values are then plain ints, and `replace`
+keeps them like any other field; pass None again to derive them from the new sizes:
+
+    cfg = TransformerConfig(d_model=64, num_heads=4)       # head_dim 16, num_kv_heads 4
+    cfg.replace(d_model=128).head_dim                      # 16: fields are independent
+    cfg.replace(d_model=128, head_dim=None).head_dim       # 32
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+import functools
+import numbers
+import types
+import typing
+from typing import Any, Literal
 
 import jax.numpy as jnp
+import numpy as np
+
+from models.checks import check_positive_int, is_int
 
 Architecture = Literal["decoder_only", "encoder_decoder"]
 PositionKind = Literal["sinusoidal", "learned", "rope"]
@@ -18,17 +33,8 @@ NormKind = Literal["layernorm", "rmsnorm"]
 NormPosition = Literal["pre", "post"]
 Activation = Literal["relu", "gelu", "swiglu"]
 
-_CHOICES = {
-    "architecture": ("decoder_only", "encoder_decoder"),
-    "positions": ("sinusoidal", "learned", "rope"),
-    "norm": ("layernorm", "rmsnorm"),
-    "norm_position": ("pre", "post"),
-    "activation": ("relu", "gelu", "swiglu"),
-}
-_POSITIVE_INTS = (
-    "vocab_size", "d_model", "num_heads", "num_kv_heads", "head_dim", "mlp_dim", "max_len",
-    "num_layers", "num_encoder_layers", "num_decoder_layers",
-)
+_POSITIVE = ("vocab_size", "d_model", "num_heads", "num_kv_heads", "head_dim", "mlp_dim",
+             "max_len", "num_layers", "num_encoder_layers", "num_decoder_layers")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +67,8 @@ class TransformerConfig:
             scale is then D ** -0.5 so the scaled input has unit variance.
         dropout_rate: on embeddings and on every sublayer output before the residual add.
         attention_dropout_rate: on the attention probabilities.
-        dtype: compute dtype name; param_dtype: parameter dtype name.
+        dtype: the compute dtype; param_dtype: the parameters' dtype. Given as names or
+            dtypes, stored as `jnp.dtype`s (pass them straight to Flax).
         scan_layers: run the layers with `nn.scan` (parameters stacked over layers).
         remat: rematerialise each layer in the backward pass (`nn.remat`).
         pad_id, eos_id, bos_id: special token ids (bos is the decoder start token).
@@ -90,8 +97,8 @@ class TransformerConfig:
     scale_embeddings: bool = False
     dropout_rate: float = 0.0
     attention_dropout_rate: float = 0.0
-    dtype: str = "float32"
-    param_dtype: str = "float32"
+    dtype: Any = "float32"
+    param_dtype: Any = "float32"
     scan_layers: bool = False
     remat: bool = False
     pad_id: int = 0
@@ -99,20 +106,18 @@ class TransformerConfig:
     bos_id: int = 2
 
     def __post_init__(self):
-        for name in ("dtype", "param_dtype"):
-            value = getattr(self, name)
-            try:
-                canonical = jnp.dtype(value).name
-            except TypeError as e:
-                raise ValueError(f"TransformerConfig.{name}={value!r} is not a dtype") from e
-            if not jnp.issubdtype(jnp.dtype(canonical), jnp.floating):
-                raise ValueError(
-                    f"TransformerConfig.{name}={value!r} must be a floating dtype "
-                    "(float32, bfloat16, float16)")
-            object.__setattr__(self, name, canonical)
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if field.name in ("dtype", "param_dtype"):
+                value = _float_dtype(field.name, value)
+            elif field.name in _POSITIVE and value is not None:
+                value = check_positive_int(value, f"TransformerConfig.{field.name}")
+            else:
+                value = _typed(field.name, value, _field_types()[field.name])
+            object.__setattr__(self, field.name, value)
         if self.num_kv_heads is None:
             object.__setattr__(self, "num_kv_heads", self.num_heads)
-        if self.head_dim is None and self.num_heads > 0 and self.d_model > 0:
+        if self.head_dim is None:
             if self.d_model % self.num_heads:
                 raise ValueError(
                     f"TransformerConfig.d_model={self.d_model} is not divisible by "
@@ -121,14 +126,6 @@ class TransformerConfig:
         self._validate()
 
     def _validate(self):
-        for name, allowed in _CHOICES.items():
-            if getattr(self, name) not in allowed:
-                raise ValueError(
-                    f"TransformerConfig.{name}={getattr(self, name)!r} is not one of {allowed}")
-        for name in _POSITIVE_INTS:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"TransformerConfig.{name}={value!r} must be a positive int")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"TransformerConfig.num_heads={self.num_heads} is not divisible by "
@@ -146,8 +143,7 @@ class TransformerConfig:
                 raise ValueError(f"TransformerConfig.{name}={rate} must be in [0, 1)")
         ids = {"pad_id": self.pad_id, "eos_id": self.eos_id, "bos_id": self.bos_id}
         for name, value in ids.items():
-            if isinstance(value, bool) or not isinstance(value, int) \
-                    or not 0 <= value < self.vocab_size:
+            if not 0 <= value < self.vocab_size:
                 raise ValueError(
                     f"TransformerConfig.{name}={value!r} must be an int in "
                     f"[0, vocab_size={self.vocab_size})")
@@ -164,26 +160,13 @@ class TransformerConfig:
         """L of the stack that owns the KV cache."""
         return self.num_decoder_layers if self.is_encoder_decoder else self.num_layers
 
-    @property
-    def compute_dtype(self) -> jnp.dtype:
-        return jnp.dtype(self.dtype)
-
-    @property
-    def params_dtype(self) -> jnp.dtype:
-        return jnp.dtype(self.param_dtype)
-
     def replace(self, **changes) -> TransformerConfig:
-        """A copy with `changes` applied and validated; unknown keys name themselves.
+        """A copy with `changes` applied and checked; unknown keys name themselves.
 
-        `head_dim` and `num_kv_heads` that equal their defaults (D // N and N) are derived
-        again from the changed sizes: `replace(d_model=128)` of a 4-head config has
-        head_dim 32, and an MHA config stays MHA when `num_heads` changes.
+        Every other field keeps its value, `head_dim` and `num_kv_heads` included; give
+        them as None to derive them from the changed sizes (see the module docstring).
         """
         check_keys(changes)
-        if "head_dim" not in changes and self.head_dim * self.num_heads == self.d_model:
-            changes["head_dim"] = None
-        if "num_kv_heads" not in changes and self.num_kv_heads == self.num_heads:
-            changes["num_kv_heads"] = None
         return dataclasses.replace(self, **changes)
 
 
@@ -193,3 +176,50 @@ def check_keys(changes: dict) -> None:
     if unknown:
         raise ValueError(
             f"unknown TransformerConfig field(s) {unknown}; known fields: {sorted(known)}")
+
+
+@functools.cache
+def _field_types() -> dict[str, Any]:
+    return typing.get_type_hints(TransformerConfig)
+
+
+def choices(name: str) -> tuple:
+    """The allowed values of a `Literal` field, e.g. `choices("positions")`."""
+    return typing.get_args(_field_types()[name])
+
+
+def _typed(name: str, value, tp):
+    """`value` as the field's type (numpy scalars become Python ones), or a ValueError.
+
+    int fields take integral numbers (not bools), float fields any real number, bool fields
+    only bools, `Literal` fields one of their values, `X | None` fields None or an X.
+    """
+    args = typing.get_args(tp)
+    if isinstance(tp, types.UnionType):
+        if value is None:
+            return None
+        (tp,) = [a for a in args if a is not type(None)]
+        return _typed(name, value, tp)
+    if typing.get_origin(tp) is Literal:
+        if isinstance(value, str) and value in args:
+            return value
+        raise ValueError(f"TransformerConfig.{name}={value!r} is not one of {args}")
+    if tp is bool and isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    if tp is int and is_int(value):
+        return int(value)
+    if tp is float and isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_)):
+        return float(value)
+    raise ValueError(f"TransformerConfig.{name}={value!r} must be {tp.__name__}, "
+                     f"not {type(value).__name__}")
+
+
+def _float_dtype(name: str, value) -> jnp.dtype:
+    try:
+        dtype = jnp.dtype(value)
+    except TypeError as e:
+        raise ValueError(f"TransformerConfig.{name}={value!r} is not a dtype") from e
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(f"TransformerConfig.{name}={value!r} must be a floating dtype "
+                         "(float32, bfloat16, float16)")
+    return dtype

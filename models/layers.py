@@ -29,8 +29,8 @@ def token_embedding(config: TransformerConfig, name: str) -> nn.Embed:
     """The [V, D] table; also the output projection when embeddings are tied."""
     std = config.d_model ** -0.5 if config.scale_embeddings else 0.02
     return nn.Embed(
-        config.vocab_size, config.d_model, dtype=config.compute_dtype,
-        param_dtype=config.params_dtype, embedding_init=nn.initializers.normal(std), name=name)
+        config.vocab_size, config.d_model, dtype=config.dtype,
+        param_dtype=config.param_dtype, embedding_init=nn.initializers.normal(std), name=name)
 
 
 class InputEmbedding(nn.Module):
@@ -50,7 +50,7 @@ class InputEmbedding(nn.Module):
             x_BTD = x_BTD + sinusoidal_embedding(positions_BT, cfg.d_model).astype(x_BTD.dtype)
         elif cfg.positions == "learned":
             table = nn.Embed(
-                cfg.max_len, cfg.d_model, dtype=cfg.compute_dtype, param_dtype=cfg.params_dtype,
+                cfg.max_len, cfg.d_model, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
                 embedding_init=nn.initializers.normal(0.01), name="positions")
             x_BTD = x_BTD + table(positions_BT)
         return nn.Dropout(cfg.dropout_rate)(x_BTD, deterministic=deterministic)
@@ -59,10 +59,10 @@ class InputEmbedding(nn.Module):
 def make_norm(config: TransformerConfig, name: str | None = None) -> nn.Module:
     if config.norm == "rmsnorm":
         return nn.RMSNorm(
-            epsilon=config.norm_eps, dtype=config.compute_dtype, param_dtype=config.params_dtype,
+            epsilon=config.norm_eps, dtype=config.dtype, param_dtype=config.param_dtype,
             name=name)
     return nn.LayerNorm(
-        epsilon=config.norm_eps, dtype=config.compute_dtype, param_dtype=config.params_dtype,
+        epsilon=config.norm_eps, dtype=config.dtype, param_dtype=config.param_dtype,
         name=name)
 
 
@@ -77,8 +77,8 @@ class MLP(nn.Module):
 
         def dense(features, name):
             return nn.Dense(
-                features, use_bias=cfg.use_bias, dtype=cfg.compute_dtype,
-                param_dtype=cfg.params_dtype, kernel_init=nn.initializers.xavier_uniform(),
+                features, use_bias=cfg.use_bias, dtype=cfg.dtype,
+                param_dtype=cfg.param_dtype, kernel_init=nn.initializers.xavier_uniform(),
                 name=name)
 
         if cfg.activation == "swiglu":

@@ -27,6 +27,7 @@ from models.checks import (
     check_cache_room,
     check_int_array,
     check_new_lengths,
+    check_positive_int,
     check_same_shape,
     check_tokens,
 )
@@ -60,8 +61,8 @@ class _CachedDecoder(nn.Module):
         cfg = self.config
         if not cfg.tie_embeddings:
             self.head = nn.Dense(
-                cfg.vocab_size, use_bias=False, dtype=cfg.compute_dtype,
-                param_dtype=cfg.params_dtype, kernel_init=nn.initializers.xavier_uniform())
+                cfg.vocab_size, use_bias=False, dtype=cfg.dtype,
+                param_dtype=cfg.param_dtype, kernel_init=nn.initializers.xavier_uniform())
 
     def prefill(
         self, tokens_BT: Int[Array, "B T"], lengths_B: Int[Array, " B"], cache: KVCache
@@ -212,8 +213,7 @@ class EncoderDecoder(_CachedDecoder):
         With `beams` > 1 the self-attention part has B * beams rows (row b * beams + w is
         beam w of source b) while the cross-attention part keeps B rows, shared by beams.
         """
-        if isinstance(beams, bool) or not isinstance(beams, int) or beams < 1:
-            raise ValueError(f"beams={beams!r} must be a positive int")
+        beams = check_positive_int(beams, "beams")
         encoded_BSD = self.encode(src)
         cross_k, cross_v = self.cross_kv(encoded_BSD)
         cache = KVCache.create(self.config, src.shape[0] * beams, cache_len)

@@ -4,6 +4,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import models
@@ -54,9 +55,14 @@ def test_presets_have_their_architectures():
 def test_overrides_and_replace():
     cfg = models.get_config("gpt-tiny", vocab_size=1000, num_kv_heads=1)
     assert (cfg.vocab_size, cfg.num_kv_heads, cfg.head_dim) == (1000, 1, 16)
-    assert cfg.replace(d_model=128).head_dim == 32
-    assert models.get_config("gpt-tiny").replace(num_heads=8).num_kv_heads == 8
+    # replace keeps derived sizes like any field; None derives them again.
+    assert cfg.replace(d_model=128).head_dim == 16
+    assert cfg.replace(d_model=128, head_dim=None).head_dim == 32
+    assert models.get_config("gpt-tiny").replace(num_heads=8).num_kv_heads == 4
+    assert models.get_config("gpt-tiny").replace(num_heads=8, num_kv_heads=None).num_kv_heads == 8
     assert cfg.replace(num_heads=8).num_kv_heads == 1
+    # numpy integers are ints (stored as Python ints, so the config hashes the same).
+    assert models.get_config("gpt-tiny", d_model=np.int64(64)) == models.get_config("gpt-tiny")
     assert hash(cfg) == hash(models.get_config("gpt-tiny", vocab_size=1000, num_kv_heads=1))
     assert models.get_config("gpt-tiny", dtype=jnp.bfloat16).dtype == "bfloat16"
 

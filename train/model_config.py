@@ -10,7 +10,7 @@ def model_config(config, vocab_size: int) -> models.TransformerConfig:
     overrides = dict(config.model_overrides.to_dict()) if config.model_overrides else {}
     max_len = max(config.max_source_length, config.max_target_length,
                   config.max_decode_length + 1)
-    base = models.get_config(config.model)
-    cfg = base.replace(vocab_size=vocab_size, max_len=max(max_len, base.max_len),
-                       dtype=config.dtype, **overrides)
-    return cfg
+    preset_max_len = models.get_config(config.model).max_len
+    return models.get_config(config.model, **{
+        "vocab_size": vocab_size, "max_len": max(max_len, preset_max_len),
+        "dtype": config.dtype, **overrides})
