@@ -204,6 +204,45 @@ def test_eval_batches_cover_each_example_once_with_equal_counts(copy_ds):
                 assert TOK.decode(r) == copy_ds.example("test", int(i))[0]
 
 
+def test_eval_batches_of_text_shards_with_unequal_chunk_counts_can_be_made_equal(data_dir,
+                                                                              tmp_path):
+    """Two shards of a text split, one long line (19 chunks of 16) and one short (1 chunk):
+    alone each gets the batches it needs (5 and 1 of 4 rows); given the largest count (what
+    processes agree on), both get 5, the extra ones all padding, every chunk in one row."""
+    files = {"train.txt": "a train line\n" * 8, "test.txt": "a test line\n",
+             "validation.txt": "a long line, " * 23 + "\nshort line\n"}
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    ds = data.load_dataset("local_text", data_dir, data_files=tuple(
+        str(tmp_path / n) for n in ("train.txt", "validation.txt", "test.txt")))
+    cfg = _cfg(per_device_batch_size=2, max_target_length=16)
+
+    def shards(**kw):
+        return [data.eval_batches(ds, TOK, cfg, "validation", num_devices=2, shard_index=i,
+                                  shard_count=2, **kw)[0] for i in range(2)]
+
+    alone = shards()
+    assert sorted(len(bs) for bs in alone) == [1, 5]
+    agreed = shards(num_batches=5)
+    assert [len(bs) for bs in agreed] == [5, 5]
+    texts = {}
+    for bs, alone_bs in zip(agreed, alone, strict=True):
+        chex.assert_trees_all_equal(bs[:len(alone_bs)], alone_bs)
+        for b in bs[len(alone_bs):]:
+            assert np.all(b["example_index"] == -1) and not np.any(b["targets"])
+        for b in bs:
+            for row, seg, i in zip(b["targets"].reshape(-1, 16),
+                                   b["targets_segmentation"].reshape(-1, 16),
+                                   b["example_index"].ravel(), strict=True):
+                texts.setdefault(int(i), []).extend(row[seg > 0].tolist())
+    assert texts.pop(-1) == []
+    assert texts == {i: TOK.encode(ds.example("validation", i)[0]) + [data.EOS_ID]
+                     for i in range(2)}
+    with pytest.raises(ValueError, match="num_batches=4 is fewer than the 5 batches of 4 rows "
+                                         "that shard . of 2 needs for its 19 items"):
+        shards(num_batches=4)
+
+
 def test_pipeline_errors_name_the_value(copy_ds):
     with pytest.raises(ValueError, match="per_device_batch_size=0 must be >= 1"):
         data.PipelineConfig(per_device_batch_size=0)

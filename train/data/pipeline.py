@@ -170,9 +170,6 @@ class DataStats:
     truncated: int = 0
     chunks: int = 0
 
-    def as_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
     def summary(self) -> str:
         parts = [f"{self.kept}/{self.examples} examples kept"]
         for name in ("dropped_empty", "dropped_too_long", "truncated"):
@@ -467,15 +464,45 @@ def train_source(dataset: Dataset, tokenizer: Tokenizer, cfg: PipelineConfig, *,
                        shard_count), stats
 
 
+def _agreed_batches(needed: int, shard_count: int) -> int:
+    """`needed`; when the shards are the processes (`shard_count == jax.process_count() > 1`),
+    the largest `needed` of all processes: a collective, so every process must call it."""
+    import jax
+    if not shard_count == jax.process_count() > 1:
+        return needed
+    from jax.experimental import multihost_utils
+    return int(np.max(multihost_utils.process_allgather(np.int32(needed))))
+
+
 def eval_batches(dataset: Dataset, tokenizer: Tokenizer, cfg: PipelineConfig, split: str, *,
                  num_devices: int | None = None, shard_index: int | None = None,
-                 shard_count: int | None = None, cache_dir: str | None = None,
-                 ) -> tuple[list[dict], DataStats]:
-    """One pass over a split in order, one example per row, no shuffling.
+                 shard_count: int | None = None, num_batches: int | None = None,
+                 cache_dir: str | None = None) -> tuple[list[dict], DataStats]:
+    """One pass over this process's shard of a split in order, one item per row, no shuffling.
 
-    Every process gets the same number of batches (sized for the largest shard), the last
-    ones padded with empty rows whose `example_index` is -1. Batches carry `example_index`
-    `[R, B]`: each row's index in the full split (the reference to score against).
+    Every eval step is a collective over all devices of all processes, so every process must
+    get the same number of batches, the last ones padded with empty rows (all zeros) whose
+    `example_index` is -1. Batches carry `example_index` `[R, B]`: each row's index in the
+    full split (the reference to score against; a text example cut into several chunks
+    gives several rows with its index).
+
+    How many batches: translation examples are one row each, so the largest shard's example
+    count (from the split's size, the same in every process) fixes it. Text examples are cut
+    into chunks of `max_target_length`, and how many a shard gets depends on its texts:
+
+        shard 0: one 300-token line -> 19 chunks of 16 -> 5 batches of 4 rows
+        shard 1: one 11-token line  ->  1 chunk         -> 1 batch, then 4 all-padding ones
+
+    When the shards are the processes (`shard_count == jax.process_count() > 1`, the
+    default there), they agree on the largest count through a collective, so every process
+    must call this; otherwise each shard gets the batches it needs unless given
+    `num_batches`.
+
+    Args:
+        num_devices / shard_index / shard_count: default to `jax.local_device_count()`,
+            `jax.process_index()` and `jax.process_count()`.
+        num_batches: the number of batches instead, the same for every shard (at least what
+            this shard needs); for several shards batched in one process.
     """
     shard_index, shard_count, num_devices = _shard_defaults(shard_index, shard_count,
                                                             num_devices)
@@ -484,10 +511,18 @@ def eval_batches(dataset: Dataset, tokenizer: Tokenizer, cfg: PipelineConfig, sp
     max_lengths = _max_lengths(dataset.kind, cfg)
     items, stats = select_items(data, dataset.kind, max_lengths, cfg.overlong)
     rows_per_batch = num_devices * cfg.per_device_batch_size
-    largest_shard = -(-len(dataset.split(split)) // shard_count)
-    if dataset.kind == "text":   # chunks: bound by this shard's count, made equal below
-        largest_shard = max(largest_shard, len(items))
-    num_batches = max(1, -(-largest_shard // rows_per_batch))
+    # Rows to hold: this shard's chunks (text); the largest shard's examples (translation:
+    # ceil(N / shard_count), the same in every process).
+    rows_needed = (len(items) if dataset.kind == "text"
+                   else -(-len(dataset.split(split)) // shard_count))
+    needed = max(1, -(-rows_needed // rows_per_batch))
+    if num_batches is None:
+        num_batches = (_agreed_batches(needed, shard_count) if dataset.kind == "text"
+                       else needed)
+    elif num_batches < needed:
+        raise ValueError(f"num_batches={num_batches} is fewer than the {needed} batches of "
+                         f"{rows_per_batch} rows that shard {shard_index} of {shard_count} "
+                         f"needs for its {len(items)} items of split {split!r}")
     names = ("inputs", "targets") if dataset.kind == "translation" else ("targets",)
     batches = []
     for b in range(num_batches):
