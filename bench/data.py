@@ -22,7 +22,7 @@ import jax
 import models
 from train import configs, data as data_lib, parallel, state as state_lib, step as step_lib
 from train.model_config import model_config
-from train.trainer import pipeline_config
+from train.setup import pipeline_config
 
 
 def _examples(batch: dict) -> int:

@@ -13,12 +13,15 @@ parameters alone (on CPU, without building an optimiser):
 from __future__ import annotations
 
 import base64
+import dataclasses
 import os
 
+import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
 from models.tokenizer import ByteTokenizer, SentencePieceTokenizer, Tokenizer
+from train.state import TrainState
 
 
 def manager(workdir: str, keep: int = 3) -> ocp.CheckpointManager:
@@ -51,24 +54,37 @@ def save(mngr: ocp.CheckpointManager, step: int, host_state, data_state: dict, c
     mngr.wait_until_finished()
 
 
-def restore_latest(mngr: ocp.CheckpointManager, abstract_state,
-                   set_aside: bool = True) -> tuple[int, dict] | None:
-    """The newest checkpoint that restores; a broken one is reported and the previous used.
+@dataclasses.dataclass(frozen=True)
+class Restored:
+    """A checkpoint as the training loop resumes from it."""
+
+    step: int
+    state: TrainState       # host arrays; the optimiser (`tx`) is the template's
+    data: dict              # the data iterator's state
+
+
+def restore_latest(mngr: ocp.CheckpointManager, template: TrainState,
+                   set_aside: bool = True) -> Restored | None:
+    """The newest checkpoint that restores into `template`'s shapes; a broken one is
+    reported and the previous one used.
 
     An unreadable step directory is renamed to `<step>.unreadable` when `set_aside` (the
     lead process of a run does it), so later saves of that step do not collide with it.
 
     Returns:
-        (step, {"params", "train", "data"}) or None when there is no checkpoint.
+        A `Restored`, or None when there is no checkpoint.
     """
+    abstract = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), template)
     for step in sorted(mngr.all_steps(), reverse=True):
         try:
-            train_target = {"step": abstract_state.step, "opt_state": abstract_state.opt_state,
-                            "rng": abstract_state.rng}
+            train_target = {"step": abstract.step, "opt_state": abstract.opt_state,
+                            "rng": abstract.rng}
             got = mngr.restore(step, args=ocp.args.Composite(
-                params=ocp.args.StandardRestore(abstract_state.params),
+                params=ocp.args.StandardRestore(abstract.params),
                 train=ocp.args.StandardRestore(train_target), data=ocp.args.JsonRestore()))
-            return step, {"params": got.params, "train": got.train, "data": got.data}
+            state = template.replace(params=got.params, **got.train)
+            return Restored(step, state, got.data)
         except Exception as e:       # any failure to read: fall back to an older step
             reason = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
             moved = _set_aside(mngr, step) if set_aside else None

@@ -86,9 +86,6 @@ class DataParallel:
     def eval_step(self, params, batch):
         return self._eval(params, self.put_batch(batch))
 
-    def params(self, state):
-        return state.params
-
     def metrics(self, metrics) -> dict:
         """Host values of summed metrics (identical on every device after psum)."""
         return jax.tree.map(self._first_replica, metrics)

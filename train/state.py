@@ -41,24 +41,28 @@ class TrainState:
 
 def learning_rate_schedule(learning_rate: float, warmup_steps: int, decay: str,
                            total_steps: int) -> optax.Schedule:
-    """Linear warmup to `learning_rate`, then `rsqrt` (Vaswani et al.) or `cosine` to 0.
+    """Linear warmup to `learning_rate`, then `rsqrt` (Vaswani et al.), `cosine` to 0 at
+    `total_steps`, or `constant`. Every warmup starts at lr / warmup, never at 0, so the
+    first update already moves the parameters:
 
-        rsqrt:  lr * min(step / warmup, sqrt(warmup / step))
-        cosine: lr * 0.5 * (1 + cos(pi * (step - warmup) / (total - warmup)))
+        rsqrt:     lr * min(max(step, 1) / warmup, sqrt(warmup / max(step, 1)))
+        cosine:    lr / warmup at step 0, linearly to lr at step warmup, then
+                   lr * 0.5 * (1 + cos(pi * (step - warmup) / (total - warmup)))
+        constant:  the same ramp, then lr
     """
+    warmup = max(warmup_steps, 1)
     if decay == "rsqrt":
-        warmup = max(warmup_steps, 1)
-
         def schedule(step):
             step = jnp.maximum(step.astype(jnp.float32) if hasattr(step, "astype") else
                                jnp.float32(step), 1.0)
             return learning_rate * jnp.minimum(step / warmup, jnp.sqrt(warmup / step))
         return schedule
+    first = learning_rate / warmup
     if decay == "cosine":
-        return optax.warmup_cosine_decay_schedule(0.0, learning_rate, max(warmup_steps, 1),
-                                                  max(total_steps, warmup_steps + 1))
+        return optax.warmup_cosine_decay_schedule(first, learning_rate, warmup,
+                                                  max(total_steps, warmup + 1))
     if decay == "constant":
-        return optax.linear_schedule(0.0, learning_rate, max(warmup_steps, 1))
+        return optax.linear_schedule(first, learning_rate, warmup)
     raise ValueError(f"lr_decay={decay!r} must be 'rsqrt', 'cosine' or 'constant'")
 
 

@@ -10,6 +10,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import optax
 from jax import lax
 
 from train import losses
@@ -122,7 +123,7 @@ def train_step(state: TrainState, batch, *, model, config, schedule):
     grads, sums = jax.grad(loss_fn, has_aux=True)(per_device(state.params))
     grads = lax.pmean(grads, AXIS)
     metrics = lax.psum(sums, AXIS)
-    metrics["grad_norm"] = optax_global_norm(grads)
+    metrics["grad_norm"] = optax.tree.norm(grads)
     metrics["learning_rate"] = schedule(state.step // max(config.grad_accum_steps, 1))
     return state.apply_gradients(grads), metrics
 
@@ -130,11 +131,6 @@ def train_step(state: TrainState, batch, *, model, config, schedule):
 def per_device(tree):
     """Marks a replicated tree as varying over the "batch" axis (a no-op under pmap)."""
     return jax.tree.map(lambda x: lax.pcast(x, AXIS, to="varying"), tree)
-
-
-def optax_global_norm(tree) -> jax.Array:
-    return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32)))
-                        for x in jax.tree.leaves(tree)))
 
 
 def eval_step(params, batch, *, model, config):

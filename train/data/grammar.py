@@ -25,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import random
-from collections.abc import Iterator
 
 # ---------------------------------------------------------------------------------------------
 # Lexicon. Nouns: (singular, plural). Verbs: (base, third person singular, past).
@@ -380,9 +379,3 @@ def generate_splits(task: str, sizes: dict[str, int], seed: int = 0
         out[split] = pairs
     return out
 
-
-def iterate(task: str, seed: int = 0) -> Iterator[tuple[str, str]]:
-    """An endless stream of (possibly repeated) pairs; for notebooks and quick looks."""
-    draw = _Draw(seed)
-    while True:
-        yield TASKS[task](draw)

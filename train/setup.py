@@ -1,0 +1,193 @@
+"""Everything a run fixes before its first step: processes, data, tokenizer, model, state.
+
+    run, start = start_run(config, workdir)
+    run.model, run.tokenizer, run.dp ...       # fixed for the whole run (a frozen `Run`)
+    start.state, start.iterator, start.step    # where the loop begins (resumed or fresh)
+
+With several processes sharing a workdir, whatever is written there once (the prepared
+dataset, the tokenizer) is made by the lead process first, then read by the others
+(`lead_first`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import flax.linen as nn
+import grain
+import jax
+import ml_collections
+import orbax.checkpoint as ocp
+
+import models
+from train import (
+    checkpoint,
+    data as data_lib,
+    parallel,
+    state as state_lib,
+    step as step_lib,
+)
+from train.metrics import MetricWriter
+from train.model_config import model_config
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """What a run fixes at its start; the loop only reads it.
+
+    Attributes:
+        config: the experiment config.
+        workdir: the run directory.
+        lead: this is process 0 (it prints, writes metrics and the summary).
+        dataset, tokenizer, model: the data, its tokenizer and the model built for them.
+        eval_batches: the validation batches, the same on every evaluation.
+        dp: the data-parallel wrapper of the train and eval steps.
+        writer: metrics.jsonl and TensorBoard (inert on the other processes).
+        checkpoints: the orbax checkpoint manager of `workdir/checkpoints`.
+    """
+
+    config: ml_collections.ConfigDict
+    workdir: str
+    lead: bool
+    dataset: data_lib.Dataset
+    tokenizer: data_lib.Tokenizer
+    model: nn.Module
+    eval_batches: list[dict]
+    dp: parallel.DataParallel
+    writer: MetricWriter
+    checkpoints: ocp.CheckpointManager
+
+    def save(self, step: int, state, iterator: grain.DatasetIterator) -> None:
+        """A checkpoint of `state` (on devices) and the data position at `step`."""
+        checkpoint.save(self.checkpoints, step, self.dp.host_state(state),
+                        iterator.get_state(), json.loads(self.config.to_json()), self.tokenizer)
+
+
+@dataclasses.dataclass
+class Start:
+    """Where the loop begins: the state on devices, the data iterator, the step, and the
+    checkpoint step it resumed from (None for a fresh run)."""
+
+    state: state_lib.TrainState
+    iterator: grain.DatasetIterator
+    step: int
+    resumed_from: int | None
+
+
+def lead_first(make, name: str):
+    """`make()` on the lead process first, then on every other one after a barrier.
+
+    For what the lead writes into a shared directory and the others then find there: with
+    `make` = "load it, preparing it if missing", the lead prepares and the others load, so
+    no two processes ever write the same files. One process: just `make()`.
+    """
+    if jax.process_count() == 1:
+        return make()
+    from jax.experimental import multihost_utils
+    result = make() if jax.process_index() == 0 else None
+    multihost_utils.sync_global_devices(name)
+    return result if jax.process_index() == 0 else make()
+
+
+def maybe_initialize_distributed(config) -> None:
+    """`jax.distributed.initialize()` when `config.distributed`: with `coordinator_address`
+    (host:port of process 0), `num_processes` and `process_id` as given; without it, as the
+    cluster says (TPU pods, SLURM, Open MPI and Kubernetes are detected by JAX)."""
+    if not config.distributed or jax.distributed.is_initialized():
+        return
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")   # CPU-only runs
+    if config.coordinator_address:
+        jax.distributed.initialize(coordinator_address=config.coordinator_address,
+                                   num_processes=config.num_processes,
+                                   process_id=config.process_id)
+    else:
+        jax.distributed.initialize()
+
+
+def load_dataset(config) -> data_lib.Dataset:
+    """The config's dataset, prepared once (by the lead process) and opened."""
+    files = tuple(p for p in config.data_files.split(",") if p)
+    return lead_first(lambda: data_lib.load_dataset(
+        config.dataset, config.data_dir or None, data_files=files,
+        reverse_translation=config.reverse_translation), "dataset prepared")
+
+
+def get_tokenizer(config, ds: data_lib.Dataset, workdir: str) -> data_lib.Tokenizer:
+    """The run's tokenizer: reloaded from `workdir/tokenizer`, or built and saved there
+    (by the lead process; the others load that one, so all encode with the same pieces)."""
+    path = os.path.join(workdir, "tokenizer")
+
+    def load_or_build() -> data_lib.Tokenizer:
+        if os.path.exists(os.path.join(path, "tokenizer.json")):
+            return data_lib.load_tokenizer(path)
+        if config.tokenizer == "byte":
+            tok = data_lib.ByteTokenizer()
+        elif config.tokenizer == "sentencepiece":
+            n = min(len(ds.split("train")), 500_000)
+            texts = (t for ex in ds.examples("train", range(n)) for t in ex)
+            tok = data_lib.train_sentencepiece(texts, config.vocab_size,
+                                               model_type=config.spm_model_type)
+        else:
+            raise ValueError(
+                f"tokenizer={config.tokenizer!r} must be 'sentencepiece' or 'byte'")
+        tok.save(path)
+        return tok
+
+    return lead_first(load_or_build, "tokenizer saved")
+
+
+def pipeline_config(config, eval_: bool = False) -> data_lib.PipelineConfig:
+    return data_lib.PipelineConfig(
+        per_device_batch_size=(config.eval_per_device_batch_size if eval_
+                               else config.per_device_batch_size),
+        max_source_length=config.max_source_length, max_target_length=config.max_target_length,
+        packing=config.packing and not eval_, overlong=config.overlong, seed=config.seed,
+        worker_count=0 if eval_ else config.data_workers)
+
+
+def start_run(config, workdir: str) -> tuple[Run, Start]:
+    """Sets up a run in `workdir`, resuming from its newest readable checkpoint if any."""
+    maybe_initialize_distributed(config)
+    os.makedirs(workdir, exist_ok=True)
+    lead = jax.process_index() == 0
+    ds = load_dataset(config)
+    tok = get_tokenizer(config, ds, workdir)
+    mcfg = model_config(config, tok.vocab_size)
+    if mcfg.is_encoder_decoder != (ds.kind == "translation"):
+        raise ValueError(f"model {config.model!r} ({mcfg.architecture}) does not fit dataset "
+                         f"{config.dataset!r} ({ds.kind})")
+    model = models.build(mcfg)
+    pcfg = pipeline_config(config)
+    source, stats = data_lib.train_source(ds, tok, pcfg, cache_dir=os.path.join(workdir, "cache"))
+    eval_batches, eval_stats = data_lib.eval_batches(
+        ds, tok, pipeline_config(config, eval_=True), config.eval_split)
+    if lead:
+        bad = f"; {ds.bad_lines.summary()}" if ds.bad_lines.total else ""
+        print(f"data: {config.dataset} train {stats.summary()}; {config.eval_split} "
+              f"{eval_stats.summary()}{bad}", flush=True)
+
+    tx, schedule = state_lib.make_optimizer(config)
+    first = jax.tree.map(lambda x: x[0], source[0])
+    init_args = ((first["inputs"], first["targets"]) if mcfg.is_encoder_decoder
+                 else (first["targets"],))
+    params = jax.jit(model.init)(jax.random.key(config.seed), *init_args)["params"]
+    state = state_lib.TrainState.create(params, tx, config.seed)
+    mngr = checkpoint.manager(workdir, config.keep_checkpoints)
+    iterator = data_lib.train_iterator(source, pcfg)
+    restored = checkpoint.restore_latest(mngr, state, set_aside=lead)
+    resumed_from = None
+    if restored is not None:
+        resumed_from, state = restored.step, restored.state
+        iterator.set_state(restored.data)
+        if lead:
+            print(f"resumed from step {resumed_from}", flush=True)
+
+    train_fn, eval_fn = step_lib.make_steps(model, config, schedule)
+    dp = parallel.DataParallel(config.parallel, train_fn, eval_fn)
+    run = Run(config=config, workdir=workdir, lead=lead, dataset=ds, tokenizer=tok, model=model,
+              eval_batches=eval_batches, dp=dp, writer=MetricWriter(workdir, lead),
+              checkpoints=mngr)
+    return run, Start(dp.put_state(state), iterator, int(resumed_from or 0), resumed_from)
+
