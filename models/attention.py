@@ -16,8 +16,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from models.cache import KVCache
 from models.config import TransformerConfig
-
-_NEG = float(jnp.finfo(jnp.float32).min)
+from models.numerics import MASKED_LOGIT
 
 
 def dot_product_attention(
@@ -62,7 +61,7 @@ def dot_product_attention(
         "BQKGH,BSKH->BKGQS", q_BQKGH, k_BSKH, preferred_element_type=jnp.float32)
     if mask_BTS is not None:
         mask_B11QS = mask_BTS.reshape(Bk, 1, 1, W * T, S)
-        logits_BKGQS = jnp.where(mask_B11QS, logits_BKGQS, _NEG)
+        logits_BKGQS = jnp.where(mask_B11QS, logits_BKGQS, MASKED_LOGIT)
     probs_BKGQS = jax.nn.softmax(logits_BKGQS, axis=-1)
     if mask_BTS is not None:
         probs_BKGQS = jnp.where(mask_B11QS, probs_BKGQS, 0.0)
