@@ -6,15 +6,16 @@
     logits = model.apply({"params": params}, tokens)
 """
 
-from models.attention import apply_rope, dot_product_attention
+from models.attention import apply_rope, dot_product_attention, rope_frequencies
 from models.cache import KVCache
-from models.config import TransformerConfig
+from models.config import Llama3RopeScaling, TransformerConfig
 from models.masks import causal_mask, combine_masks, padding_mask, positions_like, segment_mask
 from models.presets import get_config, list_configs
 from models.transformer import DecoderOnly, EncoderDecoder, build
 
 __all__ = [
-    "DecoderOnly", "EncoderDecoder", "KVCache", "TransformerConfig", "apply_rope", "build",
+    "DecoderOnly", "EncoderDecoder", "KVCache", "Llama3RopeScaling", "TransformerConfig",
+    "apply_rope", "build", "rope_frequencies",
     "causal_mask", "combine_masks", "dot_product_attention", "get_config", "list_configs",
     "padding_mask", "positions_like", "segment_mask",
 ]

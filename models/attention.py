@@ -12,10 +12,11 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from models.cache import KVCache
-from models.config import TransformerConfig
+from models.config import Llama3RopeScaling, TransformerConfig
 from models.numerics import MASKED_LOGIT
 
 
@@ -74,15 +75,38 @@ def dot_product_attention(
     return out_BTNH, probs_BNTS.reshape(B, N, T, S)
 
 
+def rope_frequencies(head_dim: int, theta: float,
+                     scaling: Llama3RopeScaling | None = None) -> np.ndarray:
+    """float32[H/2] angular frequencies of the rotary pairs: theta ** (-2i / H), optionally
+    rescaled as Llama 3.1 does (see `Llama3RopeScaling`).
+
+        wavelength 2 pi / f   > original / low_freq_factor   ->  f / factor
+                              < original / high_freq_factor  ->  f
+                              in between                     ->  (1 - s) f / factor + s f,
+                              s = (original / wavelength - low) / (high - low)
+    """
+    inv_freq_h = (1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    inv_freq_h = inv_freq_h.astype(np.float32)
+    if scaling is None:
+        return inv_freq_h
+    wavelength = 2 * np.pi / inv_freq_h
+    low, high = scaling.low_freq_factor, scaling.high_freq_factor
+    smooth = (scaling.original_max_len / wavelength - low) / (high - low)
+    interpolated = (1 - smooth) * inv_freq_h / scaling.factor + smooth * inv_freq_h
+    scaled = np.where(wavelength > scaling.original_max_len / low,
+                      inv_freq_h / scaling.factor, inv_freq_h)
+    medium = (wavelength >= scaling.original_max_len / high) & (
+        wavelength <= scaling.original_max_len / low)
+    return np.where(medium, interpolated, scaled).astype(np.float32)
+
+
 def apply_rope(x_BTNH: Float[Array, "B T N H"], positions_BT: Int[Array, "B T"],
-               theta: float) -> Float[Array, "B T N H"]:
+               inv_freq_h: Float[Array, " h"]) -> Float[Array, "B T N H"]:
     """Rotary position embedding (rotate-half form), computed in float32.
 
     Channel i of the first half and channel i of the second half form a pair rotated by
-    angle position * theta ** (-2i / H).
+    angle position * inv_freq_h[i] (see `rope_frequencies`).
     """
-    H = x_BTNH.shape[-1]
-    inv_freq_h = theta ** (-jnp.arange(0, H, 2, dtype=jnp.float32) / H)
     angle_BTh = positions_BT.astype(jnp.float32)[:, :, None] * inv_freq_h[None, None, :]
     sin_BT1h, cos_BT1h = jnp.sin(angle_BTh)[:, :, None, :], jnp.cos(angle_BTh)[:, :, None, :]
     x1, x2 = jnp.split(x_BTNH.astype(jnp.float32), 2, axis=-1)
@@ -91,8 +115,10 @@ def apply_rope(x_BTNH: Float[Array, "B T N H"], positions_BT: Int[Array, "B T"],
 
 
 def _dense_heads(config: TransformerConfig, heads: int, name: str) -> nn.DenseGeneral:
+    """A query, key or value projection [D] -> [heads, H]."""
     return nn.DenseGeneral(
-        (heads, config.head_dim), use_bias=config.use_bias, dtype=config.dtype,
+        (heads, config.head_dim), use_bias=config.use_bias or config.qkv_bias,
+        dtype=config.dtype,
         param_dtype=config.param_dtype, kernel_init=nn.initializers.xavier_uniform(), name=name)
 
 
@@ -138,8 +164,9 @@ class SelfAttention(nn.Module):
         k_BTKH = _dense_heads(cfg, cfg.num_kv_heads, "key")(x_BTD)
         v_BTKH = _dense_heads(cfg, cfg.num_kv_heads, "value")(x_BTD)
         if cfg.positions == "rope":
-            q_BTNH = apply_rope(q_BTNH, positions_BT, cfg.rope_theta)
-            k_BTKH = apply_rope(k_BTKH, positions_BT, cfg.rope_theta)
+            inv_freq_h = rope_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+            q_BTNH = apply_rope(q_BTNH, positions_BT, inv_freq_h)
+            k_BTKH = apply_rope(k_BTKH, positions_BT, inv_freq_h)
         if cache is None:
             k_BSKH, v_BSKH = k_BTKH, v_BTKH
         else:
@@ -188,7 +215,7 @@ class CrossKVProjection(nn.Module):
             y_LBKSH = jnp.einsum(
                 "BSD,LDKH->LBKSH", encoded_BSD.astype(cfg.dtype),
                 kernel_LDKH.astype(cfg.dtype))
-            if cfg.use_bias:
+            if cfg.use_bias or cfg.qkv_bias:
                 bias_LKH = self.param(
                     f"{name}_bias", nn.initializers.zeros, shape[:1] + shape[2:], cfg.param_dtype)
                 y_LBKSH = y_LBKSH + bias_LKH.astype(cfg.dtype)[:, None, :, None, :]

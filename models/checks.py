@@ -66,14 +66,14 @@ def check_same_shape(x, like, name: str, like_name: str) -> None:
         raise ValueError(f"{name} has shape {x.shape}, but {like_name} has shape {like.shape}")
 
 
-def check_new_lengths(lengths, width: int) -> None:
-    """Each row's count of real new tokens is in [0, width] (when concrete)."""
+def check_new_lengths(lengths, width: int, name: str = "lengths") -> None:
+    """Each row's count of real tokens is in [0, width] (when concrete)."""
     if is_concrete(lengths):
         n = np.asarray(lengths)
         bad = np.nonzero((n < 0) | (n > width))[0]
         if bad.size:
             b = int(bad[0])
-            raise ValueError(f"lengths[{b}]={int(n[b])} must be in [0, tokens width {width}]")
+            raise ValueError(f"{name}[{b}]={int(n[b])} must be in [0, tokens width {width}]")
 
 
 def check_cache_room(cache_lengths, new_lengths, cache_len: int) -> None:

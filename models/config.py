@@ -31,10 +31,38 @@ Architecture = Literal["decoder_only", "encoder_decoder"]
 PositionKind = Literal["sinusoidal", "learned", "rope"]
 NormKind = Literal["layernorm", "rmsnorm"]
 NormPosition = Literal["pre", "post"]
-Activation = Literal["relu", "gelu", "swiglu"]
+Activation = Literal["relu", "gelu", "gelu_exact", "swiglu"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Llama3RopeScaling:
+    """Llama 3.1's RoPE scaling: low frequencies (wavelength above
+    `original_max_len / low_freq_factor`) are divided by `factor`, high ones (wavelength
+    below `original_max_len / high_freq_factor`) are kept, and the band between is
+    interpolated smoothly. Given to the config as this object or as a dict."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_len: int = 8192
+
+    def __post_init__(self):
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            name = f"rope_scaling.{field.name}"
+            value = (check_positive_int(value, name) if field.type in (int, "int")
+                     else _typed(name, value, float))
+            if value <= 0:
+                raise ValueError(f"TransformerConfig.{name}={value} must be > 0")
+            object.__setattr__(self, field.name, value)
+        if not self.high_freq_factor > self.low_freq_factor:
+            raise ValueError(
+                f"TransformerConfig.rope_scaling: high_freq_factor={self.high_freq_factor} "
+                f"must be above low_freq_factor={self.low_freq_factor}")
 
 _POSITIVE = ("vocab_size", "d_model", "num_heads", "num_kv_heads", "head_dim", "mlp_dim",
-             "max_len", "num_layers", "num_encoder_layers", "num_decoder_layers")
+             "max_len", "num_layers", "num_encoder_layers", "num_decoder_layers",
+             "sliding_window")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,11 +84,18 @@ class TransformerConfig:
         positions: "sinusoidal" or "learned" (added to the embeddings) or "rope" (rotary,
             applied to queries and keys of self-attention).
         rope_theta: the rotary base frequency.
+        rope_scaling: None, or a `Llama3RopeScaling` of the rotary frequencies.
         norm: "layernorm" or "rmsnorm"; norm_position: "pre" (x + f(norm(x)), with a final
             norm after the stack) or "post" (norm(x + f(x)), as in Vaswani et al.).
         norm_eps: epsilon of every norm.
-        activation: "relu", "gelu" (tanh approximation, as GPT-2) or "swiglu" (gated).
+        activation: "relu", "gelu" (tanh approximation, as GPT-2), "gelu_exact" (erf) or
+            "swiglu" (gated, silu(x W_gate) * x W_up).
         use_bias: biases in the attention and MLP projections.
+        qkv_bias: biases in the query/key/value projections even without `use_bias`
+            (Qwen2).
+        sliding_window: None, or W: a query sees only the W most recent positions, itself
+            included (key position > query position - W), in the forward pass, prefill and
+            every cached step alike (Mistral). The cache stays `max_len` slots.
         share_embeddings: encoder-decoder only: source and target use one embedding table.
         tie_embeddings: the output projection is the transposed target embedding.
         scale_embeddings: multiply embeddings by sqrt(D) (Vaswani et al.); their initial
@@ -71,7 +106,11 @@ class TransformerConfig:
             dtypes, stored as `jnp.dtype`s (pass them straight to Flax).
         scan_layers: run the layers with `nn.scan` (parameters stacked over layers).
         remat: rematerialise each layer in the backward pass (`nn.remat`).
-        pad_id, eos_id, bos_id: special token ids (bos is the decoder start token).
+        pad_id, eos_id, bos_id: special token ids, any values in [0, V), equal ones allowed
+            (GPT-2 ends and starts with 50256 and has no pad: pad_id None). bos is the first
+            decoder input (the encoder-decoder's start token); eos ends a sequence; pad
+            fills outputs after their end. Nothing masks by comparing tokens with pad_id:
+            masks come from lengths and segment ids.
     """
 
     architecture: Architecture = "decoder_only"
@@ -87,11 +126,14 @@ class TransformerConfig:
     max_len: int = 256
     positions: PositionKind = "sinusoidal"
     rope_theta: float = 10_000.0
+    rope_scaling: Llama3RopeScaling | None = None
     norm: NormKind = "layernorm"
     norm_position: NormPosition = "pre"
     norm_eps: float = 1e-6
     activation: Activation = "relu"
     use_bias: bool = True
+    qkv_bias: bool = False
+    sliding_window: int | None = None
     share_embeddings: bool = True
     tie_embeddings: bool = True
     scale_embeddings: bool = False
@@ -101,7 +143,7 @@ class TransformerConfig:
     param_dtype: Any = "float32"
     scan_layers: bool = False
     remat: bool = False
-    pad_id: int = 0
+    pad_id: int | None = 0
     eos_id: int = 1
     bos_id: int = 2
 
@@ -110,6 +152,12 @@ class TransformerConfig:
             value = getattr(self, field.name)
             if field.name in ("dtype", "param_dtype"):
                 value = _float_dtype(field.name, value)
+            elif field.name == "rope_scaling" and isinstance(value, dict):
+                known = {f.name for f in dataclasses.fields(Llama3RopeScaling)}
+                if set(value) - known:
+                    raise ValueError(f"TransformerConfig.rope_scaling has unknown keys "
+                                     f"{sorted(set(value) - known)}; known: {sorted(known)}")
+                value = Llama3RopeScaling(**value)
             elif field.name in _POSITIVE and value is not None:
                 value = check_positive_int(value, f"TransformerConfig.{field.name}")
             else:
@@ -141,14 +189,15 @@ class TransformerConfig:
             rate = getattr(self, name)
             if not 0.0 <= rate < 1.0:
                 raise ValueError(f"TransformerConfig.{name}={rate} must be in [0, 1)")
-        ids = {"pad_id": self.pad_id, "eos_id": self.eos_id, "bos_id": self.bos_id}
-        for name, value in ids.items():
-            if not 0 <= value < self.vocab_size:
+        if self.rope_scaling is not None and self.positions != "rope":
+            raise ValueError(f"TransformerConfig.rope_scaling={self.rope_scaling} needs "
+                             f"positions='rope', not {self.positions!r}")
+        for name in ("pad_id", "eos_id", "bos_id"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value < self.vocab_size:
                 raise ValueError(
                     f"TransformerConfig.{name}={value!r} must be an int in "
                     f"[0, vocab_size={self.vocab_size})")
-        if len(set(ids.values())) != len(ids):
-            raise ValueError(f"TransformerConfig special ids must be distinct, got {ids}")
 
     # Derived quantities, so no caller recomputes them.
     @property
@@ -200,6 +249,11 @@ def _typed(name: str, value, tp):
             return None
         (tp,) = [a for a in args if a is not type(None)]
         return _typed(name, value, tp)
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        raise ValueError(f"TransformerConfig.{name}={value!r} must be a {tp.__name__} or a "
+                         "dict of its fields")
     if typing.get_origin(tp) is Literal:
         if isinstance(value, str) and value in args:
             return value

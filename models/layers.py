@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import flax.linen as nn
@@ -66,8 +67,16 @@ def make_norm(config: TransformerConfig, name: str | None = None) -> nn.Module:
         name=name)
 
 
+ACTIVATIONS = {
+    "relu": jax.nn.relu,
+    "gelu": functools.partial(jax.nn.gelu, approximate=True),       # GPT-2's tanh form
+    "gelu_exact": functools.partial(jax.nn.gelu, approximate=False),  # erf
+}
+
+
 class MLP(nn.Module):
-    """D -> F -> D with ReLU or GELU, or the gated SwiGLU (silu(x W_gate) * x W_up) W_down."""
+    """D -> F -> D with ReLU or GELU (tanh or exact), or the gated SwiGLU
+    (silu(x W_gate) * x W_up) W_down."""
 
     config: TransformerConfig
 
@@ -84,8 +93,7 @@ class MLP(nn.Module):
         if cfg.activation == "swiglu":
             h_BTF = jax.nn.silu(dense(cfg.mlp_dim, "gate")(x_BTD)) * dense(cfg.mlp_dim, "up")(x_BTD)
         else:
-            act = jax.nn.relu if cfg.activation == "relu" else jax.nn.gelu
-            h_BTF = act(dense(cfg.mlp_dim, "up")(x_BTD))
+            h_BTF = ACTIVATIONS[cfg.activation](dense(cfg.mlp_dim, "up")(x_BTD))
         return dense(cfg.d_model, "down")(h_BTF)
 
 

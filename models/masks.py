@@ -30,6 +30,25 @@ def causal_mask(q_pos_BT: Int[Array, "B T"], k_pos_BS: Int[Array, "B S"]) -> Boo
     return k_pos_BS[:, None, :] <= q_pos_BT[:, :, None]
 
 
+def window_mask(q_pos_BT: Int[Array, "B T"], k_pos_BS: Int[Array, "B S"],
+                window: int) -> Bool[Array, "B T S"]:
+    """Sliding-window attention: a query at position p sees the keys at positions above
+    p - window (with `causal_mask`: the `window` most recent positions, p included).
+
+        window 2, positions 0..3:  [[1 1 1 1]    with causal:  [[1 0 0 0]
+                                    [1 1 1 1]                   [1 1 0 0]
+                                    [0 1 1 1]                   [0 1 1 0]
+                                    [0 0 1 1]]                  [0 0 1 1]]
+    """
+    return k_pos_BS[:, None, :] > q_pos_BT[:, :, None] - window
+
+
+def length_mask(lengths_B: Int[Array, " B"], width: int) -> Bool[Array, "B W"]:
+    """True at the first lengths[b] positions of each row: the real tokens of a
+    right-padded batch."""
+    return jnp.arange(width, dtype=jnp.int32)[None, :] < lengths_B[:, None]
+
+
 def padding_mask(q_valid_BT: Bool[Array, "B T"],
                  k_valid_BS: Bool[Array, "B S"]) -> Bool[Array, "B T S"]:
     """Only real (non-padding) queries see only real keys."""

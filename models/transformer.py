@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import flax.linen as nn
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 from models.attention import CrossKVProjection
 from models.blocks import DecoderLayer, LayerInputs, LayerStack, SelfAttentionLayer
@@ -33,15 +33,43 @@ from models.checks import (
 )
 from models.config import TransformerConfig
 from models.layers import InputEmbedding, token_embedding
-from models.masks import causal_mask, combine_masks, padding_mask, positions_like, segment_mask
+from models.masks import (
+    causal_mask,
+    combine_masks,
+    length_mask,
+    padding_mask,
+    positions_like,
+    segment_mask,
+    window_mask,
+)
 
 
-def _forward_masks(tokens_BT, segment_ids_BT, positions_BT):
-    """Positions (given or 0..T-1) and the causal (and segment) mask of a full sequence."""
+def _self_mask(config: TransformerConfig, q_pos_BT, k_pos_BS):
+    """The decoder's self-attention mask over absolute positions: causal, and the sliding
+    window when the config has one."""
+    window = (None if config.sliding_window is None
+              else window_mask(q_pos_BT, k_pos_BS, config.sliding_window))
+    return combine_masks(causal_mask(q_pos_BT, k_pos_BS), window)
+
+
+def _forward_masks(config, tokens_BT, segment_ids_BT, positions_BT):
+    """Positions (given or 0..T-1) and the causal (windowed, segment) mask of a full
+    sequence. Within a packed segment, index distances are position distances."""
     index_BT = positions_like(tokens_BT)
     positions_BT = index_BT if positions_BT is None else positions_BT
     seg = None if segment_ids_BT is None else segment_mask(segment_ids_BT, segment_ids_BT)
-    return positions_BT, combine_masks(causal_mask(index_BT, index_BT), seg)
+    return positions_BT, combine_masks(_self_mask(config, index_BT, index_BT), seg)
+
+
+def _source_valid(src_BS, lengths_B) -> Bool[Array, "B S"]:
+    """bool[B, S]: the real source tokens, from their lengths (None: all of them)."""
+    if lengths_B is None:
+        return jnp.ones(src_BS.shape, bool)
+    check_int_array(lengths_B, "src_lengths", 1, "int[B]")
+    if lengths_B.shape != src_BS.shape[:1]:
+        raise ValueError(f"src_lengths has shape {lengths_B.shape}, but src has {src_BS.shape}")
+    check_new_lengths(lengths_B, src_BS.shape[1], "src_lengths")
+    return length_mask(lengths_B, src_BS.shape[1])
 
 
 class _CachedDecoder(nn.Module):
@@ -91,7 +119,7 @@ class _CachedDecoder(nn.Module):
         check_cache_room(cache.lengths, lengths_B, S)
         positions_BT = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
         slots_BS = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32)[None, :], (B, S))
-        mask_BTS = causal_mask(positions_BT, slots_BS)
+        mask_BTS = _self_mask(self.config, positions_BT, slots_BS)
         logits_BTV, cache = self._decode(tokens_BT, positions_BT, mask_BTS, cache, True)
         return logits_BTV, cache.replace(lengths=cache.lengths + lengths_B.astype(jnp.int32))
 
@@ -127,7 +155,7 @@ class DecoderOnly(_CachedDecoder):
         check_tokens(self.config, tokens, "tokens")
         check_same_shape(segment_ids, tokens, "segment_ids", "tokens")
         check_same_shape(positions, tokens, "positions", "tokens")
-        positions, mask = _forward_masks(tokens, segment_ids, positions)
+        positions, mask = _forward_masks(self.config, tokens, segment_ids, positions)
         logits, _ = self._decode(tokens, positions, mask, None, deterministic)
         return logits
 
@@ -140,7 +168,8 @@ class DecoderOnly(_CachedDecoder):
 
 class EncoderDecoder(_CachedDecoder):
     """A Vaswani/T5/BART-style sequence-to-sequence model. The decoder input starts with
-    `config.bos_id` (targets shifted right); source padding is `config.pad_id`."""
+    `config.bos_id` (targets shifted right). Source padding is given by `src_lengths`
+    (right-padded rows) or segment ids (0 = padding), never by a pad id."""
 
     def setup(self):
         cfg = self.config
@@ -158,17 +187,19 @@ class EncoderDecoder(_CachedDecoder):
         self,
         src: Int[Array, "B S"],
         *,
+        lengths: Int[Array, " B"] | None = None,
         segment_ids: Int[Array, "B S"] | None = None,
         positions: Int[Array, "B S"] | None = None,
         deterministic: bool = True,
     ) -> Float[Array, "B S D"]:
-        """The encoder output; padding tokens neither see nor are seen."""
+        """The encoder output; padding (past `lengths`, or segment id 0) neither sees nor
+        is seen."""
         cfg = self.config
         check_tokens(cfg, src, "src")
         check_same_shape(segment_ids, src, "src_segment_ids", "src")
         check_same_shape(positions, src, "src_positions", "src")
         positions = positions_like(src) if positions is None else positions
-        valid_BS = src != cfg.pad_id
+        valid_BS = _source_valid(src, lengths)
         seg = None if segment_ids is None else segment_mask(segment_ids, segment_ids)
         mask = combine_masks(padding_mask(valid_BS, valid_BS), seg)
         x_BSD = self.src_embed(src, positions, deterministic)
@@ -180,13 +211,17 @@ class EncoderDecoder(_CachedDecoder):
         src: Int[Array, "B S"],
         tgt_in: Int[Array, "B T"],
         *,
+        src_lengths: Int[Array, " B"] | None = None,
         src_segment_ids: Int[Array, "B S"] | None = None,
         tgt_segment_ids: Int[Array, "B T"] | None = None,
         src_positions: Int[Array, "B S"] | None = None,
         tgt_positions: Int[Array, "B T"] | None = None,
         deterministic: bool = True,
     ) -> Float[Array, "B T V"]:
-        """Teacher-forced logits for decoder inputs `tgt_in` (BOS + targets[:-1])."""
+        """Teacher-forced logits for decoder inputs `tgt_in` (BOS + targets[:-1]).
+
+        Source padding: `src_lengths` for right-padded rows, or `src_segment_ids` (packed
+        rows, 0 = padding); neither means every source token is real."""
         cfg = self.config
         check_tokens(cfg, tgt_in, "tgt_in")
         if tgt_in.shape[0] != src.shape[0]:
@@ -196,28 +231,32 @@ class EncoderDecoder(_CachedDecoder):
         if (src_segment_ids is None) != (tgt_segment_ids is None):
             raise ValueError("give both src_segment_ids and tgt_segment_ids, or neither")
         encoded_BSD = self.encode(
-            src, segment_ids=src_segment_ids, positions=src_positions, deterministic=deterministic)
+            src, lengths=src_lengths, segment_ids=src_segment_ids, positions=src_positions,
+            deterministic=deterministic)
         cross_k, cross_v = self.cross_kv(encoded_BSD)
         seg = None if tgt_segment_ids is None else segment_mask(tgt_segment_ids, src_segment_ids)
-        cross_mask = combine_masks((src != cfg.pad_id)[:, None, :], seg)
-        positions, self_mask = _forward_masks(tgt_in, tgt_segment_ids, tgt_positions)
+        cross_mask = combine_masks(_source_valid(src, src_lengths)[:, None, :], seg)
+        positions, self_mask = _forward_masks(cfg, tgt_in, tgt_segment_ids, tgt_positions)
         x_BTD = self.tgt_embed(tgt_in, positions, deterministic)
         inputs = LayerInputs(self_mask, positions, cross_k, cross_v, cross_mask, deterministic)
         x_BTD, _ = self.decoder(x_BTD, inputs)
         return self._logits(x_BTD)
 
-    def init_cache(self, src: Int[Array, "B S"], cache_len: int, beams: int = 1) -> KVCache:
+    def init_cache(self, src: Int[Array, "B S"], cache_len: int, beams: int = 1, *,
+                   src_lengths: Int[Array, " B"] | None = None) -> KVCache:
         """Encodes `src` once and returns an empty cache of `cache_len` decoder slots, with
         the cross-attention keys/values of every layer filled in.
 
-        With `beams` > 1 the self-attention part has B * beams rows (row b * beams + w is
-        beam w of source b) while the cross-attention part keeps B rows, shared by beams.
+        `src_lengths` are the right-padded sources' true lengths (None: no padding). With
+        `beams` > 1 the self-attention part has B * beams rows (row b * beams + w is beam w
+        of source b) while the cross-attention part keeps B rows, shared by beams.
         """
         beams = check_positive_int(beams, "beams")
-        encoded_BSD = self.encode(src)
+        encoded_BSD = self.encode(src, lengths=src_lengths)
         cross_k, cross_v = self.cross_kv(encoded_BSD)
         cache = KVCache.create(self.config, src.shape[0] * beams, cache_len)
-        return cache.replace(cross_k=cross_k, cross_v=cross_v, cross_mask=src != self.config.pad_id)
+        return cache.replace(cross_k=cross_k, cross_v=cross_v,
+                             cross_mask=_source_valid(src, src_lengths))
 
     def _decode(self, tokens_BT, positions_BT, self_mask_BTS, cache, deterministic):
         if cache.cross_k is None:

@@ -24,12 +24,13 @@ class Fns:
     def __init__(self, cfg: models.TransformerConfig):
         self.cfg = cfg
         self.model = model = models.build(cfg)
-        self.forward = jax.jit(lambda p, *a: model.apply({"params": p}, *a))
+        self.forward = jax.jit(lambda p, *a, **kw: model.apply({"params": p}, *a, **kw))
         self.prefill = jax.jit(
             lambda p, t, n, c: model.apply({"params": p}, t, n, c, method="prefill"))
         self.step = jax.jit(lambda p, t, c: model.apply({"params": p}, t, c, method="step"))
         self._init_cache = jax.jit(
-            lambda p, src, n: model.apply({"params": p}, src, n, method="init_cache"),
+            lambda p, src, n, lengths: model.apply({"params": p}, src, n, src_lengths=lengths,
+                                                   method="init_cache"),
             static_argnums=2)
 
     def init(self, seed: int = 0):
@@ -38,9 +39,9 @@ class Fns:
         args = (tokens, tokens) if self.cfg.is_encoder_decoder else (tokens,)
         return jax.jit(self.model.init)(jax.random.key(seed), *args)["params"]
 
-    def init_cache(self, params, batch_size: int, cache_len: int, src=None):
+    def init_cache(self, params, batch_size: int, cache_len: int, src=None, src_lengths=None):
         if self.cfg.is_encoder_decoder:
-            return self._init_cache(params, src, cache_len)
+            return self._init_cache(params, src, cache_len, src_lengths)
         return models.KVCache.create(self.cfg, batch_size, cache_len)
 
 

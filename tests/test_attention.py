@@ -107,14 +107,16 @@ def test_rope_scores_depend_only_on_relative_position():
     q = jax.random.normal(key1, (1, 1, 1, 16))
     k = jax.random.normal(key2, (1, 1, 1, 16))
 
+    inv_freq = models.rope_frequencies(16, 10_000.0)
+
     def score(m, n):
-        qm = models.apply_rope(q, jnp.array([[m]]), 10_000.0)
-        kn = models.apply_rope(k, jnp.array([[n]]), 10_000.0)
+        qm = models.apply_rope(q, jnp.array([[m]]), inv_freq)
+        kn = models.apply_rope(k, jnp.array([[n]]), inv_freq)
         return float(jnp.sum(qm * kn))
 
     assert abs(score(7, 3) - score(104, 100)) < 1e-4
     assert abs(score(7, 3) - score(3, 7)) > 1e-3
-    np.testing.assert_allclose(models.apply_rope(q, jnp.array([[0]]), 1e4), q, atol=0)
+    np.testing.assert_allclose(models.apply_rope(q, jnp.array([[0]]), inv_freq), q, atol=0)
 
 
 def test_bad_shapes_raise():

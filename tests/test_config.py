@@ -96,12 +96,27 @@ def test_unknown_override_names_itself():
     (dict(dtype="int32"), r"dtype='int32' must be a floating dtype"),
     (dict(dtype="float33"), r"dtype='float33' is not a dtype"),
     (dict(eos_id=512), r"eos_id=512 must be an int in \[0, vocab_size=512\)"),
-    (dict(bos_id=0), r"special ids must be distinct"),
+    (dict(pad_id=-1), r"pad_id=-1 must be an int in \[0, vocab_size=512\)"),
+    (dict(d_model="64"), r"d_model='64' must be a positive int"),
+    (dict(use_bias="no"), r"use_bias='no' must be bool, not str"),
+    (dict(rope_theta="1e4"), r"rope_theta='1e4' must be float, not str"),
+    (dict(sliding_window=0), r"sliding_window=0 must be a positive int"),
+    (dict(rope_scaling=dict(factor=8.0)), r"rope_scaling=.* needs positions='rope'"),
+    (dict(positions="rope", rope_scaling=dict(factr=8.0)), r"unknown keys \['factr'\]"),
+    (dict(positions="rope", rope_scaling=dict(low_freq_factor=4.0, high_freq_factor=1.0)),
+     r"high_freq_factor=1.0 must be above low_freq_factor=4.0"),
     (dict(norm_eps=0.0), r"norm_eps=0.0 must be > 0"),
 ])
 def test_bad_configs_name_field_value_and_rule(overrides, message):
     with pytest.raises(ValueError, match=message):
         models.get_config("gpt-tiny", **overrides)
+
+
+def test_special_ids_may_coincide_and_pad_may_be_absent():
+    """GPT-2 starts and ends with 50256 and has no pad token; Marian starts with its pad."""
+    gpt2 = models.get_config("gpt2-small", bos_id=50256, eos_id=50256, pad_id=None)
+    assert (gpt2.bos_id, gpt2.eos_id, gpt2.pad_id) == (50256, 50256, None)
+    assert models.get_config("transformer-tiny", bos_id=0, pad_id=0).bos_id == 0
 
 
 def test_build_rejects_non_configs():

@@ -11,7 +11,7 @@ import pytest
 from tests.helpers import fns, random_tokens, tiny
 
 
-def _with_delta(f, params, args, embed_name, delta):
+def _with_delta(f, params, args, embed_name, delta, **kwargs):
     """Logits with `delta` added to the output of the InputEmbedding named `embed_name`."""
 
     def interceptor(next_fun, a, kw, context):
@@ -21,7 +21,7 @@ def _with_delta(f, params, args, embed_name, delta):
         return out
 
     with nn.intercept_methods(interceptor):
-        return f.model.apply({"params": params}, *args)
+        return f.model.apply({"params": params}, *args, **kwargs)
 
 
 @pytest.mark.parametrize("arch,embed",
@@ -53,16 +53,19 @@ def test_no_leakage_from_future_tokens(arch, embed):
 def test_source_padding_is_invisible():
     f = fns(tiny("encoder_decoder"))
     params = f.init()
-    src = random_tokens(3, (2, 7), f.cfg.vocab_size).at[0, 4:].set(0)
+    src = random_tokens(3, (2, 7), f.cfg.vocab_size)
+    lengths = jnp.array([4, 7])            # row 0: 4 real tokens, then 3 of padding
     tgt = random_tokens(4, (2, 5), f.cfg.vocab_size)
     # No gradient reaches the decoder from the padded source positions...
-    jac = jax.jit(jax.grad(lambda d: _with_delta(f, params, (src, tgt), "src_embed", d).sum()))(
+    jac = jax.jit(jax.grad(lambda d: _with_delta(f, params, (src, tgt), "src_embed", d,
+                                                 src_lengths=lengths).sum()))(
         jnp.zeros((2, 7, f.cfg.d_model)))
     assert float(jnp.abs(jac[0, 4:]).max()) == 0.0
     assert float(jnp.abs(jac[0, :4]).min(-1).max()) > 0.0
     # ...and more padding changes nothing.
     longer = jnp.pad(src, ((0, 0), (0, 5)))
-    np.testing.assert_allclose(f.forward(params, src, tgt), f.forward(params, longer, tgt),
+    np.testing.assert_allclose(f.forward(params, src, tgt, src_lengths=lengths),
+                               f.forward(params, longer, tgt, src_lengths=lengths),
                                atol=1e-5, rtol=0)
 
 

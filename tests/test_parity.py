@@ -22,12 +22,14 @@ def _check_parity(cfg):
     T, prompt_lens = 10, np.array([3, 6])
     P = int(prompt_lens.max())
     tgt = random_tokens(1, (2, T), cfg.vocab_size)
-    src = random_tokens(2, (2, 7), cfg.vocab_size).at[1, 4:].set(cfg.pad_id)
-    full = f.forward(params, src, tgt) if cfg.is_encoder_decoder else f.forward(params, tgt)
+    # Row 1's source is 4 tokens then junk padding, masked by its length alone.
+    src, src_lengths = random_tokens(2, (2, 7), cfg.vocab_size), jnp.array([7, 4])
+    full = (f.forward(params, src, tgt, src_lengths=src_lengths) if cfg.is_encoder_decoder
+            else f.forward(params, tgt))
 
     junk = random_tokens(3, (2, P), cfg.vocab_size)
     prompt = jnp.where(jnp.arange(P)[None, :] < prompt_lens[:, None], tgt[:, :P], junk)
-    cache = f.init_cache(params, 2, 16, src=src)
+    cache = f.init_cache(params, 2, 16, src=src, src_lengths=src_lengths)
     logits, cache = f.prefill(params, prompt, jnp.asarray(prompt_lens, jnp.int32), cache)
     np.testing.assert_array_equal(cache.lengths, prompt_lens)
     for b, n in enumerate(prompt_lens):
@@ -61,6 +63,27 @@ def test_parity_post_norm_swiglu_rmsnorm_untied(arch):
     _check_parity(tiny(arch, norm_position="post", norm="rmsnorm", activation="swiglu",
                        use_bias=False, tie_embeddings=False, share_embeddings=False,
                        scale_embeddings=True))
+
+
+@pytest.mark.parametrize("arch", ["decoder_only", "encoder_decoder"])
+def test_parity_sliding_window_qkv_bias_exact_gelu_llama3_rope(arch):
+    """The checkpoint variants: a window of 4 (shorter than the 10 tokens, so prefill and
+    every step must apply it), biases on q/k/v only, erf GELU, Llama 3 scaled frequencies."""
+    _check_parity(tiny(arch, positions="rope", num_kv_heads=2, sliding_window=4,
+                       use_bias=False, qkv_bias=True, activation="gelu_exact",
+                       rope_scaling=dict(factor=8.0, original_max_len=16)))
+
+
+def test_the_source_padding_is_masked_by_lengths_not_by_its_tokens():
+    f = fns(tiny("encoder_decoder"))
+    params = f.init()
+    tgt = random_tokens(1, (2, 5), f.cfg.vocab_size)
+    lengths = jnp.array([7, 4])
+    a = f.forward(params, random_tokens(2, (2, 7), 61), tgt, src_lengths=lengths)
+    b = f.forward(params, random_tokens(2, (2, 7), 61).at[:, 4:].set(0), tgt,
+                  src_lengths=lengths)
+    np.testing.assert_allclose(a[1], b[1], atol=ATOL, rtol=0)         # row 1: 4 real tokens
+    assert not np.allclose(a[0], b[0], atol=1e-3)                      # row 0: all 7 real
 
 
 def test_chunked_prefill_equals_one_prefill():
