@@ -4,6 +4,9 @@
     model = models.build(cfg)
     params = model.init(key, tokens)["params"]
     logits = model.apply({"params": params}, tokens)
+
+    pre = models.load("path/to/model_dir")          # a Hugging Face layout directory
+    models.save("out_dir", pre.config, pre.params, pre.tokenizer)
 """
 
 from models.attention import apply_rope, dot_product_attention, rope_frequencies
@@ -11,11 +14,13 @@ from models.cache import KVCache
 from models.config import Llama3RopeScaling, TransformerConfig
 from models.masks import causal_mask, combine_masks, padding_mask, positions_like, segment_mask
 from models.presets import get_config, list_configs
+from models.pretrained import GenerationDefaults, Pretrained, load, save
 from models.transformer import DecoderOnly, EncoderDecoder, build
 
 __all__ = [
     "DecoderOnly", "EncoderDecoder", "KVCache", "Llama3RopeScaling", "TransformerConfig",
     "apply_rope", "build", "rope_frequencies",
     "causal_mask", "combine_masks", "dot_product_attention", "get_config", "list_configs",
-    "padding_mask", "positions_like", "segment_mask",
+    "padding_mask", "positions_like", "segment_mask", "GenerationDefaults", "Pretrained",
+    "load", "save",
 ]

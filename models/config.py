@@ -108,9 +108,10 @@ class TransformerConfig:
         remat: rematerialise each layer in the backward pass (`nn.remat`).
         pad_id, eos_id, bos_id: special token ids, any values in [0, V), equal ones allowed
             (GPT-2 ends and starts with 50256 and has no pad: pad_id None). bos is the first
-            decoder input (the encoder-decoder's start token); eos ends a sequence; pad
-            fills outputs after their end. Nothing masks by comparing tokens with pad_id:
-            masks come from lengths and segment ids.
+            decoder input (the encoder-decoder's start token; required there and for
+            training); eos ends a sequence (None: a model that names no end token); pad
+            fills outputs after their end (0 when None). Nothing masks by comparing tokens
+            with pad_id: masks come from lengths and segment ids.
     """
 
     architecture: Architecture = "decoder_only"
@@ -144,8 +145,8 @@ class TransformerConfig:
     scan_layers: bool = False
     remat: bool = False
     pad_id: int | None = 0
-    eos_id: int = 1
-    bos_id: int = 2
+    eos_id: int | None = 1
+    bos_id: int | None = 2
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
@@ -192,6 +193,9 @@ class TransformerConfig:
         if self.rope_scaling is not None and self.positions != "rope":
             raise ValueError(f"TransformerConfig.rope_scaling={self.rope_scaling} needs "
                              f"positions='rope', not {self.positions!r}")
+        if self.is_encoder_decoder and self.bos_id is None:
+            raise ValueError("TransformerConfig.bos_id=None: an encoder-decoder needs the "
+                             "decoder's start token")
         for name in ("pad_id", "eos_id", "bos_id"):
             value = getattr(self, name)
             if value is not None and not 0 <= value < self.vocab_size:

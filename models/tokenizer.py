@@ -1,17 +1,24 @@
-"""Tokenizers behind one small protocol: sentencepiece for real text, bytes for tiny tasks.
+"""Tokenizers behind one protocol: the project's sentencepiece and byte tokenizers, and any
+Hugging Face tokenizer (through `transformers.AutoTokenizer`, the optional `hf` extra).
 
-The project's own tokenizers share these special ids (a loaded checkpoint's model config
-carries its own; nothing downstream assumes these):
+The project's own tokenizers share these special ids (a loaded model's tokenizer and config
+carry their own; nothing downstream assumes these):
 
     pad = 0   eos = 1   bos = 2   unk = 3
 
-A tokenizer is saved into a directory (`tokenizer.json` naming the kind, plus `spm.model` for
-sentencepiece) that travels with the run's checkpoints; `load_tokenizer(dir)` brings it back.
-Training a sentencepiece model is the data pipeline's job (`train.data.train_sentencepiece`).
+`encode(text)` gives the pieces alone; `encode(text, add_special_tokens=True)` follows the
+tokenizer's own convention for a model input, as Hugging Face's do (GPT-2 adds nothing,
+Llama a leading BOS, Marian and T5 a trailing EOS). The project's tokenizers carry theirs
+in `add_bos` / `add_eos`, set when a model is exported with them: a decoder-only model's
+prompts start with BOS (its training inputs did), an encoder-decoder's sources end in EOS.
+
+`tok.save(dir)` and `load_tokenizer(dir)` use a model directory's files: the project's
+`zoo_tokenizer.json` (+ `spm.model`), or Hugging Face's.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -22,29 +29,58 @@ import sentencepiece as spm
 
 PAD_ID, EOS_ID, BOS_ID, UNK_ID = 0, 1, 2, 3
 _SPECIALS = {PAD_ID, EOS_ID, BOS_ID}
+OWN_FILE = "zoo_tokenizer.json"
+_LEGACY_FILE = "tokenizer.json"          # what runs before the Hugging Face layout wrote
+HF_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt",
+            "spiece.model", "sentencepiece.bpe.model", "source.spm", "tokenizer.model")
+HF_EXTRA = "pip install 'jax-transformer-zoo[hf]'"
 
 
 class Tokenizer(Protocol):
     vocab_size: int
-    pad_id: int
-    eos_id: int
-    bos_id: int
-    unk_id: int
+    pad_id: int | None
+    eos_id: int | None
+    bos_id: int | None
+    unk_id: int | None
 
-    def encode(self, text: str) -> list[int]: ...
-    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]: ...
-    def decode(self, ids: Iterable[int]) -> str: ...
+    def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]: ...
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]: ...   # pieces only
+    def decode(self, ids: Iterable[int]) -> str: ...   # up to the first EOS, no specials
     def id_to_piece(self, ids: Iterable[int]) -> list[str]: ...
     def save(self, directory: str) -> None: ...
 
     @property
     def identity(self) -> str:
-        """Equal for two tokenizers exactly when they map text to the same ids (caches are
-        keyed by it)."""
+        """Equal for two tokenizers exactly when they map text to the same pieces (caches
+        are keyed by it)."""
 
 
-class _Specials:
+def _checked_ids(ids: Iterable[int], vocab_size: int) -> list[int]:
+    out = [int(i) for i in ids]
+    bad = [i for i in out if not 0 <= i < vocab_size]
+    if bad:
+        raise ValueError(f"token id {bad[0]} is outside [0, vocab_size={vocab_size})")
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class _OwnTokenizer:
+    """The project's fixed special ids, its convention flags, and its file."""
+
+    add_bos: bool = False
+    add_eos: bool = False
     pad_id, eos_id, bos_id, unk_id = PAD_ID, EOS_ID, BOS_ID, UNK_ID
+    kind = "?"
+
+    def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
+        ids = self._pieces(text)
+        if add_special_tokens:
+            ids = [BOS_ID] * self.add_bos + ids + [EOS_ID] * self.add_eos
+        return ids
+
+    def with_specials(self, *, add_bos: bool, add_eos: bool):
+        """This tokenizer with another convention for `add_special_tokens`."""
+        return dataclasses.replace(self, add_bos=add_bos, add_eos=add_eos)
 
     @staticmethod
     def _until_eos(ids: Iterable[int]) -> list[int]:
@@ -58,16 +94,15 @@ class _Specials:
                 out.append(i)
         return out
 
-
-def _checked_ids(ids: Iterable[int], vocab_size: int) -> list[int]:
-    out = [int(i) for i in ids]
-    bad = [i for i in out if not 0 <= i < vocab_size]
-    if bad:
-        raise ValueError(f"token id {bad[0]} is outside [0, vocab_size={vocab_size})")
-    return out
+    def _save_meta(self, directory: str) -> None:
+        os.makedirs(directory, exist_ok=True)
+        with open(os.path.join(directory, OWN_FILE), "w") as f:
+            json.dump({"kind": self.kind, "vocab_size": self.vocab_size,
+                       "add_bos": self.add_bos, "add_eos": self.add_eos}, f)
 
 
-class ByteTokenizer(_Specials):
+@dataclasses.dataclass(frozen=True)
+class ByteTokenizer(_OwnTokenizer):
     """UTF-8 bytes shifted past the specials: byte b is id b + 4; vocab_size 260."""
 
     kind = "byte"
@@ -75,11 +110,11 @@ class ByteTokenizer(_Specials):
     vocab_size = 256 + offset
     identity = kind
 
-    def encode(self, text: str) -> list[int]:
+    def _pieces(self, text: str) -> list[int]:
         return [b + self.offset for b in text.encode("utf-8")]
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        return [self.encode(t) for t in texts]
+        return [self._pieces(t) for t in texts]
 
     def decode(self, ids: Iterable[int]) -> str:
         data = bytes(i - self.offset for i in self._until_eos(ids) if i >= self.offset)
@@ -95,26 +130,39 @@ class ByteTokenizer(_Specials):
         return out
 
     def save(self, directory: str) -> None:
-        os.makedirs(directory, exist_ok=True)
-        with open(os.path.join(directory, "tokenizer.json"), "w") as f:
-            json.dump({"kind": self.kind, "vocab_size": self.vocab_size}, f)
+        self._save_meta(directory)
 
 
-class SentencePieceTokenizer(_Specials):
+@dataclasses.dataclass(frozen=True)
+class SentencePieceTokenizer(_OwnTokenizer):
     """A sentencepiece model whose special ids are the project's fixed ones."""
 
+    model_proto: bytes = b""            # the serialised model (what `spm.model` holds)
     kind = "sentencepiece"
 
-    def __init__(self, model_proto: bytes):
-        self._proto = bytes(model_proto)
-        self._sp = spm.SentencePieceProcessor(model_proto=model_proto)
-        got = (self._sp.pad_id(), self._sp.eos_id(), self._sp.bos_id(), self._sp.unk_id())
+    def __init__(self, model_proto: bytes, *, add_bos: bool = False, add_eos: bool = False):
+        object.__setattr__(self, "model_proto", bytes(model_proto))
+        object.__setattr__(self, "add_bos", add_bos)
+        object.__setattr__(self, "add_eos", add_eos)
+        sp = spm.SentencePieceProcessor(model_proto=self.model_proto)
+        got = (sp.pad_id(), sp.eos_id(), sp.bos_id(), sp.unk_id())
         if got != (PAD_ID, EOS_ID, BOS_ID, UNK_ID):
             raise ValueError(f"sentencepiece model has special ids (pad, eos, bos, unk)={got}; "
                              f"this project needs {(PAD_ID, EOS_ID, BOS_ID, UNK_ID)}")
-        self.vocab_size = self._sp.get_piece_size()
+        object.__setattr__(self, "_sp", sp)
 
-    def encode(self, text: str) -> list[int]:
+    def with_specials(self, *, add_bos: bool, add_eos: bool) -> SentencePieceTokenizer:
+        return SentencePieceTokenizer(self.model_proto, add_bos=add_bos, add_eos=add_eos)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._sp.get_piece_size()
+
+    @property
+    def identity(self) -> str:
+        return f"{self.kind}:{hashlib.sha256(self.model_proto).hexdigest()}"
+
+    def _pieces(self, text: str) -> list[int]:
         return self._sp.encode(text)
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
@@ -123,41 +171,89 @@ class SentencePieceTokenizer(_Specials):
     def decode(self, ids: Iterable[int]) -> str:
         return self._sp.decode(self._until_eos(ids))
 
-    @property
-    def model_proto(self) -> bytes:
-        """The serialised sentencepiece model (what `spm.model` holds)."""
-        return self._proto
-
-    @property
-    def identity(self) -> str:
-        return f"{self.kind}:{hashlib.sha256(self._proto).hexdigest()}"
-
     def id_to_piece(self, ids: Iterable[int]) -> list[str]:
         """The piece of each id, specials included (for plots)."""
         return [self._sp.id_to_piece(i) for i in _checked_ids(ids, self.vocab_size)]
 
     def save(self, directory: str) -> None:
-        os.makedirs(directory, exist_ok=True)
+        self._save_meta(directory)
         with open(os.path.join(directory, "spm.model"), "wb") as f:
-            f.write(self._proto)
-        with open(os.path.join(directory, "tokenizer.json"), "w") as f:
-            json.dump({"kind": self.kind, "vocab_size": self.vocab_size}, f)
+            f.write(self.model_proto)
 
 
-def load_tokenizer(directory: str) -> Tokenizer:
-    """The tokenizer saved by `Tokenizer.save(directory)`.
+class HFTokenizer:
+    """A Hugging Face tokenizer behind the protocol. Loaded with `local_files_only` and
+    never with `trust_remote_code`."""
+
+    kind = "huggingface"
+
+    def __init__(self, tokenizer):
+        self.hf = tokenizer
+        self.vocab_size = len(tokenizer)
+        self.pad_id, self.eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+        self.bos_id, self.unk_id = tokenizer.bos_token_id, tokenizer.unk_token_id
+
+    @classmethod
+    def from_directory(cls, directory: str) -> HFTokenizer:
+        try:
+            from transformers import AutoTokenizer
+        except ImportError:
+            raise ImportError(f"{directory} holds a Hugging Face tokenizer; reading it needs "
+                              f"transformers: {HF_EXTRA}") from None
+        return cls(AutoTokenizer.from_pretrained(directory, local_files_only=True))
+
+    def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
+        return self.hf.encode(text, add_special_tokens=add_special_tokens)
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return self.hf(list(texts), add_special_tokens=False)["input_ids"]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        ids = [int(i) for i in ids]
+        if self.eos_id is not None and self.eos_id in ids:
+            ids = ids[:ids.index(self.eos_id)]
+        return self.hf.decode(ids, skip_special_tokens=True)
+
+    def id_to_piece(self, ids: Iterable[int]) -> list[str]:
+        return self.hf.convert_ids_to_tokens(_checked_ids(ids, self.vocab_size))
+
+    def save(self, directory: str) -> None:
+        self.hf.save_pretrained(directory)
+
+    @property
+    def identity(self) -> str:
+        backend = getattr(self.hf, "backend_tokenizer", None)
+        spec = (backend.to_str() if backend is not None
+                else json.dumps(self.hf.get_vocab(), sort_keys=True))
+        return f"{self.kind}:{type(self.hf).__name__}:{hashlib.sha256(spec.encode()).hexdigest()}"
+
+
+def load_tokenizer(directory: str, *, missing_ok: bool = False) -> Tokenizer | None:
+    """The tokenizer saved in `directory`: the project's own, or a Hugging Face one.
 
     Raises:
-        FileNotFoundError: naming the directory, if no tokenizer was saved there.
+        FileNotFoundError: naming the directory when it holds no tokenizer (unless
+            `missing_ok`, which returns None).
     """
-    meta_path = os.path.join(directory, "tokenizer.json")
-    if not os.path.exists(meta_path):
-        raise FileNotFoundError(f"no tokenizer in {directory!r} (expected tokenizer.json)")
-    with open(meta_path) as f:
-        kind = json.load(f)["kind"]
-    if kind == ByteTokenizer.kind:
-        return ByteTokenizer()
-    if kind == SentencePieceTokenizer.kind:
-        with open(os.path.join(directory, "spm.model"), "rb") as f:
-            return SentencePieceTokenizer(f.read())
-    raise ValueError(f"unknown tokenizer kind {kind!r} in {meta_path}")
+    own = os.path.join(directory, OWN_FILE)
+    legacy = os.path.join(directory, _LEGACY_FILE)
+    if not os.path.exists(own) and os.path.exists(legacy) and os.path.getsize(legacy) < 4096:
+        with open(legacy) as f:
+            if json.load(f).get("kind") in (ByteTokenizer.kind, SentencePieceTokenizer.kind):
+                own = legacy
+    if os.path.exists(own):
+        with open(own) as f:
+            meta = json.load(f)
+        flags = {"add_bos": meta.get("add_bos", False), "add_eos": meta.get("add_eos", False)}
+        if meta["kind"] == ByteTokenizer.kind:
+            return ByteTokenizer(**flags)
+        if meta["kind"] == SentencePieceTokenizer.kind:
+            with open(os.path.join(directory, "spm.model"), "rb") as f:
+                return SentencePieceTokenizer(f.read(), **flags)
+        raise ValueError(f"unknown tokenizer kind {meta['kind']!r} in {own}")
+    if any(os.path.exists(os.path.join(directory, name)) for name in HF_FILES):
+        return HFTokenizer.from_directory(directory)
+    if missing_ok:
+        return None
+    raise FileNotFoundError(f"no tokenizer in {directory!r} (expected {OWN_FILE} or a "
+                            "Hugging Face tokenizer's files)")

@@ -15,12 +15,13 @@ from __future__ import annotations
 import base64
 import dataclasses
 import os
+import tempfile
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from models.tokenizer import ByteTokenizer, SentencePieceTokenizer, Tokenizer
+from models.tokenizer import ByteTokenizer, SentencePieceTokenizer, Tokenizer, load_tokenizer
 from train.state import TrainState
 
 
@@ -32,14 +33,28 @@ def manager(workdir: str, keep: int = 3) -> ocp.CheckpointManager:
 
 
 def tokenizer_json(tok: Tokenizer) -> dict:
-    proto = getattr(tok, "model_proto", b"")
-    return {"kind": tok.kind, "model_b64": base64.b64encode(proto).decode()}
+    """The tokenizer's files, base64-encoded, as one JSON item."""
+    with tempfile.TemporaryDirectory() as d:
+        tok.save(d)
+        files = {}
+        for name in sorted(os.listdir(d)):
+            with open(os.path.join(d, name), "rb") as f:
+                files[name] = base64.b64encode(f.read()).decode()
+    return {"files": files}
 
 
-def tokenizer_from_json(d: dict) -> Tokenizer:
-    if d["kind"] == ByteTokenizer.kind:
-        return ByteTokenizer()
-    return SentencePieceTokenizer(base64.b64decode(d["model_b64"]))
+def tokenizer_from_json(item: dict) -> Tokenizer:
+    if "files" not in item:       # checkpoints written before the Hugging Face layout
+        if item["kind"] == ByteTokenizer.kind:
+            return ByteTokenizer()
+        return SentencePieceTokenizer(base64.b64decode(item["model_b64"]))
+    with tempfile.TemporaryDirectory() as d:
+        for name, data in item["files"].items():
+            if os.path.basename(name) != name:
+                raise ValueError(f"checkpoint tokenizer file name {name!r} is not a file name")
+            with open(os.path.join(d, name), "wb") as f:
+                f.write(base64.b64decode(data))
+        return load_tokenizer(d)
 
 
 def save(mngr: ocp.CheckpointManager, step: int, host_state, data_state: dict, config: dict,

@@ -8,7 +8,7 @@ import sacrebleu
 
 import decode
 from train import step as step_lib
-from train.data import EOS_ID, Dataset, Tokenizer
+from train.data import Dataset, Tokenizer
 
 
 def loss_metrics(dp, params, batches) -> dict:
@@ -30,9 +30,9 @@ def translate(model, params, tok: Tokenizer, sources: list[str], *, max_source_l
         chunk = sources[start:start + batch_size]
         prompts = np.zeros((batch_size, max_source_length), np.int32)
         lengths = np.ones(batch_size, np.int32)
-        prompts[:, 0] = EOS_ID                       # padding rows: a lone EOS
+        prompts[:, 0] = tok.eos_id                   # padding rows: a lone EOS
         for i, text in enumerate(chunk):
-            ids = tok.encode(text)[:max_source_length - 1] + [EOS_ID]
+            ids = tok.encode(text)[:max_source_length - 1] + [tok.eos_id]   # as in training
             prompts[i, :len(ids)] = ids
             lengths[i] = len(ids)
         if beam_size > 1:

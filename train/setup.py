@@ -120,8 +120,9 @@ def get_tokenizer(config, ds: data_lib.Dataset, workdir: str) -> data_lib.Tokeni
     path = os.path.join(workdir, "tokenizer")
 
     def load_or_build() -> data_lib.Tokenizer:
-        if os.path.exists(os.path.join(path, "tokenizer.json")):
-            return data_lib.load_tokenizer(path)
+        saved = data_lib.load_tokenizer(path, missing_ok=True)
+        if saved is not None:
+            return saved
         if config.tokenizer == "byte":
             tok = data_lib.ByteTokenizer()
         elif config.tokenizer == "sentencepiece":

@@ -34,7 +34,7 @@ import threading
 import grain
 import numpy as np
 
-from models.tokenizer import EOS_ID, Tokenizer
+from models.tokenizer import Tokenizer
 from train.data.datasets import Dataset
 
 
@@ -87,7 +87,8 @@ class PipelineConfig:
 
 @dataclasses.dataclass
 class TokenizedSplit:
-    """One process's shard of a split, tokenised, EOS appended to every example.
+    """One process's shard of a split, tokenised, the tokenizer's EOS (`eos_id`) appended to
+    every example.
 
     `tokens[side][offsets[side][i]:offsets[side][i + 1]]` is example i's side (source, target
     or text). `example_ids[i]` is its index in the full split.
@@ -95,6 +96,7 @@ class TokenizedSplit:
     tokens: tuple[np.ndarray, ...]
     offsets: tuple[np.ndarray, ...]
     example_ids: np.ndarray
+    eos_id: int
 
     def __len__(self) -> int:
         return len(self.example_ids)
@@ -114,6 +116,9 @@ def tokenize_split(dataset: Dataset, split: str, tokenizer: Tokenizer, *, shard_
                    shard_count: int = 1, cache_dir: str | None = None,
                    chunk: int = 4096) -> TokenizedSplit:
     """Tokenises this process's shard of a split (or loads it from `cache_dir`)."""
+    if tokenizer.eos_id is None:
+        raise ValueError(f"the tokenizer ({tokenizer.identity[:40]}) has no end token "
+                         "(eos_id None); the pipeline ends every example with one")
     source = dataset.split(split)
     ids = shard_indices(len(source), shard_index, shard_count)
     sides = len(dataset.keys)
@@ -129,7 +134,7 @@ def tokenize_split(dataset: Dataset, split: str, tokenizer: Tokenizer, *, shard_
 
             return TokenizedSplit(tuple(load(f"tokens{s}.npy") for s in range(sides)),
                                   tuple(load(f"offsets{s}.npy") for s in range(sides)),
-                                  load("example_ids.npy"))
+                                  load("example_ids.npy"), tokenizer.eos_id)
     dtype = np.uint16 if tokenizer.vocab_size <= np.iinfo(np.uint16).max + 1 else np.int32
     pieces: list[list[np.ndarray]] = [[] for _ in range(sides)]
     lengths: list[list[np.ndarray]] = [[] for _ in range(sides)]
@@ -139,14 +144,14 @@ def tokenize_split(dataset: Dataset, split: str, tokenizer: Tokenizer, *, shard_
             encoded = tokenizer.encode_batch([t[s] for t in texts])
             lengths[s].append(np.fromiter((len(e) + 1 for e in encoded), np.int64,
                                           len(encoded)))
-            flat = [tok for e in encoded for tok in (*e, EOS_ID)]
+            flat = [tok for e in encoded for tok in (*e, tokenizer.eos_id)]
             pieces[s].append(np.asarray(flat, dtype))
     tokens, offsets = [], []
     for s in range(sides):
         tokens.append(np.concatenate(pieces[s]) if pieces[s] else np.zeros(0, dtype))
         lens = np.concatenate(lengths[s]) if lengths[s] else np.zeros(0, np.int64)
         offsets.append(np.concatenate([[0], np.cumsum(lens)]).astype(np.int64))
-    out = TokenizedSplit(tuple(tokens), tuple(offsets), ids)
+    out = TokenizedSplit(tuple(tokens), tuple(offsets), ids, tokenizer.eos_id)
     if cache:
         os.makedirs(cache, exist_ok=True)
         for s in range(sides):
@@ -294,8 +299,10 @@ def plan_epoch(items: Items, cfg: PipelineConfig, max_lengths: tuple[int, ...],
 
 
 def assemble(tokens: tuple[np.ndarray, ...], items: Items, rows: list[list[int]],
-             widths: tuple[int, ...], names: tuple[str, ...], force_eos: bool) -> dict:
-    """Numpy arrays `[rows, width]` for each side: tokens, segmentation and positions."""
+             widths: tuple[int, ...], names: tuple[str, ...], end_id: int | None) -> dict:
+    """Numpy arrays `[rows, width]` for each side: tokens, segmentation and positions.
+    With `end_id`, every item's last token is set to it (a truncated translation example
+    still ends in EOS)."""
     out = {}
     for s, (name, width) in enumerate(zip(names, widths, strict=True)):
         tok = np.zeros((len(rows), width), np.int32)
@@ -306,8 +313,8 @@ def assemble(tokens: tuple[np.ndarray, ...], items: Items, rows: list[list[int]]
             for k, item in enumerate(row, start=1):
                 start, n = int(items.starts[s][item]), int(items.lengths[s][item])
                 tok[r, col:col + n] = tokens[s][start:start + n]
-                if force_eos:
-                    tok[r, col + n - 1] = EOS_ID
+                if end_id is not None:
+                    tok[r, col + n - 1] = end_id
                 seg[r, col:col + n] = k
                 pos[r, col:col + n] = np.arange(n)
                 col += n
@@ -354,7 +361,7 @@ class BatchSource:
         self._names = ("inputs", "targets") if kind == "translation" else ("targets",)
         self._max = ((cfg.max_source_length, cfg.max_target_length) if kind == "translation"
                      else (cfg.max_target_length,))
-        self._force_eos = kind == "translation"
+        self._end_id = data.eos_id if kind == "translation" else None
         self._lock = threading.Lock()
         self._starts = [0]            # first step of each epoch computed so far
         self._plans: dict[int, list] = {}
@@ -410,7 +417,7 @@ class BatchSource:
                                    self._cfg.bucket_boundaries, m)
                            for s, m in enumerate(self._max))
         batch = assemble(self._data.tokens, self._items, rows, widths, self._names,
-                         self._force_eos)
+                         self._end_id)
         return {k: v.reshape(self._devices, -1, v.shape[-1]) for k, v in batch.items()}
 
 
@@ -531,7 +538,7 @@ def eval_batches(dataset: Dataset, tokenizer: Tokenizer, cfg: PipelineConfig, sp
         index[:len(rows)] = data.example_ids[items.example[[r[0] for r in rows]]] if rows else []
         rows += [[]] * (rows_per_batch - len(rows))
         batch = assemble(data.tokens, items, rows, max_lengths, names,
-                         dataset.kind == "translation")
+                         data.eos_id if dataset.kind == "translation" else None)
         batch["example_index"] = index
         batches.append({k: v.reshape(num_devices, -1, *v.shape[1:]) for k, v in batch.items()})
     return batches, stats

@@ -1,0 +1,183 @@
+"""Models in and out of the one on-disk form: a Hugging Face layout directory.
+
+    pre = models.load("path/to/dir")          # config.json + safetensors + tokenizer files
+    pre.model, pre.config, pre.params, pre.tokenizer, pre.generation
+    models.save("out", pre.config, pre.params, pre.tokenizer)
+
+Each `model_type` is one small module here (its config map and weight map as tables, read
+in both directions), found through `FAMILIES`. A config that a Hugging Face class expresses
+is saved as that class (transformers loads it with the same logits); any other config is
+saved under the project's own type (`zoo`), which `load` reads too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import flax.linen as nn
+
+from models.config import TransformerConfig
+from models.pretrained import gpt2, llama, mistral, qwen2, zoo
+from models.pretrained.convert import read_params, theirs_tensors
+from models.pretrained.family import Family, Inexpressible
+from models.pretrained.files import (
+    Weights,
+    read_json,
+    replaced_atomically,
+    write_json,
+    write_weights,
+)
+from models.tokenizer import Tokenizer, load_tokenizer
+from models.transformer import build
+
+FAMILIES: dict[str, Family] = {
+    f.model_type: f for f in (gpt2.FAMILY, llama.FAMILY, mistral.FAMILY, qwen2.FAMILY,
+                              zoo.FAMILY)}
+# Tried in this order when saving a config without a model_type; the first that expresses
+# it wins (the project's own type expresses everything).
+SAVE_ORDER = ("gpt2", "llama", "mistral", "qwen2", zoo.MODEL_TYPE)
+# Fields a loaded config may be given: how to run it, not what it computes.
+RUNTIME_FIELDS = frozenset({"dtype", "param_dtype", "scan_layers", "remat", "dropout_rate",
+                            "attention_dropout_rate"})
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationDefaults:
+    """What `generation_config.json` (or config.json) says decoding should default to.
+
+    Attributes:
+        eos_ids: the end token(s), or None when the model names none.
+        raw: the file's fields as read (for the settings decoding does not use yet).
+    """
+
+    eos_ids: tuple[int, ...] | None = None
+    raw: dict = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class Pretrained:
+    """A model directory, loaded.
+
+    Attributes:
+        model: the flax module (`models.build(config)`).
+        config: its `TransformerConfig`.
+        params: the parameter tree (jax arrays of `config.param_dtype`).
+        tokenizer: the directory's tokenizer, or None when it has no tokenizer files.
+        generation: the decoding defaults the directory gives.
+        model_type: config.json's model_type (kept when saving it again).
+    """
+
+    model: nn.Module
+    config: TransformerConfig
+    params: dict
+    tokenizer: Tokenizer | None
+    generation: GenerationDefaults
+    model_type: str
+
+
+def family_of(hf: dict, path: str) -> Family:
+    model_type = hf.get("model_type")
+    if "auto_map" in hf:
+        raise ValueError(f"{path} has auto_map={hf['auto_map']!r}: it asks to run code from "
+                         "the directory, which this project never does")
+    if model_type not in FAMILIES:
+        raise ValueError(f"{path}: model_type {model_type!r} is not supported; supported: "
+                         f"{', '.join(sorted(FAMILIES))}")
+    return FAMILIES[model_type]
+
+
+def load(path: str, **runtime) -> Pretrained:
+    """Reads a model directory: config.json, safetensors weights (sharded or not, any
+    float dtype, cast to `param_dtype`), the tokenizer files if any, and
+    generation_config.json if any. Reads JSON and safetensors only (no pickle, no code).
+
+    Args:
+        path: the directory (as `save_pretrained` or `models.save` writes it).
+        runtime: how to run the model, not what it computes: `dtype` (compute),
+            `param_dtype` (default float32), `scan_layers`, `remat`, dropout rates.
+
+    Raises:
+        ValueError: naming the field, value or tensor that cannot be loaded exactly.
+        FileNotFoundError: naming what is missing.
+    """
+    unknown = set(runtime) - RUNTIME_FIELDS
+    if unknown:
+        raise ValueError(f"models.load takes {sorted(RUNTIME_FIELDS)} as overrides, not "
+                         f"{sorted(unknown)}")
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"model directory {path!r} does not exist")
+    config_path = os.path.join(path, "config.json")
+    if not os.path.exists(config_path):
+        raise FileNotFoundError(f"no config.json in {path}")
+    hf = read_json(config_path)
+    family = family_of(hf, path)
+    cfg = family.config_from_hf(hf)
+    if runtime:
+        cfg = cfg.replace(**runtime)
+    with Weights(path) as weights:
+        params = read_params(weights, family, cfg)
+    return Pretrained(model=build(cfg), config=cfg, params=params,
+                      tokenizer=load_tokenizer(path, missing_ok=True),
+                      generation=_generation_defaults(path, hf, cfg),
+                      model_type=family.model_type)
+
+
+def _generation_defaults(path: str, hf: dict, cfg: TransformerConfig) -> GenerationDefaults:
+    file = os.path.join(path, "generation_config.json")
+    raw = read_json(file) if os.path.exists(file) else {}
+    eos = raw.get("eos_token_id", hf.get("eos_token_id", cfg.eos_id))
+    eos_ids = None if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
+    for i in eos_ids or ():
+        if not isinstance(i, int) or not 0 <= i < cfg.vocab_size:
+            raise ValueError(f"{path}: eos_token_id {i!r} is outside [0, vocab_size="
+                             f"{cfg.vocab_size})")
+    return GenerationDefaults(eos_ids=eos_ids or None, raw=raw)
+
+
+def save(path: str, config: TransformerConfig, params, tokenizer: Tokenizer | None = None, *,
+         model_type: str | None = None, generation: GenerationDefaults | None = None,
+         max_shard_bytes: int = 2 << 30) -> str:
+    """Writes a model directory that `load` (and, for a Hugging Face model type,
+    transformers) reads back to the same tensors. Written to a temporary directory, then
+    renamed into place: a crash leaves the old directory or the new one.
+
+    Args:
+        model_type: the type to write as (default: the first in `SAVE_ORDER` that
+            expresses `config`; the project's own type expresses every config).
+        generation: decoding defaults for generation_config.json.
+        max_shard_bytes: larger weights are split into shards with an index.
+
+    Returns:
+        The model_type written.
+    """
+    family = _family_for(config, model_type)
+    hf = {**family.config_to_hf(config), "model_type": family.model_type,
+          "architectures": list(family.architectures), "dtype": config.param_dtype.name}
+    with replaced_atomically(path) as tmp:
+        write_json(os.path.join(tmp, "config.json"), hf)
+        write_weights(tmp, theirs_tensors(family, config, params), max_shard_bytes)
+        if generation is not None and (generation.raw or generation.eos_ids):
+            eos = list(generation.eos_ids or ())
+            write_json(os.path.join(tmp, "generation_config.json"), {
+                **generation.raw, "eos_token_id": eos[0] if len(eos) == 1 else eos})
+        if tokenizer is not None:
+            tokenizer.save(tmp)
+    return family.model_type
+
+
+def _family_for(config: TransformerConfig, model_type: str | None) -> Family:
+    if model_type is not None:
+        if model_type not in FAMILIES:
+            raise ValueError(f"model_type {model_type!r} is not one of {sorted(FAMILIES)}")
+        return FAMILIES[model_type]
+    for name in SAVE_ORDER:
+        try:
+            FAMILIES[name].config_to_hf(config)
+        except Inexpressible:
+            continue
+        return FAMILIES[name]
+    raise AssertionError("the project's own model type expresses every config")
+
+
+__all__ = ["FAMILIES", "GenerationDefaults", "Pretrained", "load", "save"]

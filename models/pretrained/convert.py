@@ -1,0 +1,125 @@
+"""Parameters from a checkpoint's tensors and back, by a family's rules (see `mapping`).
+
+Reading checks the whole file against the table before converting anything: every tensor
+the rules need must be there (missing ones are named), every tensor there must be needed,
+ignorable, or the tied head (unexpected ones are named), and every converted array must have
+the shape the model expects (named with both shapes). Tensors are read, converted and cast
+one at a time; stacked (scanned) parameters are assembled one rule at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import jax
+import jax.numpy as jnp
+
+from models.config import TransformerConfig
+from models.pretrained.family import Family
+from models.pretrained.files import Weights
+from models.pretrained.mapping import Rule, our_slot, parameter_shapes
+
+TIED_HEAD = "lm_head.weight"
+
+
+def _expanded(rules: list[Rule], cfg: TransformerConfig):
+    """(rule, theirs keys, ours paths) for every layer of every rule."""
+    for rule in rules:
+        for i in rule.layers(cfg):
+            yield (rule, [k.format(i=i) for k in rule.theirs],
+                   [p.format(i=i) for p in rule.ours])
+
+
+def _show(keys, limit: int = 6) -> str:
+    keys = sorted(keys)
+    more = f" and {len(keys) - limit} more" if len(keys) > limit else ""
+    return ", ".join(keys[:limit]) + more
+
+
+def _key_resolver(family: Family, present: set[str], needed: set[str]):
+    """Maps the rules' key names to the file's: files saved from the base model alone
+    lack the family's prefix ("transformer.h.0..." is "h.0..." there)."""
+    p = family.prefix
+    if p and not any(k.startswith(p) for k in present) and any(
+            k.startswith(p) and k[len(p):] in present for k in needed):
+        return lambda k: k[len(p):] if k.startswith(p) else k
+    return lambda k: k
+
+
+def read_params(weights: Weights, family: Family, cfg: TransformerConfig) -> dict:
+    """The model's parameter tree (jax arrays of `cfg.param_dtype`) from `weights`.
+
+    Raises:
+        ValueError: naming missing or unexpected tensors, or a tensor whose converted shape
+            differs from the model's, with both shapes.
+    """
+    entries = list(_expanded(family.rules(cfg), cfg))
+    needed = {k for _, theirs, _ in entries for k in theirs}
+    present = weights.keys()
+    resolve = _key_resolver(family, present, needed)
+    missing = {k for k in needed if resolve(k) not in present}
+    if missing:
+        raise ValueError(f"{family.model_type} checkpoint {weights.directory} lacks "
+                         f"{len(missing)} tensor(s) the config needs: {_show(missing)}")
+    used = {resolve(k) for k in needed}
+    extra = {k for k in present - used if not family.is_ignored(k)
+             and not (k == resolve(TIED_HEAD) and cfg.tie_embeddings)}
+    if extra:
+        raise ValueError(f"{family.model_type} checkpoint {weights.directory} has "
+                         f"{len(extra)} tensor(s) the config does not use: {_show(extra)}")
+    expected = parameter_shapes(cfg)
+    covered = {p for _, _, ours in entries for p in ours}
+    if covered != set(expected):                  # a bug in a rule table, not in the file
+        raise AssertionError(f"{family.model_type} rules miss {_show(set(expected) - covered)}"
+                             f" or name unknown {_show(covered - set(expected))}")
+    tree: dict = {}
+    stacks: dict[tuple, dict[int, jax.Array]] = {}
+    for rule, theirs, ours in entries:
+        arrays = rule.layout.to_ours([weights.read(resolve(k)) for k in theirs], cfg)
+        for path, array in zip(ours, arrays, strict=True):
+            if tuple(array.shape) != expected[path]:
+                raise ValueError(
+                    f"{family.model_type} checkpoint tensor(s) {', '.join(theirs)} give "
+                    f"{path} shape {tuple(array.shape)}; the config expects {expected[path]}")
+            slot, index = our_slot(path, cfg)
+            array = array.astype(cfg.param_dtype)
+            if index is None:
+                _put(tree, slot, array)
+            else:
+                stacks.setdefault(slot, {})[index] = array
+        for slot in [s for s, layers in stacks.items() if len(layers) == _depth(s, cfg)]:
+            layers = stacks.pop(slot)
+            _put(tree, slot, jnp.stack([layers[i] for i in range(len(layers))]))
+    return tree
+
+
+def theirs_tensors(family: Family, cfg: TransformerConfig,
+                   params) -> Iterator[tuple[str, jax.Array]]:
+    """(file key, array) of every tensor the family's file holds, from our parameters."""
+    for rule, theirs, ours in _expanded(family.rules(cfg), cfg):
+        arrays = []
+        for path in ours:
+            slot, index = our_slot(path, cfg)
+            leaf = _get(params, slot, path)
+            arrays.append(leaf if index is None else leaf[index])
+        yield from zip(theirs, rule.layout.to_theirs(arrays, cfg), strict=True)
+
+
+def _depth(slot: tuple[str, ...], cfg: TransformerConfig) -> int:
+    return cfg.num_encoder_layers if slot[0] == "encoder" else cfg.decoder_layers
+
+
+def _put(tree: dict, slot: tuple[str, ...], value) -> None:
+    for key in slot[:-1]:
+        tree = tree.setdefault(key, {})
+    tree[slot[-1]] = value
+
+
+def _get(tree, slot: tuple[str, ...], path: str):
+    try:
+        for key in slot:
+            tree = tree[key]
+    except (KeyError, TypeError):
+        raise ValueError(f"params have no {path!r} (looked for {'/'.join(slot)})") from None
+    return tree
+

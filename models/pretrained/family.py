@@ -1,0 +1,135 @@
+"""What a model type module provides (`Family`), and reading a Hugging Face config.json
+so that every field is either mapped, checked against the one value we support, known to
+change nothing, or refused by name (`ConfigReader`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable
+
+from models.config import TransformerConfig
+from models.pretrained.mapping import Rule
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """One `model_type`, both directions.
+
+    Attributes:
+        model_type: config.json's `model_type`.
+        architectures: config.json's `architectures` when we write one.
+        config_from_hf: config.json (a dict) -> TransformerConfig; refuses by name what the
+            project cannot compute.
+        config_to_hf: TransformerConfig -> config.json fields; raises `Inexpressible` for a
+            config the Hugging Face class cannot express.
+        rules: the weight map of a config (see `mapping`).
+        prefix: the base model's key prefix ("model.", "transformer."); files saved from
+            the base model alone lack it, and are read all the same.
+        ignored: regexes of file keys that are not weights (buffers) and are skipped.
+        generation: config.json fields that are generation defaults, kept for decoding.
+    """
+
+    model_type: str
+    architectures: tuple[str, ...]
+    config_from_hf: Callable[[dict], TransformerConfig]
+    config_to_hf: Callable[[TransformerConfig], dict]
+    rules: Callable[[TransformerConfig], list[Rule]]
+    prefix: str = ""
+    ignored: tuple[str, ...] = ()
+
+    def is_ignored(self, key: str) -> bool:
+        return any(re.fullmatch(p, key) for p in self.ignored)
+
+
+class Inexpressible(ValueError):
+    """A config that this model type's Hugging Face class cannot express."""
+
+
+# Fields of Hugging Face's base config class (and of older config.json files) that do not
+# change what the model computes from its weights: bookkeeping, outputs, and generation
+# defaults (those are read from generation_config.json; see `models.pretrained.load`).
+HARMLESS = frozenset({
+    "architectures", "model_type", "transformers_version", "dtype", "torch_dtype",
+    "use_cache", "initializer_range", "_name_or_path", "name_or_path", "output_attentions",
+    "output_hidden_states", "return_dict", "use_return_dict", "torchscript", "id2label",
+    "label2id", "num_labels", "problem_type", "tokenizer_class", "prefix",
+    "task_specific_params", "finetuning_task", "_attn_implementation",
+    "attn_implementation", "_attn_implementation_autoset", "chunk_size_feed_forward",
+    "pruned_heads", "tf_legacy_loss", "use_bfloat16", "_commit_hash",
+    "keys_to_ignore_at_inference", "sep_token_id", "cross_attention_hidden_size",
+    "tie_encoder_decoder", "decoder_start_token_id", "output_scores",
+    "return_dict_in_generate", "max_length", "min_length", "do_sample", "early_stopping",
+    "num_beams", "num_beam_groups", "diversity_penalty", "temperature", "top_k", "top_p",
+    "typical_p", "repetition_penalty", "length_penalty", "no_repeat_ngram_size",
+    "encoder_no_repeat_ngram_size", "bad_words_ids", "num_return_sequences",
+    "forced_bos_token_id", "forced_eos_token_id", "remove_invalid_values",
+    "exponential_decay_length_penalty", "suppress_tokens", "begin_suppress_tokens",
+    "gradient_checkpointing", "is_decoder",
+})
+
+
+class ConfigReader:
+    """Reads one config.json: every key must be taken, checked or known to be harmless.
+
+        r = ConfigReader(hf, "llama")
+        d = r.take("hidden_size")                    # required
+        r.expect("attention_bias", False)            # only this value is supported
+        cfg = TransformerConfig(...); r.finish()     # any key left over is refused by name
+    """
+
+    def __init__(self, hf: dict, model_type: str):
+        self.hf, self.model_type = dict(hf), model_type
+        self._seen = set(HARMLESS)
+
+    def take(self, key: str, default=KeyError):
+        """The value of `key`; a missing key is an error unless a default is given."""
+        self._seen.add(key)
+        if key in self.hf and self.hf[key] is not None:
+            return self.hf[key]
+        if default is KeyError:
+            raise ValueError(f"{self.model_type} config.json has no {key!r}")
+        return default
+
+    def expect(self, key: str, *supported) -> None:
+        """`key` is absent, or one of `supported` (the first is its default)."""
+        value = self.take(key, supported[0])
+        if value not in supported:
+            self.refuse(key, value, f"supported: {', '.join(map(repr, supported))}")
+
+    def refuse(self, key: str, value, why: str) -> None:
+        raise ValueError(f"{self.model_type} config.json: {key}={value!r} is not supported "
+                         f"({why})")
+
+    def finish(self) -> None:
+        left = sorted(set(self.hf) - self._seen)
+        if left:
+            shown = ", ".join(f"{k}={self.hf[k]!r}" for k in left[:8])
+            raise ValueError(
+                f"{self.model_type} config.json has field(s) this project does not know, so "
+                f"it cannot tell whether they change the computation: {shown}")
+
+
+def special_ids(r: ConfigReader) -> dict:
+    """bos/eos/pad ids; a list of end ids (Llama 3) keeps its first as the config's eos
+    (the full list is a generation default)."""
+    eos = r.take("eos_token_id", None)
+    if isinstance(eos, list):
+        eos = eos[0] if eos else None
+    bos = r.take("bos_token_id", None)
+    # No start token (Qwen2): a sequence starts where a previous one ended.
+    return {"pad_id": r.take("pad_token_id", None), "eos_id": eos,
+            "bos_id": eos if bos is None else bos}
+
+
+def hf_special_ids(cfg: TransformerConfig) -> dict:
+    return {"bos_token_id": cfg.bos_id, "eos_token_id": cfg.eos_id,
+            "pad_token_id": cfg.pad_id}
+
+
+def require(cfg: TransformerConfig, model_type: str, **fields) -> None:
+    """Raises `Inexpressible` naming the first field of `cfg` that differs from `fields`."""
+    for name, value in fields.items():
+        if getattr(cfg, name) != value:
+            raise Inexpressible(f"{model_type} cannot express {name}={getattr(cfg, name)!r} "
+                                f"(it has {value!r})")
