@@ -213,6 +213,18 @@ class TransformerConfig:
         """L of the stack that owns the KV cache."""
         return self.num_decoder_layers if self.is_encoder_decoder else self.num_layers
 
+    def to_dict(self) -> dict:
+        """Every field as JSON-ready values (dtype names; rope_scaling as a dict)."""
+        out = dataclasses.asdict(self)
+        out["dtype"], out["param_dtype"] = self.dtype.name, self.param_dtype.name
+        return out
+
+    @classmethod
+    def from_dict(cls, fields: dict) -> TransformerConfig:
+        """The inverse of `to_dict`; unknown keys are named."""
+        check_keys(fields)
+        return cls(**fields)
+
     def replace(self, **changes) -> TransformerConfig:
         """A copy with `changes` applied and checked; unknown keys name themselves.
 

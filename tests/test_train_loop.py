@@ -23,7 +23,6 @@ import pytest
 import models
 from tests.train_helpers import tiny_train_config
 from train import checkpoint, trainer
-from train.model_config import model_config
 from train.trainer import train_and_evaluate
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -35,8 +34,8 @@ def _sigterm_at(k: int):
 
 
 def _params(workdir: str, step: int | None = None):
-    params, _, _, got_step = checkpoint.restore_for_decoding(workdir, step)
-    return params, got_step
+    saved = checkpoint.restore_model(workdir, step)
+    return saved.params, saved.step
 
 
 def _steps(workdir: str) -> list[int]:
@@ -69,7 +68,9 @@ def test_a_fresh_run_writes_checkpoints_metrics_and_its_summary(straight):
     assert _steps(workdir) == [3, 6]
     assert sorted(_train_metrics(workdir)) == [1, 2, 3, 4, 5, 6]
     assert glob.glob(os.path.join(workdir, "tensorboard", "events.out.tfevents.*"))
-    assert os.path.exists(os.path.join(workdir, "tokenizer", "tokenizer.json"))
+    assert os.path.exists(os.path.join(workdir, "tokenizer", "zoo_tokenizer.json"))
+    assert summary["model"] == os.path.join(workdir, "model")
+    assert os.path.exists(os.path.join(workdir, "model", "model.safetensors"))
 
 
 def test_sigterm_saves_and_the_same_command_resumes_exactly(straight, data_dir, tmp_path):
@@ -123,7 +124,7 @@ def test_a_corrupt_latest_checkpoint_is_reported_and_the_previous_one_used(
 
 def test_a_missing_checkpoint_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="no checkpoints in"):
-        checkpoint.restore_for_decoding(str(tmp_path))
+        checkpoint.restore_model(str(tmp_path))
 
 
 def test_a_nan_loss_stops_the_run_naming_the_step_and_keeps_the_last_good_checkpoint(
@@ -141,12 +142,12 @@ def test_a_nan_loss_stops_the_run_naming_the_step_and_keeps_the_last_good_checkp
 
 def test_checkpoints_hold_plain_parameters_that_decode_on_one_device(straight):
     """Saved from 4 replicas, restored as host arrays of the model's own shapes, no optimiser
-    state, and usable by decode straight away."""
+    state, and usable by decode straight away; the run's export holds the same model."""
     import decode
-    params, config, tok, step = checkpoint.restore_for_decoding(straight[0])
-    assert step == 6 and tok.vocab_size == 260
-    import ml_collections
-    model = models.build(model_config(ml_collections.ConfigDict(config), tok.vocab_size))
+    saved = checkpoint.restore_model(straight[0])
+    params, tok = saved.params, saved.tokenizer
+    assert saved.step == 6 and tok.vocab_size == 260
+    model = models.build(saved.config)
     src = np.array([[10, 11, 12, 1]], np.int32)
     expected = jax.eval_shape(model.init, jax.random.key(0), src, src)["params"]
     chex.assert_trees_all_equal_shapes_and_dtypes(params, expected)
@@ -157,6 +158,12 @@ def test_checkpoints_hold_plain_parameters_that_decode_on_one_device(straight):
     mngr = ocp.CheckpointManager(os.path.join(straight[0], "checkpoints"))
     assert set(mngr.item_metadata(6).keys()) >= {"params", "train", "data", "config",
                                                  "tokenizer"}
+    # The export is the same model, in the one on-disk form, with its tokenizer.
+    exported = models.load(os.path.join(straight[0], "model"))
+    assert exported.config == saved.config and exported.model_type == "jax_transformer_zoo"
+    chex.assert_trees_all_equal(jax.tree.map(np.asarray, exported.params), params)
+    assert exported.tokenizer.encode("ab", add_special_tokens=True) == \
+        tok.encode("ab") + [tok.eos_id]          # an encoder-decoder's sources end in EOS
 
 
 def _free_port() -> int:

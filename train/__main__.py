@@ -97,7 +97,7 @@ def _run(name: str) -> None:
     print(f"done: step {summary['step']} in {summary['train_seconds']:.0f} s of training; "
           f"validation loss {val['loss']:.3f}, accuracy {val['accuracy']:.3f}"
           + "".join(f"; test {k} {v:.4g}" for k, v in test.items())
-          + f"\nsummary: {os.path.join(workdir, 'summary.json')}")
+          + f"\nsummary: {os.path.join(workdir, 'summary.json')}; model: {summary['model']}")
 
 
 if __name__ == "__main__":

@@ -6,8 +6,12 @@ parameters alone (on CPU, without building an optimiser):
     params     the model parameters (plain arrays, never replicated)
     train      {"step", "opt_state", "rng"}
     data       the grain iterator state (JSON)
-    config     the experiment config (JSON)
-    tokenizer  {"kind", "model_b64"} (JSON)
+    config     {"experiment", "model", "model_type", "generation"} (JSON): the experiment
+               config, the model's TransformerConfig, and where a fine-tuned model came from
+    tokenizer  {"files": the tokenizer's files, base64} (JSON)
+
+`restore_model` gives what an export needs (`train.export` writes it as a model directory,
+the one form decoding reads).
 """
 
 from __future__ import annotations
@@ -18,10 +22,14 @@ import os
 import tempfile
 
 import jax
+import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
 
+from models.config import TransformerConfig
+from models.pretrained import GenerationDefaults
 from models.tokenizer import ByteTokenizer, SentencePieceTokenizer, Tokenizer, load_tokenizer
+from train.model_config import ModelChoice
 from train.state import TrainState
 
 
@@ -80,8 +88,8 @@ class Restored:
 
 def restore_latest(mngr: ocp.CheckpointManager, template: TrainState,
                    set_aside: bool = True) -> Restored | None:
-    """The newest checkpoint that restores into `template`'s shapes; a broken one is
-    reported and the previous one used.
+    """The newest checkpoint that restores into `template`'s shapes (arrays or
+    `jax.ShapeDtypeStruct`s); a broken one is reported and the previous one used.
 
     An unreadable step directory is renamed to `<step>.unreadable` when `set_aside` (the
     lead process of a run does it), so later saves of that step do not collide with it.
@@ -89,8 +97,7 @@ def restore_latest(mngr: ocp.CheckpointManager, template: TrainState,
     Returns:
         A `Restored`, or None when there is no checkpoint.
     """
-    abstract = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), template)
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), template)
     for step in sorted(mngr.all_steps(), reverse=True):
         try:
             train_target = {"step": abstract.step, "opt_state": abstract.opt_state,
@@ -123,11 +130,33 @@ def _set_aside(mngr: ocp.CheckpointManager, step: int) -> str:
     return dst
 
 
-def restore_for_decoding(workdir: str, step: int | None = None):
-    """(params, config dict, tokenizer, step) of a run, parameters only, as host arrays.
+@dataclasses.dataclass(frozen=True)
+class SavedModel:
+    """A checkpoint's model, as an export needs it (parameters as host arrays)."""
+
+    params: dict
+    config: TransformerConfig
+    tokenizer: Tokenizer
+    step: int
+    model_type: str | None
+    generation: GenerationDefaults | None
+    experiment: dict
+
+
+def config_item(experiment: dict, choice: ModelChoice) -> dict:
+    generation = choice.generation
+    return {"experiment": experiment, "model": choice.config.to_dict(),
+            "model_type": choice.model_type,
+            "generation": None if generation is None else {
+                "eos_ids": generation.eos_ids, "raw": generation.raw}}
+
+
+def restore_model(workdir: str, step: int | None = None) -> SavedModel:
+    """The model of a run's newest readable checkpoint (or of `step`), without optimiser
+    state, on the host.
 
     Raises:
-        FileNotFoundError: naming the workdir when it has no checkpoint.
+        FileNotFoundError: naming the workdir when it has no (readable) checkpoint.
     """
     path = os.path.abspath(os.path.join(workdir, "checkpoints"))
     if not os.path.isdir(path):
@@ -142,9 +171,20 @@ def restore_for_decoding(workdir: str, step: int | None = None):
             got = mngr.restore(s, args=ocp.args.Composite(
                 params=ocp.args.StandardRestore(), config=ocp.args.JsonRestore(),
                 tokenizer=ocp.args.JsonRestore()))
-            return got.params, got.config, tokenizer_from_json(got.tokenizer), s
         except Exception as e:
             print(f"checkpoint at step {s} is unreadable ({type(e).__name__}); trying the "
                   "previous one", flush=True)
             last_error = e
+            continue
+        tok = tokenizer_from_json(got.tokenizer)
+        item = got.config
+        if "experiment" not in item:     # written before the model config was stored
+            from train.model_config import model_config
+            item = config_item(item, ModelChoice(
+                model_config(ml_collections.ConfigDict(item), tok.vocab_size)))
+        generation = item["generation"] and GenerationDefaults(
+            eos_ids=tuple(item["generation"]["eos_ids"] or ()) or None,
+            raw=item["generation"]["raw"])
+        return SavedModel(got.params, TransformerConfig.from_dict(item["model"]), tok, s,
+                          item["model_type"], generation, item["experiment"])
     raise FileNotFoundError(f"no readable checkpoint in {path}") from last_error

@@ -1,8 +1,28 @@
-"""The one boundary where an experiment config becomes a frozen model config."""
+"""The one boundary where an experiment config becomes a frozen model config: from a preset
+(training from scratch) or from a model directory (`init_from`, fine-tuning)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import models
+from models.pretrained import RUNTIME_FIELDS, GenerationDefaults, generation_defaults, read_config
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelChoice:
+    """What a run trains: its config, and for a fine-tuned model where it came from.
+
+    Attributes:
+        config: the model's `TransformerConfig`.
+        model_type: the model directory's type, kept when the run exports (None: the first
+            type that expresses the config).
+        generation: the directory's decoding defaults (None from scratch).
+    """
+
+    config: models.TransformerConfig
+    model_type: str | None = None
+    generation: GenerationDefaults | None = None
 
 
 def model_config(config, vocab_size: int) -> models.TransformerConfig:
@@ -14,3 +34,31 @@ def model_config(config, vocab_size: int) -> models.TransformerConfig:
     return models.get_config(config.model, **{
         "vocab_size": vocab_size, "max_len": max(max_len, preset_max_len),
         "dtype": config.dtype, **overrides})
+
+
+def choose_model(config, vocab_size: int) -> ModelChoice:
+    """The run's model: `config.init_from`'s (with runtime overrides only: dtype, dropout,
+    scan_layers, remat) or the preset's.
+
+    Raises:
+        ValueError: an override that would change a loaded model's shapes, data longer than
+            the loaded model's `max_len`, or a tokenizer larger than its vocabulary.
+    """
+    if not config.init_from:
+        return ModelChoice(model_config(config, vocab_size))
+    overrides = dict(config.model_overrides.to_dict()) if config.model_overrides else {}
+    fixed = sorted(set(overrides) - RUNTIME_FIELDS)
+    if fixed:
+        raise ValueError(f"model_overrides {fixed} would change the architecture of "
+                         f"init_from={config.init_from!r}; only {sorted(RUNTIME_FIELDS)} "
+                         "can be overridden when fine-tuning")
+    family, cfg, _ = read_config(config.init_from, dtype=config.dtype, **overrides)
+    need = max(config.max_source_length, config.max_target_length,
+               config.max_decode_length + 1)
+    if need > cfg.max_len:
+        raise ValueError(f"max_source_length / max_target_length / max_decode_length + 1 = "
+                         f"{need} exceed the max_len {cfg.max_len} of {config.init_from}")
+    if vocab_size > cfg.vocab_size:
+        raise ValueError(f"the tokenizer has {vocab_size} ids but the model in "
+                         f"{config.init_from} only {cfg.vocab_size}")
+    return ModelChoice(cfg, family.model_type, generation_defaults(config.init_from, cfg))

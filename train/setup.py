@@ -29,8 +29,9 @@ from train import (
     state as state_lib,
     step as step_lib,
 )
+from train.export import write_model
 from train.metrics import MetricWriter
-from train.model_config import model_config
+from train.model_config import ModelChoice, choose_model
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +43,7 @@ class Run:
         workdir: the run directory.
         lead: this is process 0 (it prints, writes metrics and the summary).
         dataset, tokenizer, model: the data, its tokenizer and the model built for them.
+        choice: the model's config and, fine-tuning, the directory's type and defaults.
         eval_batches: the validation batches, the same on every evaluation.
         dp: the data-parallel wrapper of the train and eval steps.
         writer: metrics.jsonl and TensorBoard (inert on the other processes).
@@ -54,6 +56,7 @@ class Run:
     dataset: data_lib.Dataset
     tokenizer: data_lib.Tokenizer
     model: nn.Module
+    choice: ModelChoice
     eval_batches: list[dict]
     dp: parallel.DataParallel
     writer: MetricWriter
@@ -61,8 +64,19 @@ class Run:
 
     def save(self, step: int, state, iterator: grain.DatasetIterator) -> None:
         """A checkpoint of `state` (on devices) and the data position at `step`."""
+        item = checkpoint.config_item(json.loads(self.config.to_json()), self.choice)
         checkpoint.save(self.checkpoints, step, self.dp.host_state(state),
-                        iterator.get_state(), json.loads(self.config.to_json()), self.tokenizer)
+                        iterator.get_state(), item, self.tokenizer)
+
+    def export(self, state) -> str | None:
+        """The model as a directory, WORKDIR/model (written by the lead process)."""
+        if not self.lead:
+            return None
+        path = os.path.join(self.workdir, "model")
+        write_model(path, self.choice.config, self.dp.host_state(state).params,
+                    self.tokenizer, model_type=self.choice.model_type,
+                    generation=self.choice.generation)
+        return path
 
 
 @dataclasses.dataclass
@@ -115,15 +129,22 @@ def load_dataset(config) -> data_lib.Dataset:
 
 
 def get_tokenizer(config, ds: data_lib.Dataset, workdir: str) -> data_lib.Tokenizer:
-    """The run's tokenizer: reloaded from `workdir/tokenizer`, or built and saved there
-    (by the lead process; the others load that one, so all encode with the same pieces)."""
+    """The run's tokenizer: reloaded from `workdir/tokenizer`, or made and saved there (by
+    the lead process; the others load that one, so all encode with the same pieces). Made
+    means: `init_from`'s own tokenizer, or a byte tokenizer, or sentencepiece trained on the
+    training split."""
     path = os.path.join(workdir, "tokenizer")
 
     def load_or_build() -> data_lib.Tokenizer:
         saved = data_lib.load_tokenizer(path, missing_ok=True)
         if saved is not None:
             return saved
-        if config.tokenizer == "byte":
+        if config.init_from:
+            tok = data_lib.load_tokenizer(config.init_from, missing_ok=True)
+            if tok is None:
+                raise ValueError(f"init_from={config.init_from!r} has no tokenizer files; "
+                                 "fine-tuning on text needs the model's own tokenizer")
+        elif config.tokenizer == "byte":
             tok = data_lib.ByteTokenizer()
         elif config.tokenizer == "sentencepiece":
             n = min(len(ds.split("train")), 500_000)
@@ -155,10 +176,15 @@ def start_run(config, workdir: str) -> tuple[Run, Start]:
     lead = jax.process_index() == 0
     ds = load_dataset(config)
     tok = get_tokenizer(config, ds, workdir)
-    mcfg = model_config(config, tok.vocab_size)
+    choice = choose_model(config, tok.vocab_size)
+    mcfg = choice.config
     if mcfg.is_encoder_decoder != (ds.kind == "translation"):
-        raise ValueError(f"model {config.model!r} ({mcfg.architecture}) does not fit dataset "
+        model_name = config.init_from or config.model
+        raise ValueError(f"model {model_name!r} ({mcfg.architecture}) does not fit dataset "
                          f"{config.dataset!r} ({ds.kind})")
+    if mcfg.bos_id is None:
+        raise ValueError(f"model {config.init_from or config.model!r} has no start token "
+                         "(bos_id), which teacher forcing puts first in every sequence")
     model = models.build(mcfg)
     pcfg = pipeline_config(config)
     source, stats = data_lib.train_source(ds, tok, pcfg, cache_dir=os.path.join(workdir, "cache"))
@@ -173,22 +199,37 @@ def start_run(config, workdir: str) -> tuple[Run, Start]:
     first = jax.tree.map(lambda x: x[0], source[0])
     init_args = ((first["inputs"], first["targets"]) if mcfg.is_encoder_decoder
                  else (first["targets"],))
-    params = jax.jit(model.init)(jax.random.key(config.seed), *init_args)["params"]
-    state = state_lib.TrainState.create(params, tx, config.seed)
+
+    def fresh_state(init_params=None):
+        if init_params is None:
+            init_params = model.init(jax.random.key(config.seed), *init_args)["params"]
+        return state_lib.TrainState.create(init_params, tx, config.seed)
+
     mngr = checkpoint.manager(workdir, config.keep_checkpoints)
     iterator = data_lib.train_iterator(source, pcfg)
-    restored = checkpoint.restore_latest(mngr, state, set_aside=lead)
+    restored = checkpoint.restore_latest(mngr, jax.eval_shape(fresh_state), set_aside=lead)
     resumed_from = None
     if restored is not None:
         resumed_from, state = restored.step, restored.state
         iterator.set_state(restored.data)
         if lead:
             print(f"resumed from step {resumed_from}", flush=True)
+    elif config.init_from:
+        state = jax.jit(fresh_state)(models.load(config.init_from, **_runtime(mcfg)).params)
+        if lead:
+            print(f"initialised from {config.init_from} ({choice.model_type})", flush=True)
+    else:
+        state = jax.jit(fresh_state)()
 
     train_fn, eval_fn = step_lib.make_steps(model, config, schedule)
     dp = parallel.DataParallel(config.parallel, train_fn, eval_fn)
     run = Run(config=config, workdir=workdir, lead=lead, dataset=ds, tokenizer=tok, model=model,
-              eval_batches=eval_batches, dp=dp, writer=MetricWriter(workdir, lead),
+              choice=choice, eval_batches=eval_batches, dp=dp, writer=MetricWriter(workdir, lead),
               checkpoints=mngr)
     return run, Start(dp.put_state(state), iterator, int(resumed_from or 0), resumed_from)
 
+
+
+def _runtime(config: models.TransformerConfig) -> dict:
+    """The fields of `config` that `models.load` takes (how to run, not what)."""
+    return {k: getattr(config, k) for k in models.pretrained.RUNTIME_FIELDS}

@@ -3,8 +3,10 @@
     summary = train_and_evaluate(configs.get("default"), "runs/default")
 
 Restarting with the same workdir resumes from the newest readable checkpoint, exactly (the
-data position, RNG and optimiser state are all in it). SIGTERM or Ctrl-C saves and returns;
-a NaN or Inf loss raises `FloatingPointError` naming the step, without saving. Setting up
+data position, RNG and optimiser state are all in it). At the end, and when SIGTERM or
+Ctrl-C stops the run after saving, the model is exported to WORKDIR/model (the directory
+`models.load` and `python -m decode --model` read). A NaN or Inf loss raises
+`FloatingPointError` naming the step, without saving. Setting up
 (data, tokenizer, model, state, restore) is `train.setup`.
 """
 
@@ -95,12 +97,13 @@ def train_and_evaluate(config, workdir: str, *, hooks=()) -> dict:
         train_seconds = round(time.time() - started, 2)
         if step not in run.checkpoints.all_steps():
             run.save(step, state, iterator)
+        exported = run.export(state)
         summary = {"step": step, "resumed_from_step": start.resumed_from,
-                   "train_seconds": train_seconds}
+                   "train_seconds": train_seconds, "model": exported}
         if stopped:
             if run.lead:
-                print(f"{stopped} received: saved a checkpoint at step {step} and stopped",
-                      flush=True)
+                print(f"{stopped} received: saved a checkpoint at step {step}, exported it to "
+                      f"{exported} and stopped", flush=True)
             summary["stopped_by"] = stopped
         else:
             summary.update(_evaluate(run, state, step, test=True))

@@ -87,6 +87,29 @@ def family_of(hf: dict, path: str) -> Family:
     return FAMILIES[model_type]
 
 
+def read_config(path: str, **runtime) -> tuple[Family, TransformerConfig, dict]:
+    """A model directory's model type, its `TransformerConfig` (with the `runtime` fields
+    of `load` applied) and config.json as read; no weights are read."""
+    unknown = set(runtime) - RUNTIME_FIELDS
+    if unknown:
+        raise ValueError(f"a loaded model takes only {sorted(RUNTIME_FIELDS)} as overrides, "
+                         f"not {sorted(unknown)}")
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"model directory {path!r} does not exist")
+    config_path = os.path.join(path, "config.json")
+    if not os.path.exists(config_path):
+        raise FileNotFoundError(f"no config.json in {path}")
+    hf = read_json(config_path)
+    family = family_of(hf, path)
+    cfg = family.config_from_hf(hf)
+    return family, (cfg.replace(**runtime) if runtime else cfg), hf
+
+
+def generation_defaults(path: str, config: TransformerConfig) -> GenerationDefaults:
+    """generation_config.json's decoding defaults (the config's eos when it has none)."""
+    return _generation_defaults(path, read_json(os.path.join(path, "config.json")), config)
+
+
 def load(path: str, **runtime) -> Pretrained:
     """Reads a model directory: config.json, safetensors weights (sharded or not, any
     float dtype, cast to `param_dtype`), the tokenizer files if any, and
@@ -101,20 +124,7 @@ def load(path: str, **runtime) -> Pretrained:
         ValueError: naming the field, value or tensor that cannot be loaded exactly.
         FileNotFoundError: naming what is missing.
     """
-    unknown = set(runtime) - RUNTIME_FIELDS
-    if unknown:
-        raise ValueError(f"models.load takes {sorted(RUNTIME_FIELDS)} as overrides, not "
-                         f"{sorted(unknown)}")
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"model directory {path!r} does not exist")
-    config_path = os.path.join(path, "config.json")
-    if not os.path.exists(config_path):
-        raise FileNotFoundError(f"no config.json in {path}")
-    hf = read_json(config_path)
-    family = family_of(hf, path)
-    cfg = family.config_from_hf(hf)
-    if runtime:
-        cfg = cfg.replace(**runtime)
+    family, cfg, hf = read_config(path, **runtime)
     with Weights(path) as weights:
         params = read_params(weights, family, cfg)
     return Pretrained(model=build(cfg), config=cfg, params=params,
@@ -152,8 +162,9 @@ def save(path: str, config: TransformerConfig, params, tokenizer: Tokenizer | No
         The model_type written.
     """
     family = _family_for(config, model_type)
-    hf = {**family.config_to_hf(config), "model_type": family.model_type,
-          "architectures": list(family.architectures), "dtype": config.param_dtype.name}
+    # A Hugging Face config's "dtype" is the weights' (ours keeps its compute dtype there).
+    hf = {"dtype": config.param_dtype.name, **family.config_to_hf(config),
+          "model_type": family.model_type, "architectures": list(family.architectures)}
     with replaced_atomically(path) as tmp:
         write_json(os.path.join(tmp, "config.json"), hf)
         write_weights(tmp, theirs_tensors(family, config, params), max_shard_bytes)
@@ -180,4 +191,5 @@ def _family_for(config: TransformerConfig, model_type: str | None) -> Family:
     raise AssertionError("the project's own model type expresses every config")
 
 
-__all__ = ["FAMILIES", "GenerationDefaults", "Pretrained", "load", "save"]
+__all__ = ["FAMILIES", "GenerationDefaults", "Pretrained", "generation_defaults", "load",
+           "read_config", "save"]

@@ -4,9 +4,7 @@ are our parameters under their own '.'-joined paths (unscanned: one tensor per l
 
 from __future__ import annotations
 
-import dataclasses
-
-from models.config import TransformerConfig, check_keys
+from models.config import TransformerConfig
 from models.pretrained.family import Family
 from models.pretrained.mapping import Rule, parameter_shapes
 
@@ -15,15 +13,11 @@ _BOOKKEEPING = ("model_type", "architectures", "transformers_version")
 
 
 def config_from_hf(hf: dict) -> TransformerConfig:
-    fields = {k: v for k, v in hf.items() if k not in _BOOKKEEPING}
-    check_keys(fields)
-    return TransformerConfig(**fields)
+    return TransformerConfig.from_dict({k: v for k, v in hf.items() if k not in _BOOKKEEPING})
 
 
 def config_to_hf(cfg: TransformerConfig) -> dict:
-    out = dataclasses.asdict(cfg)
-    out["dtype"], out["param_dtype"] = cfg.dtype.name, cfg.param_dtype.name
-    return out
+    return cfg.to_dict()
 
 
 def rules(cfg: TransformerConfig) -> list[Rule]:

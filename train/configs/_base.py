@@ -9,6 +9,10 @@ def base_config() -> ml_collections.ConfigDict:
     # tokenizer and max_len from the longest sequence.
     c.model = "transformer-tiny"
     c.model_overrides = ml_collections.ConfigDict()
+    # Fine-tuning: a model directory (Hugging Face layout, or a run's WORKDIR/model) whose
+    # config, weights and tokenizer the run starts from; `model`, `tokenizer` and
+    # `vocab_size` are then unused and model_overrides may only set dtype, dropout, scan.
+    c.init_from = ""
     c.dtype = "float32"                    # compute dtype; parameters stay float32
     # Data.
     c.dataset = "toy_translation"

@@ -1,0 +1,66 @@
+"""python -m train.export --workdir W [--step N] [--out DIR]
+
+Writes a training run's checkpoint (the newest readable one, or step N) as a model
+directory, the one form in which models leave the project: W/model by default. Training
+runs do this themselves when they finish or are stopped by SIGTERM; this command exports
+any other checkpoint. `python -m decode --model W/model` (or `--workdir W`) then reads it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import models
+from models.pretrained import GenerationDefaults
+from models.tokenizer import Tokenizer
+from train import checkpoint
+
+
+def write_model(path: str, config: models.TransformerConfig, params, tokenizer: Tokenizer,
+                *, model_type: str | None = None,
+                generation: GenerationDefaults | None = None) -> str:
+    """Saves a trained model as a model directory; returns the model_type written.
+
+    The project's own tokenizers get the convention the model was trained with for
+    `encode(text, add_special_tokens=True)`: a decoder-only model's inputs start with BOS,
+    an encoder-decoder's sources end in EOS. Without decoding defaults, the model's eos is
+    written as the end token.
+    """
+    if hasattr(tokenizer, "with_specials"):
+        tokenizer = tokenizer.with_specials(add_bos=not config.is_encoder_decoder,
+                                            add_eos=config.is_encoder_decoder)
+    if generation is None and config.eos_id is not None:
+        generation = GenerationDefaults(eos_ids=(config.eos_id,))
+    return models.save(path, config, params, tokenizer, model_type=model_type,
+                       generation=generation)
+
+
+def export(workdir: str, step: int | None = None, out: str | None = None) -> str:
+    """Exports a checkpoint of `workdir` into `out` (default WORKDIR/model); returns `out`."""
+    saved = checkpoint.restore_model(workdir, step)
+    out = out or os.path.join(workdir, "model")
+    write_model(out, saved.config, saved.params, saved.tokenizer, model_type=saved.model_type,
+                generation=saved.generation)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m train.export",
+                                     description=__doc__.split("\n")[2])
+    parser.add_argument("--workdir", required=True, help="the training run's directory")
+    parser.add_argument("--step", type=int, default=None, help="default: the newest")
+    parser.add_argument("--out", default=None, help="default: WORKDIR/model")
+    args = parser.parse_args(argv)
+    try:
+        out = export(args.workdir, args.step, args.out)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"exported {args.workdir} to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
