@@ -1,61 +1,105 @@
-"""Host-side checks of every decoding argument, before the jitted computation runs.
+"""Checks of the decoding arguments, before the jitted computation runs.
 
-Inside jit values are abstract, so everything a user can get wrong is checked here, on
-concrete arrays, with a ValueError that names the argument, the value and the limit.
+Shapes and dtypes are static, so they are always checked. Values (token ids, lengths,
+sampling values) are checked when they are concrete, that is when `generate` or
+`beam_search` is called with arrays or numbers; called inside a user's own `jax.jit` (or
+with a traced value under `jax.grad`) they are abstract, cannot be read, and go on
+unchecked, as `models.checks` does for the models' entry points. Static arguments
+(`max_new_tokens`, `cache_len`, `eos_id`, `beam_size`) must always be concrete. Every error
+is a ValueError that names the argument, the value and the limit.
+
+`check_common` checks the arguments `generate` and `beam_search` share, once for both.
 """
 
 from __future__ import annotations
 
-import numbers
+import dataclasses
 
+import jax.numpy as jnp
 import numpy as np
 
 from models import TransformerConfig
+from models.checks import check_positive_int, is_concrete, is_int
 
 
-def _is_int(x) -> bool:
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+def as_array(x):
+    """`x` as a numpy array when concrete; a traced value stays as it is (its shape and
+    dtype are known, its values are not)."""
+    return np.asarray(x) if is_concrete(x) else x
 
 
-def check_positive_int(value, name: str) -> int:
-    if not _is_int(value) or value < 1:
-        raise ValueError(f"{name}={value!r} must be a positive int")
-    return int(value)
+@dataclasses.dataclass(frozen=True)
+class CommonArgs:
+    """The arguments `generate` and `beam_search` share, checked.
+
+    Attributes:
+        prompts: int32[B, P] right-padded prompts (sources); numpy when given concrete,
+            else the traced array.
+        lengths: int32[B] their true lengths, likewise.
+        max_new_tokens: N, the new tokens per row (static).
+        cache_len: the decoder cache's size in slots (static).
+        eos_ids: the end ids, or None to never stop early (static).
+    """
+
+    prompts: object
+    lengths: object
+    max_new_tokens: int
+    cache_len: int
+    eos_ids: tuple[int, ...] | None
 
 
-def check_prompts(config: TransformerConfig, prompts, lengths) -> tuple[np.ndarray, np.ndarray]:
-    """Right-padded int[B, P] prompts (sources) and their lengths int[B], as numpy."""
+def check_common(config: TransformerConfig, prompts, lengths, *, max_new_tokens, cache_len,
+                 eos_id) -> CommonArgs:
+    """Checks the prompts, their lengths, `max_new_tokens`, `cache_len` and `eos_id`."""
+    prompts, lengths = check_prompts(config, prompts, lengths)
+    max_new_tokens = check_positive_int(max_new_tokens, "max_new_tokens")
+    cache_len = check_cache_len(config, prompts.shape[1], max_new_tokens, cache_len)
+    return CommonArgs(prompts, lengths, max_new_tokens, cache_len, check_eos(config, eos_id))
+
+
+def check_prompts(config: TransformerConfig, prompts, lengths):
+    """Right-padded int[B, P] prompts (sources) and their lengths int[B], as int32 arrays
+    (numpy when concrete); token ids and lengths are checked when concrete."""
     what = "sources" if config.is_encoder_decoder else "prompts"
-    p = np.asarray(prompts)
-    if p.ndim != 2 or not np.issubdtype(p.dtype, np.integer):
+    p = as_array(prompts)
+    if p.ndim != 2 or not jnp.issubdtype(p.dtype, jnp.integer):
         raise ValueError(f"{what} must be an int array [B, P], got shape {p.shape} dtype {p.dtype}")
     B, P = p.shape
     if B < 1 or P < 1:
         raise ValueError(f"{what} has an empty dimension: shape {p.shape}")
-    bad = p[(p < 0) | (p >= config.vocab_size)]
-    if bad.size:
-        raise ValueError(
-            f"{what} hold token id {int(bad[0])} outside [0, vocab_size={config.vocab_size})")
-    n = np.asarray(lengths)
-    if n.shape != (B,) or not np.issubdtype(n.dtype, np.integer):
+    if is_concrete(p):
+        bad = p[(p < 0) | (p >= config.vocab_size)]
+        if bad.size:
+            raise ValueError(
+                f"{what} hold token id {int(bad[0])} outside [0, vocab_size={config.vocab_size})")
+    n = as_array(lengths)
+    if n.shape != (B,) or not jnp.issubdtype(n.dtype, jnp.integer):
         raise ValueError(
             f"lengths must be an int array of shape ({B},) (one per row of {what}), "
             f"got shape {n.shape} dtype {n.dtype}")
-    for b in range(B):
-        if not 1 <= n[b] <= P:
-            raise ValueError(f"lengths[{b}]={int(n[b])} must be in [1, padded width {P}]")
-    if config.is_encoder_decoder:
-        # Sources are masked by their pad ids, so padding must be exactly the tail.
-        real = p != config.pad_id
-        expected = np.arange(P)[None, :] < n[:, None]
-        rows = np.nonzero((real != expected).any(axis=1))[0]
-        if rows.size:
-            b = int(rows[0])
-            raise ValueError(
-                f"sources row {b} has length {int(n[b])} but its non-pad tokens are at "
-                f"{np.nonzero(real[b])[0].tolist()}: the pad id {config.pad_id} must fill "
-                "exactly the positions at and after the length")
+    if is_concrete(n):
+        for b in range(B):
+            if not 1 <= n[b] <= P:
+                raise ValueError(f"lengths[{b}]={int(n[b])} must be in [1, padded width {P}]")
+    if (config.is_encoder_decoder and config.pad_id is not None and is_concrete(p)
+            and is_concrete(n)):
+        _check_source_padding(config, p, n)
     return p.astype(np.int32), n.astype(np.int32)
+
+
+def _check_source_padding(config: TransformerConfig, p: np.ndarray, n: np.ndarray) -> None:
+    """The pad id fills exactly each source's tail. The encoder masks by the lengths alone;
+    a pad id inside a length, or a real token past it, means they disagree with the padding
+    (lengths of another batch, say), and a source's tokens would be silently dropped."""
+    real = p != config.pad_id
+    expected = np.arange(p.shape[1])[None, :] < n[:, None]
+    rows = np.nonzero((real != expected).any(axis=1))[0]
+    if rows.size:
+        b = int(rows[0])
+        raise ValueError(
+            f"sources row {b} has length {int(n[b])} but its non-pad tokens are at "
+            f"{np.nonzero(real[b])[0].tolist()}: the pad id {config.pad_id} must fill "
+            "exactly the positions at and after the length")
 
 
 def check_cache_len(config: TransformerConfig, prompt_width: int, max_new_tokens: int, cache_len):
@@ -79,39 +123,56 @@ def check_cache_len(config: TransformerConfig, prompt_width: int, max_new_tokens
 
 
 def check_eos(config: TransformerConfig, eos_id) -> tuple[int, ...] | None:
-    """None (never stop), one id or several, each in [0, vocab_size)."""
+    """None (never stop), one id or several, each a Python or numpy int (static, never a
+    traced value) in [0, vocab_size)."""
     if eos_id is None:
         return None
-    ids = (eos_id,) if _is_int(eos_id) else tuple(eos_id)
+    usage = "eos_id must be None, an int or a non-empty sequence of ints"
+    try:
+        if not is_concrete(eos_id):
+            raise TypeError
+        ids = (eos_id,) if is_int(eos_id) else tuple(eos_id)
+    except TypeError:
+        raise ValueError(f"{usage} (static, never traced), got {eos_id!r}") from None
     if not ids:
-        raise ValueError("eos_id must be None, an int or a non-empty sequence of ints")
+        raise ValueError(usage)
     for i in ids:
-        if not _is_int(i) or not 0 <= i < config.vocab_size:
+        if not is_int(i) or not 0 <= i < config.vocab_size:
             raise ValueError(f"eos_id {i!r} must be an int in [0, vocab_size={config.vocab_size})")
     return tuple(int(i) for i in ids)
 
 
-def per_row(value, name: str, batch: int, dtype) -> np.ndarray:
-    """A scalar or one value per row, as an array of shape [B]."""
-    a = np.asarray(value)
+def per_row(value, name: str, batch: int, dtype):
+    """A scalar or one value per row, as an array of shape [B] (numpy when concrete). A
+    traced integer option must have an integer dtype (its values cannot be checked)."""
+    a = as_array(value)
     if a.ndim == 0:
-        a = np.full((batch,), a)
+        a = np.full((batch,), a) if is_concrete(a) else jnp.broadcast_to(a, (batch,))
     if a.shape != (batch,):
         raise ValueError(f"{name} must be a scalar or have shape ({batch},), got shape {a.shape}")
-    if not (np.issubdtype(a.dtype, np.number) or a.dtype == bool):
+    if not (jnp.issubdtype(a.dtype, jnp.number) or a.dtype == bool):
         raise ValueError(f"{name} must be numeric, got dtype {a.dtype}")
-    if np.issubdtype(dtype, np.integer) and not np.all(np.mod(a, 1) == 0):
-        raise ValueError(f"{name}={value!r} must be integers")
+    if jnp.issubdtype(dtype, jnp.integer) and not jnp.issubdtype(a.dtype, jnp.integer):
+        if not is_concrete(a):
+            raise ValueError(f"{name} is traced with dtype {a.dtype}: it must be an int array")
+        if not np.all(np.mod(a, 1) == 0):
+            raise ValueError(f"{name}={value!r} must be integers")
     return a.astype(dtype)
 
 
-def check_in_range(a: np.ndarray, name: str, lo, hi, lo_open=False, hi_open=False) -> None:
-    """Every value in [lo, hi] (an end open where asked); NaN fails too."""
+def check_in_range(a, name: str, lo, hi, lo_open=False, hi_open=False) -> None:
+    """Every value in [lo, hi] (an end open where asked), when concrete; NaN fails too."""
+    if not is_concrete(a):
+        return
     ok_lo = a > lo if lo_open else a >= lo
     ok_hi = a < hi if hi_open else a <= hi
     bad = a[~(ok_lo & ok_hi)]
     if bad.size:
         interval = f"{'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
-        value = bad.flat[0].item()
-        shown = f"{value:g}" if isinstance(value, float) else repr(value)
-        raise ValueError(f"{name}={shown} is outside {interval}")
+        raise ValueError(f"{name}={shown(bad.flat[0])} is outside {interval}")
+
+
+def shown(value) -> str:
+    """One number as error messages write it: floats short (0.1, 1.5, inf), ints exact."""
+    value = np.asarray(value).item()
+    return f"{value:g}" if isinstance(value, float) else repr(value)

@@ -1,7 +1,8 @@
 """Logits processors: small pure functions `(logits_BV, param) -> logits_BV`.
 
-Each removes tokens by setting their logits to -inf (or rescales them) and can be called on
-any logits, inside or outside jit. Parameters are traced values, a scalar or one per row
+Each removes tokens by setting their logits to -inf (`models.numerics.REMOVED_LOGIT`: the
+probability of a removed token is exactly 0) or rescales them, and can be called on any
+logits, inside or outside jit. Parameters are traced values, a scalar or one per row
 (shape [B]), so changing them never recompiles. `process_logits` composes them in the
 usual order: repetition penalty, temperature, top-k, top-p, min-p.
 
@@ -19,7 +20,7 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Bool, Float
 
-NEG_INF = -jnp.inf
+from models.numerics import REMOVED_LOGIT
 
 
 def _per_row(x, logits_BV) -> Array:
@@ -71,7 +72,7 @@ def top_k_filter(logits_BV: Float[Array, "B V"], k) -> Float[Array, "B V"]:
     # Among the values equal to the k-th, the lowest ids fill the remaining places.
     room_B1 = k_B1 - jnp.sum(above_BV, axis=-1, keepdims=True, dtype=jnp.int32)
     keep = above_BV | (ties_BV & (jnp.cumsum(ties_BV, axis=-1, dtype=jnp.int32) <= room_B1))
-    return jnp.where(keep | (k_B1 == 0), logits_BV, NEG_INF)
+    return jnp.where(keep | (k_B1 == 0), logits_BV, REMOVED_LOGIT)
 
 
 def top_p_filter(logits_BV: Float[Array, "B V"], p) -> Float[Array, "B V"]:
@@ -83,7 +84,7 @@ def top_p_filter(logits_BV: Float[Array, "B V"], p) -> Float[Array, "B V"]:
     keys_BV = _order_keys(probs_BV)
     threshold_B1 = _largest_key_with_mass(keys_BV, probs_BV, p_B1)
     keep = (keys_BV >= threshold_B1) | (p_B1 >= 1.0)
-    return jnp.where(keep, logits_BV, NEG_INF)
+    return jnp.where(keep, logits_BV, REMOVED_LOGIT)
 
 
 def min_p_filter(logits_BV: Float[Array, "B V"], min_p) -> Float[Array, "B V"]:
@@ -93,7 +94,7 @@ def min_p_filter(logits_BV: Float[Array, "B V"], min_p) -> Float[Array, "B V"]:
     top_B1 = jnp.max(logits32, axis=-1, keepdims=True)
     # p_i >= m * p_max  <=>  logit_i - logit_max >= log m
     keep = (logits32 - top_B1 >= jnp.log(jnp.maximum(m_B1, 1e-38))) | (m_B1 <= 0)
-    return jnp.where(keep, logits_BV, NEG_INF)
+    return jnp.where(keep, logits_BV, REMOVED_LOGIT)
 
 
 def apply_repetition_penalty(logits_BV: Float[Array, "B V"], seen_BV: Bool[Array, "B V"],
@@ -124,7 +125,17 @@ class SamplingParams:
 
 @flax.struct.dataclass
 class Strategy:
-    """Which processors run at all (static: each combination compiles once)."""
+    """Which processors run at all (static: each combination compiles once).
+
+    `decode.generate` reads it from concrete sampling values; pass one, as in
+    `generate(..., strategy=decode.Strategy(sample=True, top_p=True))`, when those values
+    are traced. A processor left off is not applied, whatever its values.
+
+    Attributes:
+        sample: temperature and sampling (rows with temperature 0 stay greedy).
+        top_k: the top-k filter. top_p: the nucleus filter. min_p: the min-p filter.
+        penalty: the repetition penalty (and the bool[B, V] of tokens seen it needs).
+    """
 
     sample: bool = flax.struct.field(pytree_node=False, default=False)
     top_k: bool = flax.struct.field(pytree_node=False, default=False)

@@ -10,7 +10,7 @@ import pytest
 
 import decode
 import decode.beam
-from decode.generate import start_decoding
+from decode.model_fns import start_decoding
 from tests.helpers import fns, tiny
 
 
@@ -115,3 +115,48 @@ def test_beam_search_bad_input():
         decode.beam_search(f.model, params, p, n, max_new_tokens=30)
     with pytest.raises(ValueError, match=r"lengths must be an int array of shape \(1,\)"):
         decode.beam_search(f.model, params, p, np.array([2, 2]), max_new_tokens=4)
+
+
+def test_the_steps_give_their_docstrings_worked_example():
+    """One source, W = 2, V = 3, end id 2, at step 1 (decode.beam_steps' example)."""
+    from decode import beam_steps as bs
+    logits_RV = jnp.log(jnp.array([[0.02, 0.78, 0.20], [0.70, 0.01, 0.29]]))
+    logprobs_BC, parent_BC, token_BC = bs.top_candidates(
+        logits_RV, jnp.array([[-0.1, -1.5]]), C=4)
+    np.testing.assert_allclose(logprobs_BC, [[-0.35, -1.71, -1.86, -2.74]], atol=0.005)
+    np.testing.assert_array_equal(parent_BC, [[0, 0, 1, 1]])
+    np.testing.assert_array_equal(token_BC, [[1, 2, 0, 2]])
+    seqs_BCN = bs.extend(jnp.array([[[4, 0, 0], [7, 0, 0]]]), parent_BC, token_BC, 1)
+    np.testing.assert_array_equal(seqs_BCN, [[[4, 1, 0], [4, 2, 0], [7, 0, 0], [7, 2, 0]]])
+    ending_BC = bs.finishing(token_BC, logprobs_BC, jnp.array([2]), W=2)
+    np.testing.assert_array_equal(ending_BC, [[False, True, False, False]])
+    scores_BW, tokens_BWN, lengths_BW = bs.merge_finished(
+        jnp.array([[-0.9, bs.NO_SEQUENCE_SCORE]]), jnp.array([[[5, 2, 0], [0, 0, 0]]]),
+        jnp.array([[2, 0]]), seqs_BCN, logprobs_BC, ending_BC, 2, 0.0)
+    np.testing.assert_allclose(scores_BW, [[-0.9, -1.71]], atol=0.005)
+    np.testing.assert_array_equal(tokens_BWN, [[[5, 2, 0], [4, 2, 0]]])
+    np.testing.assert_array_equal(lengths_BW, [[2, 2]])
+    alive_BW, alive_tokens_BWN, parent_BW, token_BW = bs.select_alive(
+        logprobs_BC, ending_BC, seqs_BCN, parent_BC, token_BC, W=2)
+    np.testing.assert_allclose(alive_BW, [[-0.35, -1.86]], atol=0.005)
+    np.testing.assert_array_equal(alive_tokens_BWN, [[[4, 1, 0], [7, 0, 0]]])
+    np.testing.assert_array_equal(parent_BW, [[0, 1]])
+    np.testing.assert_array_equal(token_BW, [[1, 0]])
+    assert not bs.cannot_improve(scores_BW, alive_BW, 1.0)[0]
+    np.testing.assert_array_equal(bs.cache_rows(jnp.array([[0, 1], [1, 1]])), [0, 1, 3, 3])
+
+
+def test_lowered_beam_search_checks_like_beam_search_and_is_one_loop():
+    f = fns(tiny(max_len=32))
+    params = f.init()
+    p, n = decode.pad_prompts([[5, 6], [7]])
+    args, static = decode.beam_search_arguments(f.model, params, p, n, beam_size=3,
+                                                max_new_tokens=4, length_penalty=0.3)
+    assert static == dict(beam_size=3, max_new_tokens=4, cache_len=12, eos_ids=(1,))
+    text = decode.beam_search.lower(f.model, params, p, n, beam_size=3,
+                                    max_new_tokens=4).as_text()
+    assert text.count("stablehlo.while") == 1
+    with pytest.raises(ValueError, match=r"beam_size=0 must be a positive int"):
+        decode.beam_search.lower(f.model, params, p, n, beam_size=0, max_new_tokens=4)
+    with pytest.raises(TypeError):
+        decode.beam_search.lower(f.model, params, p, n, max_new_tokens=4, temperature=0.5)

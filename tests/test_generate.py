@@ -123,6 +123,27 @@ def test_lowered_generate_is_one_loop_whose_program_does_not_grow_with_new_token
         decode.generate.lower(model, params, prompts, lengths, max_new_tokens=4, beams=2)
 
 
+def test_generate_arguments_give_the_compilation_key_and_a_strategy_shares_it():
+    model, params = setup("decoder_only")
+    prompts, lengths = decode.pad_prompts(PROMPTS)
+    kw = dict(max_new_tokens=4, rng=jax.random.key(0))
+    _, a = decode.generate_arguments(model, params, prompts, lengths, temperature=0.5, **kw)
+    _, b = decode.generate_arguments(model, params, prompts, lengths,
+                                     temperature=[0.1, 2.0, 0.0], **kw)
+    assert a == b == dict(max_new_tokens=4, cache_len=12, eos_ids=(1,),
+                          strategy=decode.Strategy(sample=True), loop="scan")
+    # Given a strategy, greedy and sampled calls share one compilation, and a processor
+    # that is on but set to "off" values changes nothing.
+    strategy = decode.Strategy(sample=True, top_k=True, penalty=True)
+    shared = decode.generate(model, params, prompts, lengths, strategy=strategy, **kw)
+    size = _generate._cache_size()
+    decode.generate(model, params, prompts, lengths, strategy=strategy, temperature=0.8,
+                    top_k=5, repetition_penalty=1.3, **kw)
+    assert _generate._cache_size() == size
+    greedy = decode.generate(model, params, prompts, lengths, **kw)
+    chex.assert_trees_all_equal(shared, greedy)
+
+
 def test_while_loop_equals_scan():
     model, params = setup("decoder_only")
     prompts, lengths = decode.pad_prompts(PROMPTS)

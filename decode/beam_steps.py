@@ -1,0 +1,256 @@
+"""Beam search as named steps: the start state, one iteration, the loop, the final merge.
+
+Shapes: B sources, W beams per source, C = 2W candidates per source, N new tokens,
+V vocabulary, and R = B * W rows of the model's batch (its cache and logits), beam-major
+within a source: row b * W + w is beam w of source b (R is never the pmap axis here).
+
+One iteration (`beam_step`), from the logits of the W alive beams of each source:
+
+    top_candidates   the C best one-token extensions: log-prob sums, parent beams, tokens
+    extend           their token sequences: the parent's, plus the new token
+    finishing        which of them end now (an end token, among the W best)
+    merge_finished   the finished pool: the W best of (the pool, the candidates that end),
+                     scored by log-prob / gnmt_penalty(length)
+    select_alive     the W best candidates that do not end become the alive beams
+    cannot_improve   a source is done once no alive beam can beat its W-th finished one
+    cache_rows       the rows of the cache the new beams continue (their parents')
+    next_logits      the model's step on the new beams' tokens, unless every source is
+                     done or this was the last token (`lax.cond`: no model call then)
+
+Each step's docstring works through the same example: one source, W = 2, V = 3, end id 2.
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jaxtyping import Array, Bool, Float, Int
+
+from decode.loop import unchanged
+from models.numerics import NO_SEQUENCE_SCORE
+
+
+def gnmt_penalty(length, alpha: float):
+    """GNMT: ((5 + length) / 6) ** alpha; alpha = 0 gives 1 (plain log-prob sums)."""
+    return ((5.0 + jnp.asarray(length, jnp.float32)) / 6.0) ** alpha
+
+
+@flax.struct.dataclass
+class BeamState:
+    """The beam-search carry.
+
+    Attributes:
+        step: int32[] tokens chosen so far (the length of every alive beam).
+        logits: float32[R, V] next-token logits of the alive beams.
+        cache: the model cache, R = B * W self-attention rows.
+        alive_tokens: int32[B, W, N]; alive_logprobs: float32[B, W] (NO_SEQUENCE_SCORE: an
+            empty slot).
+        finished_tokens: int32[B, W, N]; finished_scores: float32[B, W] (NO_SEQUENCE_SCORE:
+            empty); finished_lengths: int32[B, W].
+        done: bool[B] sources whose W finished beams can no longer change.
+    """
+
+    step: Int[Array, ""]
+    logits: Float[Array, "R V"]
+    cache: object
+    alive_tokens: Int[Array, "B W N"]
+    alive_logprobs: Float[Array, "B W"]
+    finished_tokens: Int[Array, "B W N"]
+    finished_scores: Float[Array, "B W"]
+    finished_lengths: Int[Array, "B W"]
+    done: Bool[Array, " B"]
+
+
+def beam_init(logits_RV, cache, beam_size: int, max_new_tokens: int) -> BeamState:
+    """The state before the first token, from the prefill's logits and cache (R rows).
+
+    The W beams of a source start identical, so only beam 0 is alive (log-prob 0) and the
+    others are empty slots: the first expansion then has no repeats. W = 3, B = 1:
+
+        alive_logprobs  [[0, -1e30, -1e30]]      finished_scores [[-1e30, -1e30, -1e30]]
+    """
+    W, N = beam_size, max_new_tokens
+    B = logits_RV.shape[0] // W
+    alive_logprobs_BW = (jnp.where(jnp.arange(W)[None, :] == 0, 0.0, NO_SEQUENCE_SCORE)
+                         * jnp.ones((B, 1)))
+    return BeamState(
+        step=jnp.zeros((), jnp.int32), logits=logits_RV.astype(jnp.float32), cache=cache,
+        alive_tokens=jnp.zeros((B, W, N), jnp.int32), alive_logprobs=alive_logprobs_BW,
+        finished_tokens=jnp.zeros((B, W, N), jnp.int32),
+        finished_scores=jnp.full((B, W), NO_SEQUENCE_SCORE),
+        finished_lengths=jnp.zeros((B, W), jnp.int32), done=jnp.zeros((B,), bool))
+
+
+def top_w(scores_BM, W: int, *arrays_BM):
+    """The W best of M entries by score, best first (ties: the lower index), and each
+    [B, M, ...] array gathered to [B, W, ...] in the same order."""
+    scores_BW, index_BW = lax.top_k(scores_BM, W)
+
+    def gather(a):
+        index = index_BW.reshape(index_BW.shape + (1,) * (a.ndim - 2))
+        return jnp.take_along_axis(a, index, axis=1)
+
+    return (scores_BW,) + tuple(gather(a) for a in arrays_BM)
+
+
+def top_candidates(logits_RV, alive_logprobs_BW, C: int):
+    """The C best one-token extensions of each source's alive beams.
+
+    Returns (logprobs_BC: the sequences' log-prob sums, parent_BC: the alive beam each
+    extends, token_BC: the token it adds). The W * V sums are ranked as one flat row, in
+    which entry w * V + v is beam w plus token v:
+
+        alive log-probs  [-0.1, -1.5]
+        log_softmax      beam 0 [-3.91, -0.25, -1.61]    (probabilities .02 .78 .20)
+                         beam 1 [-0.36, -4.61, -1.24]    (probabilities .70 .01 .29)
+        sums, flat       [-4.01, -0.35, -1.71,  -1.86, -6.11, -2.74]
+        C = 4 best       logprobs [-0.35, -1.71, -1.86, -2.74] at flat [1, 2, 3, 5]
+                         parent = flat // V = [0, 0, 1, 1], token = flat % V = [1, 2, 0, 2]
+    """
+    B, W = alive_logprobs_BW.shape
+    V = logits_RV.shape[-1]
+    logprobs_BWV = jax.nn.log_softmax(logits_RV, axis=-1).reshape(B, W, V)
+    sums_BWV = alive_logprobs_BW[:, :, None] + logprobs_BWV
+    logprobs_BC, flat_BC = lax.top_k(sums_BWV.reshape(B, W * V), C)
+    return logprobs_BC, flat_BC // V, (flat_BC % V).astype(jnp.int32)
+
+
+def extend(alive_tokens_BWN, parent_BC, token_BC, step):
+    """The candidates' sequences: each parent's tokens with the new token at `step`.
+
+        step 1, alive tokens [[4, 0, 0], [7, 0, 0]], parent [0, 0, 1, 1], token [1, 2, 0, 2]
+        -> [[4, 1, 0], [4, 2, 0], [7, 0, 0], [7, 2, 0]]
+    """
+    seqs_BCN = jnp.take_along_axis(alive_tokens_BWN, parent_BC[:, :, None], axis=1)
+    return lax.dynamic_update_slice(seqs_BCN, token_BC[:, :, None], (0, 0, step))
+
+
+def finishing(token_BC, logprobs_BC, eos_E, W: int):
+    """bool[B, C]: the candidates that end now. A candidate ends if its token is an end id,
+    it extends a real beam (not an empty slot), and it ranks among the W best, i.e. it
+    would have taken a beam: so beam_size = 1 is exactly greedy decoding.
+
+        W = 2, token [1, 2, 0, 2] -> [False, True, False, False]
+        (candidate 3 also adds the end id 2, but ranks 4th)
+    """
+    if eos_E is None:
+        return jnp.zeros_like(token_BC, bool)
+    among_w_best_C = jnp.arange(token_BC.shape[1]) < W
+    return (jnp.isin(token_BC, eos_E)
+            & (logprobs_BC > NO_SEQUENCE_SCORE / 2) & among_w_best_C[None, :])
+
+
+def merge_finished(finished_scores_BW, finished_tokens_BWN, finished_lengths_BW, seqs_BCN,
+                   logprobs_BC, ending_BC, length, alpha):
+    """The new finished pool: the W best of the M = W + C entries of the old pool and the
+    candidates that end now (of `length` tokens, scored logprob / gnmt_penalty(length);
+    the others score NO_SEQUENCE_SCORE). Returns (scores_BW, tokens_BWN, lengths_BW).
+
+        alpha 0, pool scores [-0.9, -1e30], candidates [-0.35, -1.71, -1.86, -2.74] ending
+        [False, True, False, False] -> M scores [-0.9, -1e30,  -1e30, -1.71, -1e30, -1e30]
+        -> scores [-0.9, -1.71]: the old finished beam, then candidate 1
+    """
+    new_scores_BC = jnp.where(ending_BC, logprobs_BC / gnmt_penalty(length, alpha),
+                              NO_SEQUENCE_SCORE)
+    return top_w(
+        jnp.concatenate([finished_scores_BW, new_scores_BC], 1), finished_scores_BW.shape[1],
+        jnp.concatenate([finished_tokens_BWN, seqs_BCN], 1),
+        jnp.concatenate([finished_lengths_BW, jnp.full(logprobs_BC.shape, length)], 1))
+
+
+def select_alive(logprobs_BC, ending_BC, seqs_BCN, parent_BC, token_BC, W: int):
+    """The W best candidates that do not end: (logprobs_BW, tokens_BWN, parent_BW,
+    token_BW). There are always W of them (C = 2W and at most W end).
+
+        logprobs [-0.35, -1.71, -1.86, -2.74], ending [False, True, False, False]
+        -> candidates 0 and 2: logprobs [-0.35, -1.86], parent [0, 1], token [1, 0]
+    """
+    return top_w(jnp.where(ending_BC, NO_SEQUENCE_SCORE, logprobs_BC), W,
+                 seqs_BCN, parent_BC, token_BC)
+
+
+def cannot_improve(finished_scores_BW, alive_logprobs_BW, max_penalty):
+    """bool[B]: no alive beam can beat the W-th finished one. A log-prob can only fall and
+    the penalty at most grows to that of the maximum length, so the best an alive beam can
+    still score is its log-prob / max_penalty.
+
+        finished [-0.9, -1.71], best alive -0.35, max_penalty 1 -> -1.71 >= -0.35: False
+    """
+    return finished_scores_BW[:, -1] >= alive_logprobs_BW[:, 0] / max_penalty
+
+
+def cache_rows(parent_BW):
+    """int32[R]: the cache row each new beam continues, row b * W + parent.
+
+        B = 2, W = 2, parent [[0, 1], [1, 1]] -> rows [0, 1, 3, 3]
+        (both beams of source 1 continue its beam 1, row 1 * 2 + 1 = 3)
+    """
+    B, W = parent_BW.shape
+    return (jnp.arange(B)[:, None] * W + parent_BW).reshape(B * W)
+
+
+def next_logits(step_fn, logits_RV, cache, rows_R, tokens_R, skip):
+    """The cache reordered to the new beams, and their next logits from `step_fn`, unless
+    `skip`: then the old logits stand (never read again) and the model is not called."""
+    return lax.cond(
+        skip,
+        lambda: (logits_RV, cache.take_rows(rows_R)),
+        lambda: step_fn(tokens_R, cache.take_rows(rows_R)))
+
+
+def beam_step(step_fn, s: BeamState, *, alpha, eos_E, max_penalty) -> BeamState:
+    """One iteration: the steps listed in the module docstring, in order."""
+    B, W, N = s.alive_tokens.shape
+    logprobs_BC, parent_BC, token_BC = top_candidates(s.logits, s.alive_logprobs, 2 * W)
+    seqs_BCN = extend(s.alive_tokens, parent_BC, token_BC, s.step)
+    ending_BC = finishing(token_BC, logprobs_BC, eos_E, W)
+    finished_scores_BW, finished_tokens_BWN, finished_lengths_BW = merge_finished(
+        s.finished_scores, s.finished_tokens, s.finished_lengths, seqs_BCN, logprobs_BC,
+        ending_BC, s.step + 1, alpha)
+    alive_logprobs_BW, alive_tokens_BWN, parent_BW, token_BW = select_alive(
+        logprobs_BC, ending_BC, seqs_BCN, parent_BC, token_BC, W)
+    done_B = s.done | cannot_improve(finished_scores_BW, alive_logprobs_BW, max_penalty)
+    logits_RV, cache = next_logits(
+        step_fn, s.logits, s.cache, cache_rows(parent_BW), token_BW.reshape(B * W),
+        skip=jnp.all(done_B) | (s.step == N - 1))
+    return BeamState(
+        step=s.step + 1, logits=logits_RV.astype(jnp.float32), cache=cache,
+        alive_tokens=alive_tokens_BWN, alive_logprobs=alive_logprobs_BW,
+        finished_tokens=finished_tokens_BWN, finished_scores=finished_scores_BW,
+        finished_lengths=finished_lengths_BW, done=done_B)
+
+
+def beam_loop(step_fn, state: BeamState, *, alpha, eos_ids) -> BeamState:
+    """Runs N = alive_tokens.shape[-1] iterations as a `lax.scan`; an iteration where every
+    source is done changes nothing and calls no model."""
+    N = state.alive_tokens.shape[-1]
+    eos_E = None if eos_ids is None else jnp.asarray(eos_ids, jnp.int32)
+    max_penalty = gnmt_penalty(N, alpha)
+
+    def body(s, _):
+        return lax.cond(
+            jnp.all(s.done), lambda: unchanged(s),
+            lambda: beam_step(step_fn, s, alpha=alpha, eos_E=eos_E, max_penalty=max_penalty),
+        ), None
+
+    state, _ = lax.scan(body, state, None, length=N)
+    return state
+
+
+def finalize(state: BeamState, alpha, pad_id: int):
+    """The alive beams (scored by their length, `step`) join the finished pool; returns the
+    W best as (tokens_BWN, pad after each end; scores_BW; lengths_BW), best first, so a
+    source whose beams never ended still gives W."""
+    B, W, N = state.alive_tokens.shape
+    alive_scores_BW = jnp.where(state.alive_logprobs > NO_SEQUENCE_SCORE / 2,
+                                state.alive_logprobs / gnmt_penalty(state.step, alpha),
+                                NO_SEQUENCE_SCORE)
+    scores_BW, tokens_BWN, lengths_BW = top_w(
+        jnp.concatenate([state.finished_scores, alive_scores_BW], 1), W,
+        jnp.concatenate([state.finished_tokens, state.alive_tokens], 1),
+        jnp.concatenate([state.finished_lengths, jnp.full((B, W), state.step)], 1))
+    tokens_BWN = jnp.where(jnp.arange(N)[None, None, :] < lengths_BW[:, :, None], tokens_BWN,
+                           pad_id)
+    return tokens_BWN, scores_BW, lengths_BW
