@@ -72,7 +72,7 @@ def beam_search_arguments(
     beam_size: int = 4,
     max_new_tokens: int,
     length_penalty=0.6,
-    eos_id: int | tuple[int, ...] | None = 1,
+    eos_id: int | tuple[int, ...] | str | None = "config",
     cache_len: int | None = None,
 ) -> tuple[tuple, dict]:
     """A `beam_search` call's arguments, checked, as its jitted computation takes them.

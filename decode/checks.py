@@ -81,25 +81,7 @@ def check_prompts(config: TransformerConfig, prompts, lengths):
         for b in range(B):
             if not 1 <= n[b] <= P:
                 raise ValueError(f"lengths[{b}]={int(n[b])} must be in [1, padded width {P}]")
-    if (config.is_encoder_decoder and config.pad_id is not None and is_concrete(p)
-            and is_concrete(n)):
-        _check_source_padding(config, p, n)
     return p.astype(np.int32), n.astype(np.int32)
-
-
-def _check_source_padding(config: TransformerConfig, p: np.ndarray, n: np.ndarray) -> None:
-    """The pad id fills exactly each source's tail. The encoder masks by the lengths alone;
-    a pad id inside a length, or a real token past it, means they disagree with the padding
-    (lengths of another batch, say), and a source's tokens would be silently dropped."""
-    real = p != config.pad_id
-    expected = np.arange(p.shape[1])[None, :] < n[:, None]
-    rows = np.nonzero((real != expected).any(axis=1))[0]
-    if rows.size:
-        b = int(rows[0])
-        raise ValueError(
-            f"sources row {b} has length {int(n[b])} but its non-pad tokens are at "
-            f"{np.nonzero(real[b])[0].tolist()}: the pad id {config.pad_id} must fill "
-            "exactly the positions at and after the length")
 
 
 def check_cache_len(config: TransformerConfig, prompt_width: int, max_new_tokens: int, cache_len):
@@ -122,12 +104,18 @@ def check_cache_len(config: TransformerConfig, prompt_width: int, max_new_tokens
     return cache_len
 
 
+CONFIG_EOS = "config"
+
+
 def check_eos(config: TransformerConfig, eos_id) -> tuple[int, ...] | None:
-    """None (never stop), one id or several, each a Python or numpy int (static, never a
-    traced value) in [0, vocab_size)."""
+    """"config" (the model config's eos_id; None when it has none), None (never stop), one
+    id or several, each a Python or numpy int (static, never a traced value) in
+    [0, vocab_size)."""
+    if isinstance(eos_id, str) and eos_id == CONFIG_EOS:
+        eos_id = config.eos_id
     if eos_id is None:
         return None
-    usage = "eos_id must be None, an int or a non-empty sequence of ints"
+    usage = "eos_id must be None, an int or a non-empty sequence of ints (or 'config')"
     try:
         if not is_concrete(eos_id):
             raise TypeError

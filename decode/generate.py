@@ -132,7 +132,7 @@ def generate_arguments(
     top_p=1.0,
     min_p=0.0,
     repetition_penalty=1.0,
-    eos_id: int | tuple[int, ...] | None = 1,
+    eos_id: int | tuple[int, ...] | str | None = "config",
     cache_len: int | None = None,
     loop: str = "scan",
     strategy: Strategy | None = None,
@@ -157,7 +157,8 @@ def generate_arguments(
             tokens with mass >= p (1 off). min_p: tokens with probability >= min_p x the top
             one (0 off). repetition_penalty: CTRL's penalty on tokens already seen (1 off).
             These five are each a scalar or one value per row, and traced.
-        eos_id: an end id, several, or None to always generate N tokens (static).
+        eos_id: "config" (default: the model config's end token, none if it has none),
+            an end id, several, or None to always generate N tokens (static).
         cache_len: decoder cache slots; default the decoder prompt width + N (static).
         loop: "scan" (default; differentiable) or "while" (stops once all rows are done).
         strategy: the processors to compile (a `decode.Strategy`, static). Default: the

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import decode
+import models
 from decode.generate import _generate
 from tests.helpers import fns, tiny
 
@@ -240,10 +241,33 @@ def test_bad_input_names_the_argument_the_value_and_the_limit(bad, message):
         decode.generate(model, params, np.array(prompts), np.array(lengths), **kw)
 
 
+def test_sources_are_masked_by_their_lengths_whatever_fills_the_padding():
+    """Nothing compares tokens with a pad id: a pad id inside a source is a token like any
+    other, and the padding after the length may hold anything."""
+    model, params = setup("encoder_decoder")
+    src, lengths = np.array([[5, 0, 6, 0], [7, 8, 9, 10]]), np.array([3, 2])
+    a = decode.generate(model, params, src, lengths, max_new_tokens=4, eos_id=None)
+    junk = np.array([[5, 0, 6, 33], [7, 8, 44, 55]])
+    b = decode.generate(model, params, junk, lengths, max_new_tokens=4, eos_id=None)
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    c = decode.generate(model, params, src[:1, :2], lengths[:1] - 1, max_new_tokens=4,
+                        eos_id=None)                    # the inner 0 is part of row 0
+    assert not np.array_equal(a.logprobs[0], c.logprobs[0])
+
+
+def test_the_default_end_token_is_the_configs():
+    model, params = setup("decoder_only")
+    prompts, lengths = np.array([[5, 6]]), np.array([2])
+    free = decode.generate(model, params, prompts, lengths, max_new_tokens=8, eos_id=None)
+    first = int(free.tokens[0, 1])
+    cfg = model.config.replace(eos_id=first)
+    out = decode.generate(models.build(cfg), params, prompts, lengths, max_new_tokens=8)
+    assert int(out.lengths[0]) == 2 and int(out.tokens[0, 1]) == first
+    none = models.build(cfg.replace(eos_id=None))
+    assert int(decode.generate(none, params, prompts, lengths, max_new_tokens=8).lengths[0]) == 8
+
+
 def test_bad_sources_for_encoder_decoder():
     model, params = setup("encoder_decoder")
-    with pytest.raises(ValueError,
-                       match=r"sources row 0 has length 3 but its non-pad tokens are at \[0, 2\]"):
-        decode.generate(model, params, np.array([[5, 0, 6, 0]]), np.array([3]), max_new_tokens=2)
     with pytest.raises(ValueError, match=r"1 \(start token\) \+ max_new_tokens 32 = 33 is beyond"):
         decode.generate(model, params, np.array([[5]]), np.array([1]), max_new_tokens=32)

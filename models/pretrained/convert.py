@@ -4,7 +4,9 @@ Reading checks the whole file against the table before converting anything: ever
 the rules need must be there (missing ones are named), every tensor there must be needed,
 ignorable, or the tied head (unexpected ones are named), and every converted array must have
 the shape the model expects (named with both shapes). Tensors are read, converted and cast
-one at a time; stacked (scanned) parameters are assembled one rule at a time.
+one at a time on the host and each parameter is put on the device as soon as it is whole
+(stacked, scanned parameters when their rule is done), so the host holds the parameters
+once, plus at most one rule's arrays.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import jax
-import jax.numpy as jnp
+import numpy as np
 
 from models.config import TransformerConfig
 from models.pretrained.family import Family
@@ -82,25 +84,26 @@ def read_params(weights: Weights, family: Family, cfg: TransformerConfig) -> dic
                     f"{family.model_type} checkpoint tensor(s) {', '.join(theirs)} give "
                     f"{path} shape {tuple(array.shape)}; the config expects {expected[path]}")
             slot, index = our_slot(path, cfg)
-            array = array.astype(cfg.param_dtype)
+            array = np.asarray(array, cfg.param_dtype)
             if index is None:
-                _put(tree, slot, array)
+                _put(tree, slot, jax.device_put(array))
             else:
                 stacks.setdefault(slot, {})[index] = array
         for slot in [s for s, layers in stacks.items() if len(layers) == _depth(s, cfg)]:
             layers = stacks.pop(slot)
-            _put(tree, slot, jnp.stack([layers[i] for i in range(len(layers))]))
+            _put(tree, slot, jax.device_put(np.stack([layers[i] for i in range(len(layers))])))
     return tree
 
 
 def theirs_tensors(family: Family, cfg: TransformerConfig,
-                   params) -> Iterator[tuple[str, jax.Array]]:
-    """(file key, array) of every tensor the family's file holds, from our parameters."""
+                   params) -> Iterator[tuple[str, np.ndarray]]:
+    """(file key, array) of every tensor the family's file holds, from our parameters
+    (converted on the host, one rule at a time)."""
     for rule, theirs, ours in _expanded(family.rules(cfg), cfg):
         arrays = []
         for path in ours:
             slot, index = our_slot(path, cfg)
-            leaf = _get(params, slot, path)
+            leaf = np.asarray(_get(params, slot, path))
             arrays.append(leaf if index is None else leaf[index])
         yield from zip(theirs, rule.layout.to_theirs(arrays, cfg), strict=True)
 

@@ -14,10 +14,10 @@ import os
 import shutil
 import tempfile
 
-import jax
-import jax.numpy as jnp
+import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, which safetensors reads into)
+import numpy as np
 from safetensors import safe_open
-from safetensors.flax import save_file
+from safetensors.numpy import save_file
 
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -37,8 +37,9 @@ def read_json(path: str) -> dict:
 
 
 class Weights(contextlib.AbstractContextManager):
-    """The tensors of a model directory, read one at a time as jax arrays (in the dtype
-    they are stored in: bfloat16 and float16 included).
+    """The tensors of a model directory, read one at a time as numpy arrays (in the dtype
+    they are stored in: bfloat16 and float16 included). Reads use `pread`, not a memory
+    map, so pages of tensors already converted do not stay in the process's memory.
 
         with Weights(directory) as w:
             w.keys()                 # every tensor name, across shards
@@ -85,7 +86,8 @@ class Weights(contextlib.AbstractContextManager):
         if not os.path.isfile(path):
             raise FileNotFoundError(f"weights file {path} is missing")
         try:
-            handle = self._stack.enter_context(safe_open(path, framework="flax"))
+            handle = self._stack.enter_context(
+                safe_open(path, framework="numpy", backend="pread"))
         except Exception as e:          # safetensors raises its own error types
             raise ValueError(f"{path} is not a readable safetensors file: {e}") from None
         self._files[name] = handle
@@ -97,7 +99,7 @@ class Weights(contextlib.AbstractContextManager):
     def shape(self, key: str) -> tuple[int, ...]:
         return tuple(self._files[self._where[key]].get_slice(key).get_shape())
 
-    def read(self, key: str) -> jax.Array:
+    def read(self, key: str) -> np.ndarray:
         return self._files[self._where[key]].get_tensor(key)
 
     def __exit__(self, *exc):
@@ -111,7 +113,7 @@ def write_weights(directory: str, tensors, max_shard_bytes: int) -> None:
     one shard's tensors are held at a time."""
     shards: list[str] = []
     weight_map: dict[str, str] = {}
-    pending: dict[str, jax.Array] = {}
+    pending: dict[str, np.ndarray] = {}
     size = total = 0
 
     def flush():
@@ -124,7 +126,8 @@ def write_weights(directory: str, tensors, max_shard_bytes: int) -> None:
         pending, size = {}, 0
 
     for name, array in tensors:
-        nbytes = array.size * jnp.dtype(array.dtype).itemsize
+        array = np.ascontiguousarray(array)
+        nbytes = array.nbytes
         if pending and size + nbytes > max_shard_bytes:
             flush()
         pending[name] = array

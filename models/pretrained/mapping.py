@@ -10,17 +10,19 @@ unscanned model), and a `Layout` that converts one into the other and back:
 
 `{i}` runs over the layers of the rule's `stack`. Under `scan_layers` the layers' parameters
 are stacked: "decoder/layer_{i}/rest" is slice i of "decoder/layers/rest" (`our_slot`).
-Layouts are plain functions of (arrays, config); applying a rule forwards and then
-backwards gives back the same tensors, bit for bit (a test holds every rule to it).
+Layouts are plain numpy functions of (arrays, config): transposes, reshapes and splits are
+views, so converting costs no copies and no compilation. Applying a rule forwards and then
+backwards gives back the same tensors, bit for bit.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 
 import jax
-import jax.numpy as jnp
+import numpy as np
 
 from models.config import TransformerConfig
 from models.transformer import build
@@ -75,6 +77,7 @@ def our_slot(path: str, cfg: TransformerConfig) -> tuple[tuple[str, ...], int | 
     return tuple(parts), None
 
 
+@functools.lru_cache(maxsize=32)
 def parameter_shapes(cfg: TransformerConfig) -> dict[str, tuple[int, ...]]:
     """Every parameter of the unscanned model: '/'-joined path -> shape."""
     tokens = jax.ShapeDtypeStruct((1, 1), "int32")
@@ -125,13 +128,13 @@ CONV1D_FROM_HEADS = _one(                 # GPT-2's output Conv1D [N*H, D] <-> [
 
 
 def _split3(x, axis: int) -> list:
-    return list(jnp.split(x, 3, axis=axis))
+    return list(np.split(x, 3, axis=axis))
 
 
 CONV1D_FUSED_QKV = Layout(                # GPT-2's c_attn [D, 3*N*H] <-> q, k, v [D, N, H]
     lambda xs, cfg: [w.reshape(w.shape[0], cfg.num_heads, cfg.head_dim)
                      for w in _split3(xs[0], 1)],
-    lambda ks, cfg: [jnp.concatenate([k.reshape(k.shape[0], -1) for k in ks], axis=1)])
+    lambda ks, cfg: [np.concatenate([k.reshape(k.shape[0], -1) for k in ks], axis=1)])
 FUSED_QKV_BIAS = Layout(                  # its bias [3*N*H] <-> q, k, v [N, H]
     lambda xs, cfg: [b.reshape(cfg.num_heads, cfg.head_dim) for b in _split3(xs[0], 0)],
-    lambda bs, cfg: [jnp.concatenate([b.reshape(-1) for b in bs])])
+    lambda bs, cfg: [np.concatenate([b.reshape(-1) for b in bs])])
