@@ -18,11 +18,11 @@ $(STAMP): pyproject.toml
 # Running it again resumes from runs/default's last checkpoint.
 demo: $(STAMP)
 	$(PY) -m train --workdir runs/default
-	$(PY) -m decode --workdir runs/default "the door met a warm goat ." \
+	$(PY) -m decode --model runs/default/model "the door met a warm goat ." \
 		"my cold farmer ran ." "this dog sells a door often ."
-	$(PY) -m decode --workdir runs/default --strategy beam --beam-size 4 \
+	$(PY) -m decode --model runs/default/model --strategy beam --beam-size 4 \
 		"a fox did not push a cruel wet bird ."
-	$(PY) -m decode --workdir runs/default --strategy sample --temperature 0.7 --top-p 0.9 \
+	$(PY) -m decode --model runs/default/model --strategy sample --temperature 0.7 --top-p 0.9 \
 		"my cakes jump suddenly ."
 
 test: $(STAMP)
@@ -37,6 +37,7 @@ bench: $(STAMP)
 	$(PY) -m bench.train
 	$(PY) -m bench.data
 	$(PY) -m bench.decode
+	$(PY) -m bench.load
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
