@@ -11,9 +11,12 @@ the fine-tuned model to runs/ft/model in the directory's own model type, which t
 loads too. Lines of the text file are examples (cut into max_target_length pieces);
 one file is split 90/5/5 by line hash, three files are train/validation/test.
 
-What to expect: the validation loss falls from the pretrained model's within the first
-hundred steps. On a 2-core CPU a tiny model (the suite's: 2 layers, d_model 32) runs about
-10 steps a second; gpt2-small at these settings needs a GPU (a few steps a second on one).
+What to expect: the validation loss falls from the starting model's from the first steps
+(a pretrained model's more slowly than a random one's). Measured on a 2-core CPU with a tiny
+random GPT-2 (2 layers, d_model 32, a 258-piece byte-level BPE) and a 200-line file, at
+--config.num_train_steps=30 --config.learning_rate=3e-3 --config.max_target_length=32: 30
+steps in 16 s including compilation, validation loss 3.69 at step 15 and 3.23 at step 30
+(tests/test_finetune.py runs the same). gpt2-small at the defaults here wants a GPU.
 """
 
 from train.configs._base import base_config
