@@ -63,3 +63,53 @@ def test_train_benchmark_names_bad_arguments():
         bench.train.main(["--model", "gpt5"])
     with pytest.raises(SystemExit, match="--batch 6 must be a multiple of the 4 devices"):
         bench.train.main(["--model", "gpt-tiny", "--batch", "6"])
+
+
+def test_load_benchmark_worker_measures_our_load_and_save_of_a_checkpoint(tmp_path, key):
+    """bench.load's worker in this process, on a tiny checkpoint (nothing about speed or
+    memory size is asserted)."""
+    import os
+
+    import bench.load
+    if not os.path.exists("/proc/self/clear_refs"):
+        pytest.skip("bench.load reads /proc/self (Linux)")
+    cfg = models.get_config("gpt-tiny")
+    params = jax.jit(models.build(cfg).init)(key, jnp.ones((1, 4), jnp.int32))["params"]
+    models.save(str(tmp_path / "tiny"), cfg, params)
+    n_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
+
+    load = bench.load.worker("ours", "load", str(tmp_path / "tiny"), "float32")
+    assert load["param_bytes"] == n_bytes and load["seconds"] > 0 and load["second_s"] > 0
+    assert load["peak_rss_bytes"] >= load["baseline_rss_bytes"]
+    assert load["peak_over_params"] == round(load["peak_increase_bytes"] / n_bytes, 3)
+    save = bench.load.worker("ours", "save", str(tmp_path / "tiny"), "bfloat16")
+    assert save["param_bytes"] == n_bytes // 2
+    assert n_bytes // 2 < save["saved_bytes"] < n_bytes     # bfloat16 weights and the JSON
+    json.dumps([load, save])                                # one JSON line each
+
+
+def test_load_benchmark_keeps_the_best_time_and_the_largest_memory_and_divides_ours_by_theirs():
+    import bench.load
+
+    mib = 1 << 20
+
+    def run(side, seconds, peak_mib):
+        return {"side": side, "seconds": seconds, "touch_s": seconds / 10,
+                "param_bytes": 100 * mib, "peak_increase_bytes": peak_mib * mib,
+                "used_increase_bytes": peak_mib * mib // 2}
+
+    lines = {}
+    for disk in bench.load.DTYPES:
+        for op in ("load", "save"):
+            lines[(disk, op, "ours")] = bench.load.best_of([run("ours", 3.0, 400),
+                                                            run("ours", 2.0, 300)])
+            lines[(disk, op, "theirs")] = bench.load.best_of([run("theirs", 1.0, 100)])
+    ours = lines[("float32", "load", "ours")]
+    assert ours["seconds"] == 2.0 and ours["seconds_all"] == [3.0, 2.0] and ours["touch_s"] == 0.2
+    assert ours["peak_increase_bytes"] == 400 * mib and ours["used_increase_bytes"] == 200 * mib
+    assert ours["param_bytes"] == 100 * mib and ours["peak_over_params"] == 4.0
+    r = bench.load.ratios(lines)
+    assert set(r) == {"float32", "bfloat16"}
+    assert r["bfloat16"] == {"load_time_ratio": 2.0, "load_peak_ratio": 4.0,
+                             "save_time_ratio": 2.0, "save_peak_ratio": 4.0,
+                             "load_used_ratio": 4.0, "ours_load_peak_over_params": 4.0}
