@@ -32,7 +32,7 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(PY) -m ruff check .
 
-# The benchmarks behind the README's tables (about 35 minutes on 2 CPU cores).
+# The benchmarks behind the README's tables (about 40 minutes on 2 CPU cores).
 bench: $(STAMP)
 	$(PY) -m bench.train
 	$(PY) -m bench.data
