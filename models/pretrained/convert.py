@@ -77,12 +77,20 @@ def read_params(weights: Weights, family: Family, cfg: TransformerConfig) -> dic
     tree: dict = {}
     stacks: dict[tuple, dict[int, jax.Array]] = {}
     for rule, theirs, ours in entries:
-        arrays = rule.layout.to_ours([weights.read(resolve(k)) for k in theirs], cfg)
+        read = [weights.read(resolve(k)) for k in theirs]
+        try:
+            arrays = rule.layout.to_ours(read, cfg)
+            shapes = [tuple(a.shape) for a in arrays]
+        except ValueError:          # a reshape or split that the tensor's shape cannot take
+            shapes = None
+        if shapes != [expected[p] for p in ours]:
+            # The shapes the file should hold, in its own layout (empty arrays: no data).
+            want = rule.layout.to_theirs([np.empty(expected[p], np.float32) for p in ours], cfg)
+            bad = ", ".join(f"{k} has shape {tuple(a.shape)}, the config expects "
+                            f"{tuple(w.shape)}" for k, a, w in zip(theirs, read, want, strict=True))
+            raise ValueError(f"{family.model_type} checkpoint {weights.directory}: {bad} (for "
+                             f"{', '.join(ours)})")
         for path, array in zip(ours, arrays, strict=True):
-            if tuple(array.shape) != expected[path]:
-                raise ValueError(
-                    f"{family.model_type} checkpoint tensor(s) {', '.join(theirs)} give "
-                    f"{path} shape {tuple(array.shape)}; the config expects {expected[path]}")
             slot, index = our_slot(path, cfg)
             array = np.asarray(array, cfg.param_dtype)
             if index is None:

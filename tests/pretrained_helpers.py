@@ -1,0 +1,179 @@
+"""Tiny random transformers checkpoints and what the tests of `models.load` / `models.save`
+share (tests/test_pretrained_decoders.py, tests/test_pretrained_files.py).
+
+Every checkpoint is a transformers model with random weights (normal, not its zero biases
+and unit norms, so a swapped or misplaced tensor shows), saved with `save_pretrained` once
+per test process, with its logits (fp32, eager attention) on a fixed batch of tokens.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+import os
+import shutil
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import models
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+ATOL = 1e-4
+B, T = 2, 10                       # T is longer than the sliding window (4)
+PROMPT_LENS = np.array([3, 6])     # the ragged prefill: row 0 gets 3 tokens, row 1 gets 6
+SPECIAL = dict(pad_token_id=4, bos_token_id=1, eos_token_id=2)   # none of ours (0, 2, 1)
+LLAMA3 = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
+          "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+_LLAMA = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+              num_attention_heads=4, max_position_embeddings=32, rms_norm_eps=1e-5, **SPECIAL)
+_GPT2 = dict(n_embd=32, n_layer=2, n_head=4, n_inner=48, n_positions=32, **SPECIAL)
+
+# name -> (model_type, the transformers config's fields, what the loaded config must say:
+# so a field transformers ignored, or one the loader dropped, cannot pass unnoticed).
+CASES = {
+    "gpt2-tied": ("gpt2", dict(_GPT2, vocab_size=64), dict(
+        tie_embeddings=True, activation="gelu", positions="learned")),
+    "gpt2-untied-exact-gelu": ("gpt2", dict(_GPT2, vocab_size=97, tie_word_embeddings=False,
+                                            activation_function="gelu"), dict(
+        tie_embeddings=False, activation="gelu_exact", vocab_size=97)),
+    "llama-mha-untied-bias": ("llama", dict(_LLAMA, num_key_value_heads=4, attention_bias=True,
+                                            mlp_bias=True), dict(
+        num_kv_heads=4, tie_embeddings=False, use_bias=True, rope_scaling=None,
+        rope_theta=10_000.0)),
+    "llama-gqa-tied-llama3-head-dim": ("llama", dict(
+        _LLAMA, vocab_size=80, num_key_value_heads=2, head_dim=12, tie_word_embeddings=True,
+        rope_theta=5_000.0, rope_scaling=LLAMA3), dict(
+        num_kv_heads=2, head_dim=12, tie_embeddings=True, rope_theta=5_000.0,
+        rope_scaling=models.Llama3RopeScaling(4.0, 1.0, 4.0, 16))),
+    "mistral-gqa-window-4": ("mistral", dict(_LLAMA, num_key_value_heads=2, sliding_window=4),
+                             dict(num_kv_heads=2, sliding_window=4)),
+    "mistral-no-window": ("mistral", dict(_LLAMA, num_key_value_heads=2, sliding_window=None),
+                          dict(sliding_window=None)),
+    "qwen2-gqa": ("qwen2", dict(_LLAMA, vocab_size=72, num_key_value_heads=2), dict(
+        num_kv_heads=2, qkv_bias=True, use_bias=False, tie_embeddings=False)),
+    "qwen2-mqa-tied": ("qwen2", dict(_LLAMA, num_key_value_heads=1, tie_word_embeddings=True),
+                       dict(num_kv_heads=1, qkv_bias=True, tie_embeddings=True)),
+}
+CONFIG_CLASSES = {"gpt2": "GPT2Config", "llama": "LlamaConfig", "mistral": "MistralConfig",
+                  "qwen2": "Qwen2Config"}
+
+
+def randomize(model, seed: int):
+    """Every parameter random: norm scales near 1, everything else (biases too) near 0."""
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            is_scale = p.ndim == 1 and ("norm" in name or ".ln_" in name) and "weight" in name
+            p.copy_(torch.randn_like(p) * 0.15 + (1.0 if is_scale else 0.0))
+    return model.eval()
+
+
+def random_tokens(vocab_size: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, vocab_size, (B, T)).astype(np.int32)
+
+
+def hf_logits(model, tokens) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.as_tensor(tokens, dtype=torch.long)).logits.float().numpy()
+
+
+def state_of(model) -> dict:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def assert_same_tensors(expected: dict, model) -> None:
+    got = model.state_dict()
+    assert sorted(got) == sorted(expected)
+    for k, v in expected.items():
+        assert got[k].dtype == v.dtype, k
+        assert torch.equal(got[k], v), f"{k} differs"
+
+
+def assert_same_params(got, want) -> None:
+    """The same tree, shapes, dtypes and values, bit for bit; `got`'s leaves jax arrays."""
+    assert all(isinstance(x, jax.Array) for x in jax.tree.leaves(got))
+    chex.assert_trees_all_equal_dtypes(got, want)
+    chex.assert_trees_all_equal(got, want, strict=True)
+
+
+def hf_load(path: str):
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(
+        path, attn_implementation="eager", output_loading_info=True)
+    assert not any(info.values()), info      # no missing, unexpected or mismatched tensors
+    return model.eval()
+
+
+class Checkpoint:
+    """One tiny transformers model, saved: `path`, `model`, `tokens`, `logits`."""
+
+    def __init__(self, name: str, root: str, seed: int):
+        model_type, fields, self.expect = CASES[name]
+        self.model_type = model_type
+        hf_cfg = getattr(transformers, CONFIG_CLASSES[model_type])(
+            **copy.deepcopy(fields), attn_implementation="eager")   # it edits dicts given
+        torch.manual_seed(seed)
+        self.model = randomize(transformers.AutoModelForCausalLM.from_config(hf_cfg), seed)
+        assert self.model.config._attn_implementation == "eager"
+        self.path = os.path.join(root, name)
+        self.model.save_pretrained(self.path, safe_serialization=True)
+        self.tokens = random_tokens(hf_cfg.vocab_size, seed)
+        self.logits = hf_logits(self.model, self.tokens)
+        self.state = state_of(self.model)
+
+
+@functools.cache
+def checkpoint(name: str, root: str) -> Checkpoint:
+    """The case's checkpoint under `root`, built once per test process (tests only read it:
+    one that edits a file edits a copy)."""
+    return Checkpoint(name, root, seed=list(CASES).index(name))
+
+
+@pytest.fixture(scope="session")
+def ckpt(tmp_path_factory):
+    """ckpt(name): the case's checkpoint, built the first time a test asks for it."""
+    root = str(tmp_path_factory.getbasetemp() / "hf_checkpoints")
+    return lambda name: checkpoint(name, root)
+
+
+@pytest.fixture
+def highest_precision():
+    old = jax.config.jax_default_matmul_precision
+    jax.config.update("jax_default_matmul_precision", "highest")
+    yield
+    jax.config.update("jax_default_matmul_precision", old)
+
+
+def copy_dir(src: str, dst) -> str:
+    dst = str(dst)
+    shutil.copytree(src, dst)
+    return dst
+
+
+def edit_config(path: str, edit) -> str:
+    file = os.path.join(path, "config.json")
+    with open(file) as f:
+        hf = json.load(f)
+    edit(hf)
+    with open(file, "w") as f:
+        json.dump(hf, f)
+    return path
+
+
+def stack_layers(tree):
+    """An unscanned parameter tree in the scanned layout: layer_0 .. layer_{L-1} of a stack
+    become one `layers` subtree whose leaves have a leading L axis."""
+    if not isinstance(tree, dict):
+        return tree
+    layers = sorted((k for k in tree if k.startswith("layer_")), key=lambda k: int(k[6:]))
+    out = {k: stack_layers(v) for k, v in tree.items() if k not in layers}
+    if layers:
+        assert layers == [f"layer_{i}" for i in range(len(layers))]
+        out["layers"] = jax.tree.map(lambda *xs: jnp.stack(xs), *[tree[k] for k in layers])
+    return out
