@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import decode
 import models
 from tests import pretrained_helpers as ph
 from tests.helpers import fns, tiny
@@ -231,7 +232,33 @@ def test_sharded_checkpoints_load_and_save(ckpt, tmp_path, highest_precision):
 
 
 # ---------------------------------------------------------------------------------------------
-# PLACEHOLDER: greedy generation against transformers' `model.generate` goes here (left out
-# while decode/ is being refactored): for each name in CASES, greedy decoding of
-# `models.load(ckpt(name).path)` equals `ckpt(name).model.generate(..., do_sample=False)`
-# token for token.
+# 5. Greedy decoding of a ragged batch equals transformers' `generate`, token for token.
+
+GENERATE_CASES = ["gpt2-tied", "llama-gqa-tied-llama3-head-dim", "mistral-gqa-window-4",
+                  "qwen2-gqa"]
+
+
+@pytest.mark.parametrize("name", GENERATE_CASES)
+def test_greedy_generate_on_a_ragged_batch_equals_transformers_generate(
+        name, ckpt, highest_precision):
+    """Ours decodes both prompts in one right-padded batch (3 and 6 tokens, junk padding);
+    transformers decodes each alone, unpadded (its left padding would count pad slots in
+    Mistral's window). Both stop at the config's end token (2) by default; the window of 4
+    is shorter than every sequence here."""
+    c = ckpt(name)
+    pre = models.load(c.path)
+    n_new = 10
+    prompts = np.where(np.arange(T)[None, :] < PROMPT_LENS[:, None], c.tokens, 63)[:, :8]
+    ours = decode.generate(pre.model, pre.params, prompts, PROMPT_LENS.astype(np.int32),
+                           max_new_tokens=n_new)
+    for b, n in enumerate(PROMPT_LENS):
+        with torch.no_grad():
+            theirs = c.model.generate(
+                torch.as_tensor(c.tokens[b:b + 1, :n], dtype=torch.long),
+                attention_mask=torch.ones((1, int(n)), dtype=torch.long),
+                max_new_tokens=n_new, do_sample=False, num_beams=1, eos_token_id=2,
+                pad_token_id=4)[0, n:].numpy()
+        length = int(ours.lengths[b])
+        np.testing.assert_array_equal(np.asarray(ours.tokens[b, :length]), theirs,
+                                      err_msg=f"row {b}")
+        assert np.all(np.asarray(ours.tokens[b, length:]) == 4)          # the config's pad
