@@ -1,5 +1,11 @@
 """The input pipeline: packing keeps segments apart, exact resume, shards, length rules."""
 
+import os
+import shutil
+import socket
+import subprocess
+import sys
+
 import chex
 import jax
 import numpy as np
@@ -78,7 +84,8 @@ def test_packed_row_equals_its_examples_alone_through_the_model(copy_ds, key):
             src, tgt = np.zeros((2, 24), np.int32), np.zeros((2, 24), np.int32)
             src[0, :s_mask.sum()] = b["inputs"][row][s_mask]          # alone, right-padded
             tgt[0, :t_mask.sum()] = tgt_in[row][t_mask]
-            alone = forward(src, tgt)
+            # Source padding is given by lengths (the pad id masks nothing).
+            alone = forward(src, tgt, src_lengths=np.array([s_mask.sum(), 1], np.int32))
             chex.assert_trees_all_close(packed[row][t_mask], alone[0, :t_mask.sum()], atol=1e-5)
             checked += 1
     assert checked > 2
@@ -254,3 +261,101 @@ def test_pipeline_errors_name_the_value(copy_ds):
                        match="fewer than one batch of 40000 rows .1 processes x 4 devices"):
         data.train_source(copy_ds, TOK, _cfg(per_device_batch_size=10_000, packing=False),
                           num_devices=4, shard_index=0, shard_count=1)
+
+
+# ---------------------------------------------------------------------------------------------
+# The token cache: keyed by the data's contents, written whole or not at all.
+
+def _book(tmp_path, words=("cat", "dog")) -> tuple[str, str, str]:
+    """local_text files for train (30 lines of `words`), validation and test."""
+    (tmp_path / "train.txt").write_text("".join(f"the {words[i % 2]} {i} sat on the mat\n"
+                                                for i in range(30)))
+    for name in ("validation", "test"):
+        (tmp_path / f"{name}.txt").write_text(f"a {name} line\n")
+    return tuple(str(tmp_path / f"{n}.txt") for n in ("train", "validation", "test"))
+
+
+def _train_tokens(split: P.TokenizedSplit) -> list[list[int]]:
+    return [split.tokens[0][a:b].tolist() for a, b in zip(split.offsets[0][:-1],
+                                                          split.offsets[0][1:], strict=True)]
+
+
+def _expected_tokens(ds) -> list[list[int]]:
+    n = len(ds.split("train"))
+    return [TOK.encode(t) + [data.EOS_ID] for (t,) in ds.examples("train", range(n))]
+
+
+def test_an_edited_file_with_the_same_line_count_gives_new_tokens(data_dir, tmp_path):
+    """The cache is keyed by the data's contents: a resumed run on an edited file trains on
+    the new text, not on tokens cached from the old one."""
+    files, cache = _book(tmp_path), str(tmp_path / "cache")
+    old = data.load_dataset("local_text", data_dir, data_files=files)
+    first = data.tokenize_split(old, "train", TOK, cache_dir=cache)
+    assert _train_tokens(first) == _expected_tokens(old)
+    _book(tmp_path, words=("cow", "pig"))                      # same line count, new words
+    new = data.load_dataset("local_text", data_dir, data_files=files)
+    assert len(new.split("train")) == len(old.split("train"))
+    again = data.tokenize_split(new, "train", TOK, cache_dir=cache)
+    assert _train_tokens(again) == _expected_tokens(new) != _expected_tokens(old)
+    assert new.digest != old.digest
+    source, _ = data.train_source(new, TOK, _cfg(per_device_batch_size=1, max_target_length=16),
+                                  num_devices=1, shard_index=0, shard_count=1, cache_dir=cache)
+    text = bytes(t - 4 for t in source[0]["targets"].ravel() if t >= 4).decode()
+    assert ("cow" in text or "pig" in text) and "cat" not in text and "dog" not in text
+
+
+def test_the_token_cache_is_written_whole_or_not_at_all(data_dir, tmp_path, monkeypatch):
+    """A write that fails (a full disk) names the path and leaves nothing a later run would
+    read; the next run writes the cache and reads it back."""
+    ds = data.load_dataset("local_text", data_dir, data_files=_book(tmp_path))
+    cache = tmp_path / "cache"
+    real_save, saved = np.save, []
+
+    def full_disk(f, array):
+        if saved:
+            raise OSError(28, "No space left on device")
+        saved.append(f)
+        real_save(f, array)
+
+    monkeypatch.setattr(P.np, "save", full_disk)
+    with pytest.raises(OSError, match=r"\[Errno 28\] cannot write the cache: No space left "
+                                      r"on device: '.*cache/local_text-train-[0-9a-f]{16}\.tmp-"
+                                      r"\d+@.*/offsets0\.npy'"):
+        data.tokenize_split(ds, "train", TOK, cache_dir=str(cache))
+    assert os.listdir(cache) == []                   # no cache, no temporary directory
+    monkeypatch.setattr(P.np, "save", real_save)
+    written = data.tokenize_split(ds, "train", TOK, cache_dir=str(cache))
+    (entry,) = os.listdir(cache)
+    assert sorted(os.listdir(cache / entry)) == ["done", "example_ids.npy", "offsets0.npy",
+                                                 "tokens0.npy"]
+    read = data.tokenize_split(ds, "train", TOK, cache_dir=str(cache))
+    assert isinstance(read.tokens[0], np.memmap)     # read from the cache this time
+    assert _train_tokens(read) == _train_tokens(written) == _expected_tokens(ds)
+
+
+def test_a_damaged_or_unfinished_cache_is_not_trusted(data_dir, tmp_path):
+    """A cache whose file is cut short (its `done` marker lists another size), one without
+    its `done` marker, and the temporary directory of a writer that was killed are never
+    read; the killed writer's directory is removed."""
+    ds = data.load_dataset("local_text", data_dir, data_files=_book(tmp_path))
+    cache = tmp_path / "cache"
+    want = _expected_tokens(ds)
+    data.tokenize_split(ds, "train", TOK, cache_dir=str(cache))
+    (entry,) = os.listdir(cache)
+    tokens = cache / entry / "tokens0.npy"
+    tokens.write_bytes(tokens.read_bytes()[:-40])                 # cut short, `done` kept
+    assert _train_tokens(data.tokenize_split(ds, "train", TOK, cache_dir=str(cache))) == want
+    assert os.listdir(cache) == [entry] and os.path.getsize(tokens) > 0
+    os.remove(cache / entry / "done")
+    (cache / entry / "offsets0.npy").write_bytes(b"\x93NUMPY")    # half-written, no marker
+    assert _train_tokens(data.tokenize_split(ds, "train", TOK, cache_dir=str(cache))) == want
+    assert (cache / entry / "done").exists()
+    # A writer killed mid-way left its temporary directory (with wrong tokens in it).
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    leftover = cache / f"{entry}.tmp-{dead.pid}@{socket.gethostname()}-abc123"
+    shutil.copytree(cache / entry, leftover)
+    np.save(leftover / "tokens0.npy", np.zeros(10, np.uint16))
+    shutil.rmtree(cache / entry)
+    assert _train_tokens(data.tokenize_split(ds, "train", TOK, cache_dir=str(cache))) == want
+    assert os.listdir(cache) == [entry]

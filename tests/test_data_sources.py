@@ -142,3 +142,67 @@ def test_standard_datasets_go_through_the_same_pipeline(name, tmp_path, monkeypa
     chex_shape = (2, 2, 24)
     assert batch["targets"].shape == chex_shape
     assert np.all(batch["targets"][batch["targets_segmentation"] == 0] == 0)
+
+
+def test_a_split_too_small_to_have_examples_names_the_file_and_the_counts(data_dir, tmp_path):
+    """A file split 90/5/5 by line hash can leave a split empty: asking for that split says
+    which file and how many examples each split got (not a KeyError)."""
+    from train.data import builders
+    lines = [f"line {i}" for i in range(40)]
+    book = tmp_path / "book.txt"
+    book.write_text("".join(f"{t}\n" for t in lines if builders._split_of(t) != "validation"))
+    counts = {s: sum(builders._split_of(t) == s for t in lines) for s in ("train", "test")}
+    ds = data.load_dataset("local_text", data_dir, data_files=(str(book),))
+    assert len(ds.split("train")) == counts["train"] and "validation" not in ds.splits
+    want = (f"local_text: split 'validation' has no examples: it comes from {str(book)!r} "
+            f"(split 90/5/5 by a hash of each line), and the splits have train "
+            f"{counts['train']}, validation 0, test {counts['test']} examples; each split needs "
+            "at least one (give more valid lines, or three files: train, validation, test)")
+    with pytest.raises(ValueError) as e:
+        data.eval_batches(ds, data.ByteTokenizer(),
+                          data.PipelineConfig(per_device_batch_size=2), "validation",
+                          num_devices=1, shard_index=0, shard_count=1)
+    assert str(e.value) == want
+    # Three files: the one that gave no valid lines is named.
+    files = [tmp_path / n for n in ("tr.txt", "va.txt", "te.txt")]
+    for path, text in zip(files, ("a\nb\n", "\n  \n", "c\n"), strict=True):
+        path.write_text(text)
+    ds = data.load_dataset("local_text", data_dir, data_files=tuple(map(str, files)))
+    with pytest.raises(ValueError, match=f"split 'validation' has no examples: it comes from "
+                                         f"'{files[1]}', and the splits have train 2, "
+                                         "validation 0, test 1 examples"):
+        ds.examples("validation", [0])
+
+
+def test_a_directory_given_as_a_data_file_says_it_is_a_directory(data_dir, tmp_path):
+    with pytest.raises(IsADirectoryError, match=f"data file '{tmp_path}' is a directory, not a "
+                                                "file"):
+        data.load_dataset("local_text", data_dir, data_files=(str(tmp_path),))
+
+
+def test_dataset_digests_follow_the_contents_and_name_the_changed_file(data_dir, tmp_path):
+    """`digest` is the same for the same examples (a moved file included) and differs when
+    they differ; `data_changes` between two `data_record`s names the edited file."""
+    toy = data.load_dataset("copy", data_dir)
+    assert toy.digest == data.load_dataset("copy", data_dir).digest
+    assert len({toy.digest, data.load_dataset("reverse", data_dir).digest,
+                data.load_dataset("copy", data_dir, reverse_translation=True).digest}) == 3
+    tok = data.ByteTokenizer()
+    book = tmp_path / "book.txt"
+    book.write_text("one line\nanother line\n" * 20)
+    ds = data.load_dataset("local_text", data_dir, data_files=(str(book),))
+    saved = data.data_record(ds, tok)
+    moved = tmp_path / "moved.txt"
+    moved.write_bytes(book.read_bytes())
+    same = data.load_dataset("local_text", data_dir, data_files=(str(moved),))
+    assert same.digest == ds.digest and data.data_changes(saved, data.data_record(same, tok)) == []
+    book.write_text("one line\nanother LINE\n" * 20)
+    edited = data.load_dataset("local_text", data_dir, data_files=(str(book),))
+    current = data.data_record(edited, tok)
+    assert current["digest"] == data.data_digest(edited, tok) != saved["digest"]
+    (change,) = data.data_changes(saved, current)
+    assert change.startswith(f"data file '{book}' changed (sha256 ")
+    sp = data.train_sentencepiece([f"word {i}" for i in range(300)], 300)
+    assert data.data_digest(edited, sp) != data.data_digest(edited, tok)
+    assert data.data_changes(current, data.data_record(edited, sp))[0].startswith(
+        "the tokenizer changed")

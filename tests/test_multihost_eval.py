@@ -1,6 +1,8 @@
 """Evaluation across processes: each eval step is a collective over every device of every
 process, so all processes must run the same number of them, also on text, where each
-process cuts its own shard of the split into its own number of chunks.
+process cuts its own shard of the split into its own number of chunks, and on translation
+shards of unequal usable examples. Processes that read different data stop together with
+one error; decoding (each process on its own first device) is not a collective.
 
 Two processes x 2 fake CPU devices over gloo on localhost, as in test_train_loop; a run that
 hangs is killed after `TIMEOUT_S` and fails the test.
@@ -8,6 +10,7 @@ hangs is killed after `TIMEOUT_S` and fails the test.
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -63,6 +66,11 @@ def _run_two_processes(workdir: str, data_dir: str, settings: dict) -> list[dict
         + [f"{k}={json.dumps(v)}" for k, v in dict(common, process_id=i).items()],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         cwd=os.path.dirname(TESTS)) for i in range(2)]
+    return [json.loads(out.rsplit("SUMMARY ", 1)[1]) for out in _communicate(procs)]
+
+
+def _communicate(procs: list[subprocess.Popen]) -> list[str]:
+    """The processes' outputs once all exit 0; kills them all and fails after TIMEOUT_S."""
     deadline = time.monotonic() + TIMEOUT_S
     outs = []
     try:
@@ -72,12 +80,12 @@ def _run_two_processes(workdir: str, data_dir: str, settings: dict) -> list[dict
         for p in procs:
             p.kill()
         outs += [p.communicate()[0] for p in procs[len(outs):]]
-        raise AssertionError(f"the two processes did not finish in {TIMEOUT_S} s (hung in a "
+        raise AssertionError(f"the processes did not finish in {TIMEOUT_S} s (hung in a "
                              "collective?); their output ends:\n"
                              + "\n---\n".join(out[-1500:] for out in outs)) from None
     for p, out in zip(procs, outs, strict=True):
         assert p.returncode == 0, out[-3000:]
-    return [json.loads(out.rsplit("SUMMARY ", 1)[1]) for out in outs]
+    return outs
 
 
 def test_two_processes_evaluate_text_shards_of_unequal_chunk_counts(data_dir, tmp_path):
@@ -104,3 +112,109 @@ def test_two_processes_evaluate_text_shards_of_unequal_chunk_counts(data_dir, tm
     one = train_and_evaluate(tiny_train_config(data_dir, **settings), str(tmp_path / "one"))
     np.testing.assert_allclose(two[0]["validation"]["loss"], one["validation"]["loss"],
                                rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# Uneven shards, different data, and decoding on one process more than on the other.
+
+def _write_translation(tmp_path, validation: list[str]) -> str:
+    (tmp_path / "train.tsv").write_text("".join(f"w{i} x\ty{i} z\n" for i in range(8)))
+    (tmp_path / "validation.tsv").write_text("".join(f"{s}\n" for s in validation))
+    (tmp_path / "test.tsv").write_text("a b\tc d\n")
+    return ",".join(str(tmp_path / f"{n}.tsv") for n in ("train", "validation", "test"))
+
+
+def _eval_worker(process_id: str, address: str, data_dir: str, files: str, other: str) -> None:
+    """One process of `test_two_processes_with_uneven_shards_take_the_same_collective_steps`
+    (run with `python -c`); prints `RESULT {...}` last."""
+    import jax
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(address, num_processes=2, process_id=int(process_id))
+    import models
+    from train import evaluate, parallel, step as step_lib
+    pid, tok = jax.process_index(), data.ByteTokenizer()
+    config = tiny_train_config(data_dir)
+    model = models.build(models.get_config(
+        "transformer-tiny", vocab_size=tok.vocab_size, d_model=32, num_heads=2, mlp_dim=64,
+        num_encoder_layers=1, num_decoder_layers=1, max_len=16))
+    src = np.ones((1, 12), np.int32)
+    params = model.init(jax.random.key(0), src, src)["params"]
+    dp = parallel.DataParallel("pmap", *step_lib.make_steps(model, config, lambda s: 0.0))
+    replicated = parallel.replicate(params, jax.local_devices())
+    cfg = data.PipelineConfig(per_device_batch_size=1, max_source_length=12,
+                              max_target_length=12)
+    ds = data.load_dataset("local_translation", data_dir, data_files=tuple(files.split(",")))
+    result = {}
+    # 1. Process 1 reads other data (a validation file one line shorter). Before, each
+    #    process planned its own number of eval steps and the collectives hung.
+    mine = ds if pid == 0 else data.load_dataset("local_translation", data_dir,
+                                                 data_files=tuple(other.split(",")))
+    try:
+        batches, _ = data.eval_batches(mine, tok, cfg, "validation")
+        result["mismatch"] = f"no error: {len(batches)} batches"
+        evaluate.loss_metrics(dp, replicated, batches)
+    except ValueError as e:
+        result["mismatch"] = str(e)
+    # 2. The same data, unevenly shared: the long example is dropped from one shard only.
+    batches, stats = data.eval_batches(ds, tok, cfg, "validation")
+    result.update(batches=len(batches), kept=stats.kept,
+                  loss=evaluate.loss_metrics(dp, replicated, batches))
+    # 3. Decoding runs on each process's own first device, no collective: three greedy
+    #    batches and a beam-search one here, one greedy batch there, then a collective again.
+    sources = [s for s, _ in ds.examples("validation", range(len(ds.split("validation"))))]
+    sources = sources if pid == 0 else sources[:1]
+    hyps = evaluate.translate(model, params, tok, sources, max_source_length=12,
+                              max_new_tokens=3, batch_size=2)
+    if pid == 0:
+        hyps += evaluate.translate(model, params, tok, sources[:2], max_source_length=12,
+                                   max_new_tokens=3, beam_size=2, batch_size=2)
+    result.update(decoded=len(hyps), again=evaluate.loss_metrics(dp, replicated, batches))
+    print("RESULT " + json.dumps(result, default=float), flush=True)
+
+
+def test_two_processes_with_uneven_shards_take_the_same_collective_steps(data_dir, tmp_path):
+    """Two processes x 2 devices: (1) processes whose validation data differ both stop with
+    one error naming each one's data (before: different numbers of eval steps, a hang);
+    (2) shards with 3 and 1 usable examples (2 and 1 local batches) take the same eval steps,
+    and the loss counts every kept token once; (3) decoding 3 greedy batches and a beam
+    search one on one process and 1 greedy batch on the other (no collective) is followed by
+    an evaluation that both finish, with the same loss."""
+    # TFDS stores these lines in the order 4, 1, 5, 3, 2: shard 0 gets lines 4, 5, 2, and
+    # shard 1 lines 1 (too long: dropped) and 3.
+    pairs = ["r " * 20 + "\ts t", "a b\tc d", "e f\tg h", "i j k\tl m", "n o\tp q"]
+    (tmp_path / "same").mkdir()
+    (tmp_path / "other").mkdir()
+    files = _write_translation(tmp_path / "same", pairs)
+    other = _write_translation(tmp_path / "other", pairs[1:])
+    tok = data.ByteTokenizer()
+    ds = data.load_dataset("local_translation", data_dir, data_files=tuple(files.split(",")))
+    data.load_dataset("local_translation", data_dir, data_files=tuple(other.split(",")))
+    kept = [len(P.select_items(P.tokenize_split(ds, "validation", tok, shard_index=i,
+                                                shard_count=2), "translation", (12, 12),
+                               "drop")[0]) for i in range(2)]
+    assert kept == [3, 1], "the shards must need different numbers of batches"
+    tokens = sum(len(tok.encode(t)) + 1 for s, t in ds.examples("validation", range(5))
+                 if len(tok.encode(s)) < 12)
+
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=os.environ.get("XLA_FLAGS", "")
+               .replace("--xla_force_host_platform_device_count=4",
+                        "--xla_force_host_platform_device_count=2"))
+    address = f"localhost:{_free_port()}"
+    code = ("import sys; from tests.test_multihost_eval import _eval_worker; "
+            "_eval_worker(*sys.argv[1:])")
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(i), address, data_dir, files,
+                               other], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, cwd=os.path.dirname(TESTS), env=env) for i in range(2)]
+    results = [json.loads(out.rsplit("RESULT ", 1)[1]) for out in _communicate(procs)]
+    mismatch = results[0]["mismatch"]
+    assert results[1]["mismatch"] == mismatch
+    assert re.fullmatch(r"the processes read different data for split 'validation' of "
+                        r"'local_translation' \(process 0: 5 examples, digest [0-9a-f]{16}; "
+                        r"process 1: 4 examples, digest [0-9a-f]{16}\); every process must "
+                        r"read the same files \(data_files, data_dir\) with the same "
+                        r"tokenizer", mismatch), mismatch
+    assert [r["batches"] for r in results] == [2, 2]
+    assert [r["kept"] for r in results] == [3, 1]
+    assert results[0]["loss"] == results[1]["loss"] == results[0]["again"] == results[1]["again"]
+    assert results[0]["loss"]["tokens"] == tokens
+    assert [r["decoded"] for r in results] == [5 + 2, 1]

@@ -12,7 +12,11 @@ from train.data import Dataset, Tokenizer
 
 
 def loss_metrics(dp, params, batches) -> dict:
-    """Token loss, accuracy and perplexity over evaluation batches (all devices)."""
+    """Token loss, accuracy and perplexity over evaluation batches (all devices).
+
+    Each batch is one eval step, a collective over every device of every process: every
+    process must pass the same number of batches (`train.data.eval_batches` agrees on it).
+    """
     total = None
     for batch in batches:
         sums = dp.metrics(dp.eval_step(params, {k: v for k, v in batch.items()
@@ -24,7 +28,11 @@ def loss_metrics(dp, params, batches) -> dict:
 def translate(model, params, tok: Tokenizer, sources: list[str], *, max_source_length: int,
               max_new_tokens: int, beam_size: int = 1, length_penalty: float = 0.6,
               batch_size: int = 64) -> list[str]:
-    """Greedy (beam_size 1) or beam-search translations, in fixed-shape batches."""
+    """Greedy (beam_size 1) or beam-search translations, in fixed-shape batches.
+
+    `params` are host arrays, so each call runs on this process's first local device: no
+    collective, and processes may decode different numbers of batches.
+    """
     out = []
     for start in range(0, len(sources), batch_size):
         chunk = sources[start:start + batch_size]

@@ -5,6 +5,7 @@
     cfg = PipelineConfig(per_device_batch_size=32)
     source, stats = train_source(ds, tok, cfg)                    # batches [R, B, W]
     it = train_iterator(source, cfg)                              # it.get_state()/set_state()
+    record = data_record(ds, tok)          # kept in checkpoints; data_changes(old, new) on resume
 """
 
 from models.tokenizer import (
@@ -18,7 +19,15 @@ from models.tokenizer import (
     load_tokenizer,
 )
 from train.data.builders import GENERATED, LOCAL, BadLines
-from train.data.datasets import STANDARD, Dataset, available, load_dataset
+from train.data.datasets import (
+    STANDARD,
+    Dataset,
+    available,
+    data_changes,
+    data_digest,
+    data_record,
+    load_dataset,
+)
 from train.data.pipeline import (
     BatchSource,
     DataStats,
@@ -34,7 +43,8 @@ from train.data.tokenizer import train_sentencepiece
 __all__ = [
     "BOS_ID", "EOS_ID", "GENERATED", "LOCAL", "PAD_ID", "STANDARD", "UNK_ID", "BadLines",
     "BatchSource", "ByteTokenizer", "DataStats", "Dataset", "PipelineConfig",
-    "SentencePieceTokenizer", "Tokenizer", "available", "eval_batches", "load_dataset",
+    "SentencePieceTokenizer", "Tokenizer", "available", "data_changes", "data_digest",
+    "data_record", "eval_batches", "load_dataset",
     "load_tokenizer", "shard_indices", "tokenize_split", "train_iterator", "train_sentencepiece",
     "train_source",
 ]

@@ -126,28 +126,50 @@ GENERATED = {
 
 @dataclasses.dataclass
 class LocalFilesConfig(tfds.core.BuilderConfig):
-    """Paths of local files; the config name is a hash of their contents (see `local_config`)."""
+    """Paths of local files; the config name is a hash of their contents (see `local_config`).
+
+    Attributes:
+        files: the absolute paths, in the order given.
+        digest: the SHA-256 of their contents (what the name abbreviates).
+        file_digests: the SHA-256 of each file's contents, in the order of `files`.
+    """
     files: tuple[str, ...] = ()
+    digest: str = dataclasses.field(default="", repr=False)
+    file_digests: tuple[str, ...] = dataclasses.field(default=(), repr=False)
+
+
+def check_data_file(path: str) -> None:
+    """Raises unless `path` is a regular file: `FileNotFoundError` or `IsADirectoryError`,
+    naming it."""
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"data file {path!r} is a directory, not a file; give the files "
+                                "in it, comma-separated")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"data file {path!r} does not exist")
 
 
 def local_config(files: tuple[str, ...] | list[str]) -> LocalFilesConfig:
-    """A config named by the SHA-256 of the files' paths' contents, so edits re-prepare.
+    """A config named by the SHA-256 of the files' contents, so edits re-prepare.
 
     Raises:
-        FileNotFoundError: naming the first path that does not exist.
+        FileNotFoundError / IsADirectoryError: naming the first path that is not a file.
     """
     if not files:
         raise ValueError("local datasets need data_files: one or more comma-separated paths")
-    digest = hashlib.sha256()
     for path in files:
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"data file {path!r} does not exist")
+        check_data_file(path)
+    digest, each = hashlib.sha256(), []
+    for path in files:
+        one = hashlib.sha256()
         with open(path, "rb") as f:
             for block in iter(lambda: f.read(1 << 20), b""):
                 digest.update(block)
+                one.update(block)
         digest.update(b"\0")
+        each.append(one.hexdigest())
     return LocalFilesConfig(name=f"files_{digest.hexdigest()[:16]}",
-                            files=tuple(os.path.abspath(p) for p in files))
+                            files=tuple(os.path.abspath(p) for p in files),
+                            digest=digest.hexdigest(), file_digests=tuple(each))
 
 
 def _lines(path: str, bad: BadLines):
@@ -175,12 +197,59 @@ def _assign_splits(sources: list[list], key) -> dict[str, list]:
         for item in sources[0]:
             out[_split_of(key(item))].append(item)
         return out
+    check_source_count(len(sources))
     if len(sources) == 2:
         return {"train": sources[0], "validation": sources[1], "test": sources[1]}
-    if len(sources) == 3:
-        return dict(zip(("train", "validation", "test"), sources, strict=True))
-    raise ValueError(f"got {len(sources)} data sources; give 1 (split 90/5/5 by hash), "
-                     "2 (train, test) or 3 (train, validation, test)")
+    return dict(zip(("train", "validation", "test"), sources, strict=True))
+
+
+def check_source_count(n: int) -> None:
+    """Raises unless `n` (files, or file pairs) is 1, 2 or 3 sources."""
+    if not 1 <= n <= 3:
+        raise ValueError(f"got {n} data sources; give 1 (split 90/5/5 by hash), "
+                         "2 (train, test) or 3 (train, validation, test)")
+
+
+def translation_sources(files: tuple[str, ...] | list[str]) -> list[tuple[str, ...]]:
+    """How `local_translation` groups its files into sources, from their names alone: each
+    `.tsv` path is one source, other paths go two at a time (source file, target file).
+
+        ("a.tsv", "b.en", "b.de") -> [("a.tsv",), ("b.en", "b.de")]
+
+    Raises:
+        ValueError: a non-`.tsv` path without a partner, or not 1 to 3 sources.
+    """
+    sources, i = [], 0
+    while i < len(files):
+        if files[i].endswith(".tsv"):
+            sources.append((files[i],))
+            i += 1
+        else:
+            if i + 1 >= len(files) or files[i + 1].endswith(".tsv"):
+                raise ValueError(f"{files[i]!r} is not a .tsv file, so it needs a line-aligned "
+                                 "target file after it (source,target)")
+            sources.append((files[i], files[i + 1]))
+            i += 2
+    check_source_count(len(sources))
+    return sources
+
+
+def split_origins(name: str, files: tuple[str, ...] | list[str]) -> dict[str, str]:
+    """Where each split of local dataset `name` comes from, in words (for messages).
+
+        ("a.txt",)                -> every split: "'a.txt' (split 90/5/5 by a hash of each line)"
+        ("tr.txt", "te.txt")      -> train: "'tr.txt'", validation and test: "'te.txt'"
+    """
+    sources = (translation_sources(files) if name == "local_translation"
+               else [(f,) for f in files])
+    labels = [",".join(s) for s in sources]
+    if len(labels) == 1:
+        return dict.fromkeys(LOCAL_SPLIT_PERCENT,
+                             f"{labels[0]!r} (split 90/5/5 by a hash of each line)")
+    if len(labels) == 2:
+        return {"train": repr(labels[0]), "validation": repr(labels[1]),
+                "test": repr(labels[1])}
+    return dict(zip(("train", "validation", "test"), map(repr, labels), strict=True))
 
 
 def read_translation_files(files: tuple[str, ...], bad: BadLines) -> dict[str, list]:
@@ -189,17 +258,8 @@ def read_translation_files(files: tuple[str, ...], bad: BadLines) -> dict[str, l
     Each `.tsv` path is one source; other paths are taken two at a time as (source file,
     target file). See `_assign_splits` for how sources become splits.
     """
-    sources, i = [], 0
-    while i < len(files):
-        if files[i].endswith(".tsv"):
-            sources.append(list(_tsv_pairs(files[i], bad)))
-            i += 1
-        else:
-            if i + 1 >= len(files) or files[i + 1].endswith(".tsv"):
-                raise ValueError(f"{files[i]!r} is not a .tsv file, so it needs a line-aligned "
-                                 "target file after it (source,target)")
-            sources.append(list(_aligned_pairs(files[i], files[i + 1], bad)))
-            i += 2
+    sources = [list(_tsv_pairs(s[0], bad)) if len(s) == 1 else list(_aligned_pairs(*s, bad))
+               for s in translation_sources(files)]
     return _assign_splits(sources, key=lambda pair: pair[0])
 
 
@@ -270,7 +330,8 @@ class _LocalBuilder(_Builder):
         if not any(splits.values()):
             raise ValueError(f"no valid lines in {list(self.builder_config.files)}: "
                              + bad.summary())
-        # A split with no lines (a tiny file split by hash) is left out, not written empty.
+        # A split with no lines (a tiny file split by hash) is left out, not written empty;
+        # `datasets.load_dataset` says so, naming the files, when the split is asked for.
         return {name: self._generate_examples(items) for name, items in splits.items() if items}
 
     def _generate_examples(self, items):

@@ -14,6 +14,7 @@ that says so.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import importlib
 import importlib.util
 import logging
@@ -67,15 +68,26 @@ class Dataset:
         splits: split name -> a random-access source (`len`, `[i]`) of feature dicts.
         keys: the feature names read, in (source, target) or (text,) order.
         bad_lines: malformed lines skipped while preparing local files.
+        digest: a SHA-256 (hex) of what the splits hold, in the order `keys` reads them:
+            equal for two datasets exactly when they give the same examples (from the files'
+            contents for local data; the builder config and version for generated tasks;
+            the version and split sizes for TFDS catalogue datasets). "" when unknown (a
+            dataset made by hand): such a dataset's tokens are never cached.
+        files: (path, SHA-256 of its contents) of each local data file, in order.
+        empty_splits: split name -> why it has no examples (a local file too small for a
+            90/5/5 split, or a file with no valid lines): asking for it raises that.
     """
     name: str
     kind: str
     splits: dict[str, Any]
     keys: tuple[str, ...]
     bad_lines: builders.BadLines = dataclasses.field(default_factory=builders.BadLines)
+    digest: str = ""
+    files: tuple[tuple[str, str], ...] = ()
+    empty_splits: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def example(self, split: str, index: int) -> tuple[str, ...]:
-        record = self.splits[split][index]
+        record = self.split(split)[index]
         return tuple(_text(record[k]) for k in self.keys)
 
     def examples(self, split: str, indices) -> list[tuple[str, ...]]:
@@ -89,10 +101,81 @@ class Dataset:
         return [tuple(_text(r[k]) for k in self.keys) for r in records]
 
     def split(self, name: str):
+        """The random-access source of split `name`.
+
+        Raises:
+            ValueError: the split is empty (the message names the files and every split's
+                example count).
+            KeyError: the dataset has no such split.
+        """
+        if name in self.empty_splits:
+            raise ValueError(self.empty_splits[name])
         if name not in self.splits:
             raise KeyError(f"dataset {self.name!r} has no split {name!r}; it has "
                            f"{sorted(self.splits)}")
         return self.splits[name]
+
+
+def _digest(*parts) -> str:
+    return hashlib.sha256(repr(parts).encode()).hexdigest()
+
+
+def data_digest(dataset: Dataset, tokenizer) -> str:
+    """A SHA-256 (hex) of a run's tokens: the dataset's `digest` and the tokenizer's
+    `identity`. Equal for two runs exactly when they read the same examples and encode them
+    alike; a checkpoint keeps it so that a resumed run can tell (see `data_record`).
+
+    Raises:
+        ValueError: the dataset has no digest (it was not made by `load_dataset`).
+    """
+    if not dataset.digest:
+        raise ValueError(f"dataset {dataset.name!r} has no content digest (make it with "
+                         "load_dataset)")
+    return _digest(dataset.digest, tokenizer.identity)
+
+
+def data_record(dataset: Dataset, tokenizer) -> dict:
+    """What a checkpoint keeps about its data (JSON-ready), for `data_changes` on resume:
+
+        {"digest": data_digest(...), "dataset": "local_text", "dataset_digest": "9f2c...",
+         "tokenizer": "byte", "files": {"/data/book.txt": "41d0..."}}
+    """
+    return {"digest": data_digest(dataset, tokenizer), "dataset": dataset.name,
+            "dataset_digest": dataset.digest, "tokenizer": tokenizer.identity,
+            "files": dict(dataset.files)}
+
+
+def data_changes(saved: dict, current: dict) -> list[str]:
+    """How the data of `current` (a `data_record`) differ from `saved`'s, one line each,
+    naming the files; [] when they are the same. A file moved or renamed with the same
+    contents is the same data.
+
+        ["data file '/data/book.txt' changed (sha256 41d0a9c3e1f2 -> 77be01c2d9a4)"]
+    """
+    if saved.get("digest") == current["digest"]:
+        return []
+    out = []
+    if saved.get("dataset") != current["dataset"]:
+        out.append(f"the dataset was {saved.get('dataset')!r}, now {current['dataset']!r}")
+    old, new = saved.get("files") or {}, current["files"]
+    for path, digest in new.items():
+        if path not in old:
+            if digest not in old.values():
+                out.append(f"data file {path!r} was not read before")
+        elif old[path] != digest:
+            out.append(f"data file {path!r} changed (sha256 {old[path][:12]} -> "
+                       f"{digest[:12]})")
+    for path, digest in old.items():
+        if path not in new and digest not in new.values():
+            out.append(f"data file {path!r} is no longer read")
+    if saved.get("tokenizer") != current["tokenizer"]:
+        out.append(f"the tokenizer changed ({str(saved.get('tokenizer'))[:40]} -> "
+                   f"{current['tokenizer'][:40]})")
+    if not out:
+        out.append(f"dataset {current['dataset']!r} changed (digest "
+                   f"{str(saved.get('dataset_digest'))[:12]} -> "
+                   f"{current['dataset_digest'][:12]})")
+    return out
 
 
 def _text(value) -> str:
@@ -118,23 +201,44 @@ def load_dataset(name: str, data_dir: str | None = None, *, data_files: tuple[st
     """
     data_dir = os.path.expanduser(data_dir) if data_dir else None
     if name in builders.GENERATED:
-        _, splits = _open(name, data_dir)
-        return _oriented(Dataset(name, "translation", splits, ("inputs", "targets")),
-                         reverse_translation)
+        builder, splits = _open(name, data_dir)
+        config = builder.builder_config
+        ds = Dataset(name, "translation", splits, ("inputs", "targets"),
+                     digest=_digest("generated", name, str(builder.version), config.sizes,
+                                    config.seed))
+        return _oriented(ds, reverse_translation)
     if name in builders.LOCAL:
         config = builders.local_config(tuple(data_files))
         builder, splits = _open(name, data_dir, config=config)
-        ds = Dataset(name, LOCAL_KINDS[name], splits, builder.keys, builders.bad_lines(builder))
+        ds = Dataset(name, LOCAL_KINDS[name], splits, builder.keys, builders.bad_lines(builder),
+                     digest=_digest("local", name, str(builder.version), config.digest),
+                     files=tuple(zip(config.files, config.file_digests, strict=True)),
+                     empty_splits=_empty_splits(name, data_files, splits))
         if ds.bad_lines.total:
             log.warning("%s: %s", name, ds.bad_lines.summary())
         return _oriented(ds, reverse_translation)
     if name in STANDARD:
         spec = STANDARD[name]
         importlib.import_module(spec.module)
-        _, sources = _open(name, data_dir, spec)
+        builder, sources = _open(name, data_dir, spec)
         splits = {ours: sources[theirs] for ours, theirs in spec.splits}
-        return _oriented(Dataset(name, spec.kind, splits, spec.keys), reverse_translation)
+        config_name = builder.builder_config.name if builder.builder_config else ""
+        ds = Dataset(name, spec.kind, splits, spec.keys,
+                     digest=_digest("tfds", name, config_name, str(builder.version),
+                                    sorted((k, len(v)) for k, v in sources.items())))
+        return _oriented(ds, reverse_translation)
     raise ValueError(f"unknown dataset {name!r}; available: {', '.join(available())}")
+
+
+def _empty_splits(name: str, files, splits: dict) -> dict[str, str]:
+    """Why each split a local dataset left out (it had no examples) is empty, in words."""
+    counts = {s: len(splits[s]) if s in splits else 0 for s in builders.LOCAL_SPLIT_PERCENT}
+    origins = builders.split_origins(name, tuple(files))
+    sizes = ", ".join(f"{s} {n}" for s, n in counts.items())
+    return {s: (f"{name}: split {s!r} has no examples: it comes from {origins[s]}, and the "
+                f"splits have {sizes} examples; each split needs at least one (give more "
+                "valid lines, or three files: train, validation, test)")
+            for s, n in counts.items() if not n}
 
 
 def _oriented(ds: Dataset, reverse: bool) -> Dataset:
@@ -143,7 +247,7 @@ def _oriented(ds: Dataset, reverse: bool) -> Dataset:
     if ds.kind != "translation":
         raise ValueError(f"reverse_translation needs a translation dataset; {ds.name!r} is "
                          f"{ds.kind}")
-    return dataclasses.replace(ds, keys=ds.keys[::-1])
+    return dataclasses.replace(ds, keys=ds.keys[::-1], digest=_digest(ds.digest, "reversed"))
 
 
 def _tensorflow_available() -> bool:

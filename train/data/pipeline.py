@@ -1,7 +1,8 @@
 """The input pipeline: tokenise, filter, pack or bucket, shuffle, shard, batch; checkpointable.
 
 A split is tokenised once per process (and cached as memory-mapped `.npy` when given a
-`cache_dir`); after that every batch is a pure function of `(seed, step)`:
+`cache_dir`, keyed by the dataset's content digest and the tokenizer's identity, and written
+whole or not at all); after that every batch is a pure function of `(seed, step)`:
 
     step -> epoch, batch in epoch -> rows of example items -> numpy arrays
 
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import logging
 import os
 import sys
 import threading
@@ -35,7 +37,10 @@ import grain
 import numpy as np
 
 from models.tokenizer import Tokenizer
-from train.data.datasets import Dataset
+from train.data import cache as cache_lib
+from train.data.datasets import Dataset, data_digest
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,29 +117,40 @@ def shard_indices(num_examples: int, shard_index: int, shard_count: int) -> np.n
     return np.arange(shard_index, num_examples, shard_count, dtype=np.int64)
 
 
+CACHE_FORMAT = 2          # in every token cache key: bump it when the cached files change
+
+
 def tokenize_split(dataset: Dataset, split: str, tokenizer: Tokenizer, *, shard_index: int = 0,
                    shard_count: int = 1, cache_dir: str | None = None,
                    chunk: int = 4096) -> TokenizedSplit:
-    """Tokenises this process's shard of a split (or loads it from `cache_dir`)."""
+    """Tokenises this process's shard of a split (or loads it from `cache_dir`).
+
+    The cache is keyed by the dataset's content `digest` and the tokenizer's `identity`, so
+    edited data or another tokenizer never reads old tokens. It is written whole or not at
+    all, and read only when whole (see `train.data.cache`). A dataset without a digest (made
+    by hand) is not cached.
+
+    Raises:
+        OSError: writing the cache failed; the message names the path.
+    """
     if tokenizer.eos_id is None:
         raise ValueError(f"the tokenizer ({tokenizer.identity[:40]}) has no end token "
                          "(eos_id None); the pipeline ends every example with one")
     source = dataset.split(split)
     ids = shard_indices(len(source), shard_index, shard_count)
     sides = len(dataset.keys)
-    cache = None
-    if cache_dir:
-        key = hashlib.sha256(repr((dataset.name, dataset.keys, split, len(source), shard_index,
-                                   shard_count, tokenizer.identity)).encode())
-        cache = os.path.join(cache_dir, f"{dataset.name.replace('/', '_')}-{split}-"
-                                        f"{key.hexdigest()[:16]}")
-        if os.path.exists(os.path.join(cache, "done")):
-            def load(n):
-                return np.load(os.path.join(cache, n), mmap_mode="r")
-
-            return TokenizedSplit(tuple(load(f"tokens{s}.npy") for s in range(sides)),
-                                  tuple(load(f"offsets{s}.npy") for s in range(sides)),
-                                  load("example_ids.npy"), tokenizer.eos_id)
+    cache = key = None
+    if cache_dir and not dataset.digest:
+        log.warning("dataset %r has no content digest: its tokens are not cached",
+                    dataset.name)
+    elif cache_dir:
+        key = hashlib.sha256(repr((CACHE_FORMAT, data_digest(dataset, tokenizer),
+                                   dataset.keys, split, len(source), shard_index,
+                                   shard_count)).encode()).hexdigest()
+        cache = os.path.join(cache_dir, f"{dataset.name.replace('/', '_')}-{split}-{key[:16]}")
+        cached = _from_arrays(cache_lib.load(cache, key), sides, tokenizer.eos_id)
+        if cached is not None:
+            return cached
     dtype = np.uint16 if tokenizer.vocab_size <= np.iinfo(np.uint16).max + 1 else np.int32
     pieces: list[list[np.ndarray]] = [[] for _ in range(sides)]
     lengths: list[list[np.ndarray]] = [[] for _ in range(sides)]
@@ -153,13 +169,27 @@ def tokenize_split(dataset: Dataset, split: str, tokenizer: Tokenizer, *, shard_
         offsets.append(np.concatenate([[0], np.cumsum(lens)]).astype(np.int64))
     out = TokenizedSplit(tuple(tokens), tuple(offsets), ids, tokenizer.eos_id)
     if cache:
-        os.makedirs(cache, exist_ok=True)
-        for s in range(sides):
-            np.save(os.path.join(cache, f"tokens{s}.npy"), out.tokens[s])
-            np.save(os.path.join(cache, f"offsets{s}.npy"), out.offsets[s])
-        np.save(os.path.join(cache, "example_ids.npy"), ids)
-        open(os.path.join(cache, "done"), "w").close()
+        arrays = {**{f"tokens{s}.npy": out.tokens[s] for s in range(sides)},
+                  **{f"offsets{s}.npy": out.offsets[s] for s in range(sides)},
+                  "example_ids.npy": ids}
+        cache_lib.save(cache, key, arrays)
     return out
+
+
+def _from_arrays(arrays: dict | None, sides: int, eos_id: int) -> TokenizedSplit | None:
+    """A cached split, or None when there is none or its arrays do not fit together."""
+    if arrays is None:
+        return None
+    try:
+        out = TokenizedSplit(tuple(arrays[f"tokens{s}.npy"] for s in range(sides)),
+                             tuple(arrays[f"offsets{s}.npy"] for s in range(sides)),
+                             arrays["example_ids.npy"], eos_id)
+    except KeyError:
+        return None
+    if all(len(out.offsets[s]) == len(out) + 1 and out.offsets[s][-1] == len(out.tokens[s])
+           for s in range(sides)):
+        return out
+    return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -471,14 +501,35 @@ def train_source(dataset: Dataset, tokenizer: Tokenizer, cfg: PipelineConfig, *,
                        shard_count), stats
 
 
-def _agreed_batches(needed: int, shard_count: int) -> int:
+def _agreed_batches(needed: int, shard_count: int, dataset: Dataset, tokenizer: Tokenizer,
+                    split: str) -> int:
     """`needed`; when the shards are the processes (`shard_count == jax.process_count() > 1`),
-    the largest `needed` of all processes: a collective, so every process must call it."""
+    the largest `needed` of all processes: a collective, so every process must call it.
+
+    The processes also compare what they read (the split's size, the dataset's digest and
+    the tokenizer's identity): processes with other data would plan other batches, so all of
+    them stop with the same error instead.
+
+    Raises:
+        ValueError: the processes read different data (on every process).
+    """
     import jax
     if not shard_count == jax.process_count() > 1:
         return needed
     from jax.experimental import multihost_utils
-    return int(np.max(multihost_utils.process_allgather(np.int32(needed))))
+    size = len(dataset.split(split))
+    digest = hashlib.sha256(repr((dataset.digest, dataset.keys, tokenizer.identity, split,
+                                  size)).encode()).digest()
+    mine = np.array([needed, size, *np.frombuffer(digest[:8], np.int32)], np.int32)
+    every = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, len(mine))
+    if np.any(every[:, 1:] != mine[1:]):
+        seen = "; ".join(f"process {p}: {row[1]} examples, digest "
+                         f"{row[2:].astype(np.int32).tobytes().hex()}"
+                         for p, row in enumerate(every))
+        raise ValueError(f"the processes read different data for split {split!r} of "
+                         f"{dataset.name!r} ({seen}); every process must read the same files "
+                         "(data_files, data_dir) with the same tokenizer")
+    return int(every[:, 0].max())
 
 
 def eval_batches(dataset: Dataset, tokenizer: Tokenizer, cfg: PipelineConfig, split: str, *,
@@ -500,10 +551,13 @@ def eval_batches(dataset: Dataset, tokenizer: Tokenizer, cfg: PipelineConfig, sp
         shard 0: one 300-token line -> 19 chunks of 16 -> 5 batches of 4 rows
         shard 1: one 11-token line  ->  1 chunk         -> 1 batch, then 4 all-padding ones
 
-    When the shards are the processes (`shard_count == jax.process_count() > 1`, the
-    default there), they agree on the largest count through a collective, so every process
-    must call this; otherwise each shard gets the batches it needs unless given
-    `num_batches`.
+    Translation shards are sized from the split's length alone, so they agree unless the
+    processes read different data or have different numbers of local devices. When the
+    shards are the processes (`shard_count == jax.process_count() > 1`, the default there),
+    they therefore agree on the largest count through a collective, for both kinds, and check
+    that they all read the same data (an error on every process if not; see
+    `_agreed_batches`), so every process must call this; otherwise each shard gets the
+    batches it needs unless given `num_batches`.
 
     Args:
         num_devices / shard_index / shard_count: default to `jax.local_device_count()`,
@@ -524,8 +578,7 @@ def eval_batches(dataset: Dataset, tokenizer: Tokenizer, cfg: PipelineConfig, sp
                    else -(-len(dataset.split(split)) // shard_count))
     needed = max(1, -(-rows_needed // rows_per_batch))
     if num_batches is None:
-        num_batches = (_agreed_batches(needed, shard_count) if dataset.kind == "text"
-                       else needed)
+        num_batches = _agreed_batches(needed, shard_count, dataset, tokenizer, split)
     elif num_batches < needed:
         raise ValueError(f"num_batches={num_batches} is fewer than the {needed} batches of "
                          f"{rows_per_batch} rows that shard {shard_index} of {shard_count} "
