@@ -16,8 +16,8 @@ from models.pretrained.mapping import (
     CONV1D_FROM_HEADS,
     CONV1D_FUSED_QKV,
     FUSED_QKV_BIAS,
-    TRANSPOSE,
     Rule,
+    untied_head,
 )
 
 ACTIVATIONS = {"gelu_new": "gelu", "gelu_pytorch_tanh": "gelu", "gelu": "gelu_exact",
@@ -99,9 +99,7 @@ def rules(cfg: TransformerConfig) -> list[Rule]:
         Rule("transformer.ln_f.weight", "decoder/final_norm/scale"),
         Rule("transformer.ln_f.bias", "decoder/final_norm/bias"),
     ]
-    if not cfg.tie_embeddings:
-        table.append(Rule("lm_head.weight", "head/kernel", TRANSPOSE))
-    return table
+    return table + untied_head(cfg)
 
 
 FAMILY = Family(

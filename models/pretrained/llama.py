@@ -22,6 +22,7 @@ from models.pretrained.mapping import (
     Rule,
     bias_to_heads,
     linear_to_heads,
+    untied_head,
 )
 
 
@@ -145,9 +146,7 @@ def rules(cfg: TransformerConfig) -> list[Rule]:
         layer("post_attention_layernorm.weight", "mlp_norm/scale"),
         Rule("model.norm.weight", "decoder/final_norm/scale"),
     ]
-    if not cfg.tie_embeddings:
-        table.append(Rule("lm_head.weight", "head/kernel", TRANSPOSE))
-    return table
+    return table + untied_head(cfg)
 
 
 def family(model_type: str, architecture: str, config_from_hf, config_to_hf) -> Family:

@@ -88,6 +88,13 @@ def parameter_shapes(cfg: TransformerConfig) -> dict[str, tuple[int, ...]]:
             for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
+def untied_head(cfg: TransformerConfig, layout: Layout | None = None) -> list[Rule]:
+    """The output projection's rule when it is not the tied embedding (`lm_head.weight`, a
+    torch Linear [V, D] by default): no rule when tied."""
+    return [] if cfg.tie_embeddings else [Rule("lm_head.weight", "head/kernel",
+                                               layout or TRANSPOSE)]
+
+
 # ---------------------------------------------------------------------------------------------
 # Layouts. N query heads, K key/value heads, H head dim, D model width (dims named as in
 # STYLE.md); torch `nn.Linear` stores [out, in], GPT-2's `Conv1D` stores [in, out].
