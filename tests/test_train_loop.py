@@ -10,9 +10,6 @@ import json
 import os
 import shutil
 import signal
-import socket
-import subprocess
-import sys
 
 import chex
 import jax
@@ -21,11 +18,15 @@ import orbax.checkpoint as ocp
 import pytest
 
 import models
-from tests.train_helpers import tiny_train_config
+from tests.train_helpers import (
+    free_port,
+    straight_run,
+    tiny_train_config,
+    worker,
+    worker_summary,
+)
 from train import checkpoint, trainer
 from train.trainer import train_and_evaluate
-
-TESTS = os.path.dirname(os.path.abspath(__file__))
 
 
 def _sigterm_at(k: int):
@@ -51,11 +52,10 @@ def _train_metrics(workdir: str) -> dict[int, dict]:
 
 
 @pytest.fixture(scope="module")
-def straight(data_dir, tmp_path_factory):
-    """Six steps in one go: the run every interrupted run must reproduce."""
-    workdir = str(tmp_path_factory.mktemp("straight"))
-    summary = train_and_evaluate(tiny_train_config(data_dir), workdir)
-    return workdir, summary
+def straight(data_dir):
+    """Six steps in one go: the run every interrupted run must reproduce (made once per
+    test process, shared with test_reliability)."""
+    return straight_run(data_dir)
 
 
 def test_a_fresh_run_writes_checkpoints_metrics_and_its_summary(straight):
@@ -80,9 +80,11 @@ def test_sigterm_saves_and_the_same_command_resumes_exactly(straight, data_dir, 
     # finishes step 2, saves it (not a checkpoint_every_steps step) and returns.
     first = train_and_evaluate(config, workdir, hooks=[_sigterm_at(1)])
     assert first["stopped_by"] == "SIGTERM" and first["step"] == 2
+    assert first["preempted"] is True
     assert _steps(workdir) == [2]
     second = train_and_evaluate(config, workdir)
     assert second["resumed_from_step"] == 2 and second["step"] == 6
+    assert second["preempted"] is False and "stopped_by" not in second
     # Bit for bit: the restored state, data position and RNG continue the same computation.
     chex.assert_trees_all_equal(_params(workdir)[0], _params(straight[0])[0])
     assert _train_metrics(workdir) == _train_metrics(straight[0])
@@ -166,25 +168,6 @@ def test_checkpoints_hold_plain_parameters_that_decode_on_one_device(straight):
         tok.encode("ab") + [tok.eos_id]          # an encoder-decoder's sources end in EOS
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
-def _worker(workdir: str, data_dir: str, devices: int, **settings) -> subprocess.Popen:
-    args = [sys.executable, os.path.join(TESTS, "train_worker.py"), workdir, data_dir,
-            str(devices)] + [f"{k}={json.dumps(v)}" for k, v in settings.items()]
-    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            cwd=os.path.dirname(TESTS))
-
-
-def _summary(proc: subprocess.Popen) -> dict:
-    out, _ = proc.communicate(timeout=300)
-    assert proc.returncode == 0, out[-3000:]
-    return json.loads(out.rsplit("SUMMARY ", 1)[1])
-
-
 def test_two_processes_preempted_then_one_device_resuming_equal_one_process(
         straight, data_dir, tmp_path):
     """Two processes x 2 devices (gloo on localhost) train the same global batches as one
@@ -192,19 +175,19 @@ def test_two_processes_preempted_then_one_device_resuming_equal_one_process(
     stop after the same step and save one checkpoint. A single process with 1 device (8 rows
     per device, so the same global batch) resumes it and ends where the straight run did."""
     workdir = str(tmp_path)
-    port = _free_port()
+    port = free_port()
     common = dict(distributed=True, num_processes=2, coordinator_address=f"localhost:{port}",
                   step_seconds=0.5)
-    procs = [_worker(workdir, data_dir, 2, process_id=i, **common,
+    procs = [worker(workdir, data_dir, 2, process_id=i, **common,
                      **({"sigterm_at": 1} if i == 1 else {})) for i in range(2)]
-    first = [_summary(p) for p in procs]
+    first = [worker_summary(p) for p in procs]
     assert [s["stopped_by"] for s in first] == ["SIGTERM", "SIGTERM"]
     # The step they agree on depends on when the notice arrives (step 3's periodic
     # checkpoint may come first); what matters is that both stop there and save it.
     assert first[0]["step"] == first[1]["step"] and 1 <= first[0]["step"] < 6
     assert _steps(workdir)[-1] == first[0]["step"]
 
-    resumed = _summary(_worker(workdir, data_dir, 1, per_device_batch_size=8))
+    resumed = worker_summary(worker(workdir, data_dir, 1, per_device_batch_size=8))
     assert resumed["resumed_from_step"] == first[0]["step"] and resumed["step"] == 6
     # Tolerance: gradients are summed over devices in another order (in process, then over
     # gloo), and adam divides by their root mean square.

@@ -1,6 +1,19 @@
-"""A tiny training config on the built-in `copy` task, cheap enough for many runs."""
+"""Shared by the training tests: a tiny config on the built-in `copy` task, cheap enough for
+many runs; the straight run every interrupted run must reproduce; training workers in fresh
+interpreters (tests/train_worker.py)."""
+
+import functools
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
 
 from train import configs
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
 
 
 def tiny_train_config(data_dir: str, **overrides):
@@ -19,3 +32,49 @@ def tiny_train_config(data_dir: str, **overrides):
     for k, v in overrides.items():
         c[k] = v
     return c
+
+
+@functools.cache
+def straight_run(data_dir: str) -> tuple[str, dict]:
+    """`tiny_train_config` trained 6 steps in one go, once per test process (test modules
+    share it through this cache): (workdir, summary). Tests copy it; they never write in it.
+    """
+    from train.trainer import train_and_evaluate
+    workdir = tempfile.mkdtemp(prefix="straight-", dir=os.path.dirname(data_dir))
+    return workdir, train_and_evaluate(tiny_train_config(data_dir), workdir)
+
+
+def train_metric_rows(workdir: str) -> list[dict]:
+    """metrics.jsonl's train rows in file order, without the wall-clock rate."""
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    return [{k: v for k, v in r.items() if k != "tokens_per_s"}
+            for r in rows if r["split"] == "train"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def worker(workdir: str, data_dir: str, devices: int, **settings) -> subprocess.Popen:
+    """tests/train_worker.py in a fresh interpreter (stdout and stderr together, as text)."""
+    args = [sys.executable, os.path.join(TESTS, "train_worker.py"), workdir, data_dir,
+            str(devices)] + [f"{k}={json.dumps(v)}" for k, v in settings.items()]
+    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            cwd=os.path.dirname(TESTS))
+
+
+def worker_summary(proc: subprocess.Popen, timeout: float = 300) -> dict:
+    """The summary a worker printed; fails with its output unless it exited with 0."""
+    out, _ = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, out[-3000:]
+    return json.loads(out.rsplit("SUMMARY ", 1)[1])
+
+
+def worker_killed(proc: subprocess.Popen, timeout: float = 300) -> str:
+    """The output of a worker that must have died by SIGKILL."""
+    out, _ = proc.communicate(timeout=timeout)
+    assert proc.returncode == -signal.SIGKILL, (proc.returncode, out[-3000:])
+    return out

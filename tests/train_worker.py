@@ -7,8 +7,11 @@ Multi-host runs set `distributed=true`, `num_processes`, `process_id` and
 `coordinator_address`; collectives then go over gloo on localhost. `sigterm_at=K` makes the
 process send itself SIGTERM once step K's metrics are read; `step_seconds=X` makes each step
 last at least X seconds (a real step's length: time for a preemption notice to reach every
-process before the 6-step run is over). The summary is printed last, as
-one line `SUMMARY {...}`.
+process before the 6-step run is over). Kills, for the kill tests: `sigkill_at=K` sends
+SIGKILL once step K's metrics are read; `sigkill_in_save=K` sends it inside the save of step
+K, after orbax has finished writing it and before its integrity manifest; `trace=true`
+prints `EVENT save-start K` and `EVENT save-end K` around every save (the soak script tells
+from them where a kill landed). The summary is printed last, as one line `SUMMARY {...}`.
 """
 
 import json
@@ -28,13 +31,42 @@ from tests.train_helpers import tiny_train_config  # noqa: E402
 from train.trainer import train_and_evaluate  # noqa: E402
 
 
+def _kill_in_save(k: int) -> None:
+    from train import integrity
+    write_manifest = integrity.write_manifest
+
+    def dying(step_dir: str) -> None:
+        if os.path.basename(step_dir) == str(k):
+            os.kill(os.getpid(), signal.SIGKILL)
+        write_manifest(step_dir)
+    integrity.write_manifest = dying
+
+
+def _trace_saves() -> None:
+    from train import checkpoint
+    save = checkpoint.save
+
+    def traced(mngr, step, *args, **kwargs):
+        print(f"EVENT save-start {step}", flush=True)
+        save(mngr, step, *args, **kwargs)
+        print(f"EVENT save-end {step}", flush=True)
+    checkpoint.save = traced
+
+
 def main(workdir: str, data_dir: str, settings: list[str]):
     overrides = {k: json.loads(v) for k, v in (s.split("=", 1) for s in settings)}
     sigterm_at = overrides.pop("sigterm_at", 0)
     step_seconds = overrides.pop("step_seconds", 0.0)
+    sigkill_at = overrides.pop("sigkill_at", 0)
+    if overrides.pop("trace", False):
+        _trace_saves()
+    if "sigkill_in_save" in overrides:
+        _kill_in_save(overrides.pop("sigkill_in_save"))
     hooks = [lambda step, m: time.sleep(step_seconds)] if step_seconds else []
     if sigterm_at:
         hooks.append(lambda step, m: step == sigterm_at and os.kill(os.getpid(), signal.SIGTERM))
+    if sigkill_at:
+        hooks.append(lambda step, m: step == sigkill_at and os.kill(os.getpid(), signal.SIGKILL))
     summary = train_and_evaluate(tiny_train_config(data_dir, **overrides), workdir, hooks=hooks)
     print("SUMMARY " + json.dumps(summary), flush=True)
 

@@ -4,12 +4,27 @@ Trains, evaluates and writes summary.json into the workdir; running the same com
 resumes from its newest checkpoint. With no arguments: the `default` config (a tiny
 encoder-decoder on toy_translation) into ./runs/default. Overrides follow ml_collections'
 convention, e.g. `--config.num_train_steps=500 --config.model_overrides.d_model=64`.
+
+Exit status:
+    0    the run finished (summary.json holds its results).
+    1    the run failed while training: a loss, parameters or optimiser state that are not
+         finite (the last good checkpoint is kept), or a bug (with its traceback).
+    2    an error the user can fix, found before or during the run: a bad config value or
+         argument, a missing or unwritable path (a full disk included), a workdir in use by
+         another run, checkpoints that are unusable or belong to another model. One
+         `error: ...` line on stderr; `--verbose` adds the traceback.
+    128+N    stopped by signal N after saving a checkpoint and exporting the model: 143 for
+         SIGTERM (a preempted job), 130 for Ctrl-C. summary.json says "preempted": true;
+         running the same command again resumes.
 """
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import sys
+import traceback
 
 from absl import app, flags
 from ml_collections import config_flags
@@ -18,6 +33,21 @@ from train import configs
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("workdir", None, "run directory (default ./runs/<config name>)")
+flags.DEFINE_bool("verbose", False, "with an error, print its traceback too (and log the "
+                  "traceback of each checkpoint set aside)")
+
+FAILED, USAGE = 1, 2
+
+
+def _fail(message, status: int, *, verbose: bool = False) -> SystemExit:
+    """Prints `error: message` (after the traceback when `verbose`) and returns the
+    SystemExit to raise: exit `status`, its text the message."""
+    if verbose:
+        traceback.print_exc()
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    exit_ = SystemExit(f"error: {message}")
+    exit_.code = status
+    return exit_
 
 
 def _flag_value(argv: list[str], flag: str) -> str | None:
@@ -40,8 +70,8 @@ def main(argv: list[str] | None = None) -> None:
     name = _config_name(argv[1:])
     try:
         config = configs.get(name)
-    except (ValueError, FileNotFoundError) as e:
-        raise SystemExit(f"error: {e}") from None
+    except (ValueError, OSError) as e:
+        raise _fail(e, USAGE) from None
     # `--config NAME` selects the file; what ml_collections parses is only the overrides,
     # and it looks for them in the argv it is given (sys.argv by default).
     argv = [a for i, a in enumerate(argv) if not (a == "--config" or a.startswith("--config=")
@@ -49,9 +79,13 @@ def main(argv: list[str] | None = None) -> None:
     try:
         _make_room_for_model_overrides(config, argv)
     except ValueError as e:
-        raise SystemExit(f"error: {e}") from None
+        raise _fail(e, USAGE) from None
+    if FLAGS.is_parsed():           # called again in one process (tests): start afresh
+        FLAGS.unparse_flags()
+    if "config" in FLAGS:
+        delattr(FLAGS, "config")
     config_flags.DEFINE_config_dict("config", config, "the experiment config", sys_argv=argv)
-    app.run(lambda _: _run(name), argv=argv)
+    app.run(lambda args: _run(name, args), argv=argv)
 
 
 def _make_room_for_model_overrides(config, argv: list[str]) -> None:
@@ -76,28 +110,48 @@ def _make_room_for_model_overrides(config, argv: list[str]) -> None:
             config.model_overrides[m.group(1)] = getattr(preset, m.group(1))
 
 
-def _run(name: str) -> None:
-    import os
+def _without_orbax_tracebacks(record) -> bool:
+    """Keeps orbax's log line, drops its traceback (the error line says what failed)."""
+    if f"{os.sep}orbax{os.sep}" in record.pathname:
+        record.exc_info, record.exc_text = None, None
+    return True
+
+
+def _run(name: str, args: list[str]) -> int:
+    """Trains; returns the exit status (see the module docstring)."""
+    import logging as py_logging
 
     from absl import logging
 
     from train.trainer import train_and_evaluate
+    verbose = FLAGS.verbose
+    if args[1:]:
+        raise _fail(f"unexpected argument {args[1]!r}: python -m train takes only flags "
+                    "(--config NAME_OR_PATH, --workdir DIR, --config.KEY=VALUE, --verbose)",
+                    USAGE)
     if not FLAGS["verbosity"].present:   # TFDS and orbax log every file at INFO; -v 0 shows it
         logging.set_verbosity(logging.WARNING)
+    if verbose:
+        py_logging.getLogger("train").setLevel(py_logging.DEBUG)
+    else:       # orbax logs a failed write from each of its threads, traceback and all
+        py_logging.getLogger("absl").addFilter(_without_orbax_tracebacks)
     config = FLAGS.config
     workdir = FLAGS.workdir or os.path.join("runs", os.path.basename(name).removesuffix(".py"))
     try:
         summary = train_and_evaluate(config, workdir)
     except FloatingPointError as e:
-        raise SystemExit(f"error: {e}") from None
+        raise _fail(e, FAILED, verbose=verbose) from None
+    except (ValueError, OSError) as e:    # config values, paths, locks, checkpoints
+        raise _fail(e, USAGE, verbose=verbose) from None
     if "stopped_by" in summary:
-        return
+        return 128 + signal.Signals[summary["stopped_by"]].value
     test = summary.get("test", {})
     val = summary["validation"]
     print(f"done: step {summary['step']} in {summary['train_seconds']:.0f} s of training; "
           f"validation loss {val['loss']:.3f}, accuracy {val['accuracy']:.3f}"
           + "".join(f"; test {k} {v:.4g}" for k, v in test.items())
           + f"\nsummary: {os.path.join(workdir, 'summary.json')}; model: {summary['model']}")
+    return 0
 
 
 if __name__ == "__main__":

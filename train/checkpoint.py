@@ -10,6 +10,12 @@ parameters alone (on CPU, without building an optimiser):
                config, the model's TransformerConfig, and where a fine-tuned model came from
     tokenizer  {"files": the tokenizer's files, base64} (JSON)
 
+Every step directory also holds `integrity.json` (`train.integrity`), written last: the size
+and sha256 of each file. A step whose files differ from it, or whose save did not finish, is
+set aside on restore and the previous one used. Steps written before manifests existed have
+none and say so in their orbax step metadata (no `integrity_manifest` entry in
+`custom_metadata`): they restore unchecked.
+
 `restore_model` gives what an export needs (`train.export` writes it as a model directory,
 the one form decoding reads).
 """
@@ -18,6 +24,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import logging
 import os
 import tempfile
 
@@ -29,15 +36,37 @@ import orbax.checkpoint as ocp
 from models.config import TransformerConfig
 from models.pretrained import GenerationDefaults
 from models.tokenizer import ByteTokenizer, SentencePieceTokenizer, Tokenizer, load_tokenizer
+from train import integrity
 from train.model_config import ModelChoice
 from train.state import TrainState
+from train.workdir import WorkdirError, check_dir_writable
+
+log = logging.getLogger(__name__)
+
+ITEMS = ("params", "train", "data", "config", "tokenizer")
+_PROMISE = "integrity_manifest"     # step metadata of a save that writes a manifest
+
+
+def _handlers(names=ITEMS) -> dict:
+    """orbax handlers by item name: a manager given them can read each item's metadata
+    (array shapes) before restoring anything."""
+    return {name: (ocp.StandardCheckpointHandler() if name in ("params", "train")
+                   else ocp.JsonCheckpointHandler()) for name in names}
 
 
 def manager(workdir: str, keep: int = 3) -> ocp.CheckpointManager:
+    """The run's checkpoint manager. Saves are synchronous: the loop waits for every save
+    anyway, and a failing write then raises at once (asynchronous saves to a read-only
+    directory wait five minutes for a signal that never comes)."""
     return ocp.CheckpointManager(
         os.path.abspath(os.path.join(workdir, "checkpoints")),
-        options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True),
-        item_names=("params", "train", "data", "config", "tokenizer"))
+        options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
+                                             enable_async_checkpointing=False),
+        item_handlers=_handlers())
+
+
+class CheckpointError(ValueError):
+    """Checkpoints that exist but cannot be used: none readable, or not this model's."""
 
 
 def tokenizer_json(tok: Tokenizer) -> dict:
@@ -65,16 +94,49 @@ def tokenizer_from_json(item: dict) -> Tokenizer:
         return load_tokenizer(d)
 
 
+def step_dir(mngr: ocp.CheckpointManager, step: int) -> str:
+    return os.path.join(str(mngr.directory), str(step))
+
+
 def save(mngr: ocp.CheckpointManager, step: int, host_state, data_state: dict, config: dict,
          tok: Tokenizer) -> None:
-    """Saves (synchronously finished before returning, so a kill cannot leave it half)."""
+    """Saves a checkpoint, then (on the lead process) its integrity manifest, last.
+
+    A kill at any moment leaves a whole checkpoint with its manifest, or orbax's unfinished
+    temporary directory (which no restore looks at), or a finished step without the
+    manifest its step metadata promises (which restoring sets aside).
+
+    Raises:
+        WorkdirError: naming the checkpoint directory when it cannot be written (found by a
+            probe before orbax starts, or raised by the write itself: a full disk).
+    """
+    directory = str(mngr.directory)
+    check_dir_writable(directory)
     train = {"step": np.asarray(host_state.step), "opt_state": host_state.opt_state,
              "rng": np.asarray(host_state.rng)}
-    mngr.save(step, args=ocp.args.Composite(
-        params=ocp.args.StandardSave(host_state.params), train=ocp.args.StandardSave(train),
-        data=ocp.args.JsonSave(data_state), config=ocp.args.JsonSave(config),
-        tokenizer=ocp.args.JsonSave(tokenizer_json(tok))), force=True)
-    mngr.wait_until_finished()
+    try:
+        mngr.save(step, args=ocp.args.Composite(
+            params=ocp.args.StandardSave(host_state.params), train=ocp.args.StandardSave(train),
+            data=ocp.args.JsonSave(data_state), config=ocp.args.JsonSave(config),
+            tokenizer=ocp.args.JsonSave(tokenizer_json(tok))), force=True,
+            custom_metadata={_PROMISE: integrity.MANIFEST})
+        mngr.wait_until_finished()
+    except (OSError, ValueError) as e:
+        if isinstance(e, ValueError) and not _is_storage_error(e):
+            raise
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else _brief(e)
+        raise WorkdirError(f"cannot save the checkpoint of step {step} in {directory}: "
+                           f"{reason}") from e
+    if jax.process_index() == 0:
+        integrity.write_manifest(step_dir(mngr, step))
+
+
+def _is_storage_error(e: ValueError) -> bool:
+    """tensorstore reports a failed write (a full disk, no permission) as a ValueError
+    carrying the status and the OS error code."""
+    text = str(e)
+    return "os_error_code" in text or text.startswith(
+        ("RESOURCE_EXHAUSTED", "PERMISSION_DENIED", "UNAVAILABLE", "DATA_LOSS"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,42 +146,143 @@ class Restored:
     step: int
     state: TrainState       # host arrays; the optimiser (`tx`) is the template's
     data: dict              # the data iterator's state
+    config: dict            # the config item (see `config_item`)
+
+
+class _Unusable(Exception):
+    """A step that cannot be read, with the one-line reason."""
+
+
+def _check_whole(mngr: ocp.CheckpointManager, step: int) -> None:
+    """Raises `_Unusable` unless `step` is unchanged since it was written.
+
+    A step with a manifest is checked against it. A step without one is accepted unchecked
+    only if it was written before manifests existed: its orbax step metadata has no
+    manifest promise (`custom_metadata["integrity_manifest"]`, which every save now sets).
+    """
+    path = step_dir(mngr, step)
+    if integrity.has_manifest(path):
+        wrong = integrity.check_manifest(path)
+        if wrong:
+            raise _Unusable(wrong)
+        return
+    try:
+        promised = (mngr.metadata(step).custom_metadata or {}).get(_PROMISE)
+    except Exception as e:
+        raise _Unusable(f"its step metadata cannot be read ({_brief(e)})") from e
+    if promised:
+        raise _Unusable(f"{integrity.MANIFEST} is missing: the save did not finish")
+
+
+def _brief(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:200]}" if text else type(e).__name__
+
+
+def _shapes(tree) -> dict[str, tuple]:
+    return {integrity.path_name(p): tuple(x.shape)
+            for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def _check_fits(mngr: ocp.CheckpointManager, step: int, abstract: TrainState) -> None:
+    """Raises `CheckpointError` naming the first array whose shape differs between the
+    checkpoint (orbax's stored metadata) and this run's state, before anything is read."""
+    try:
+        meta = mngr.item_metadata(step)
+        saved = {"params": _shapes(meta["params"]), "train": _shapes(meta["train"])}
+    except Exception as e:
+        raise _Unusable(f"its metadata cannot be read ({_brief(e)})") from e
+    wanted = {"params": _shapes(abstract.params),
+              "train": _shapes({"step": abstract.step, "opt_state": abstract.opt_state,
+                                "rng": abstract.rng})}
+    for item, hint in (("params", "the model config (d_model, layers, vocabulary, ...)"),
+                       ("train", "the optimiser config (grad_accum_steps, grad_clip_norm)")):
+        have, want = saved[item], wanted[item]
+        for path in sorted(set(have) | set(want)):
+            if have.get(path) != want.get(path):
+                shown = ("params/" if item == "params" else "") + path
+                raise CheckpointError(
+                    f"the checkpoint at step {step} in {mngr.directory} does not fit this "
+                    f"run: {shown} is {_shape_text(have.get(path))} there and "
+                    f"{_shape_text(want.get(path))} here; was {hint} changed? Resume with "
+                    "the config the run was started with, or use another workdir")
+
+
+def _shape_text(shape) -> str:
+    return "absent" if shape is None else f"shape {shape}"
 
 
 def restore_latest(mngr: ocp.CheckpointManager, template: TrainState,
                    set_aside: bool = True) -> Restored | None:
-    """The newest checkpoint that restores into `template`'s shapes (arrays or
-    `jax.ShapeDtypeStruct`s); a broken one is reported and the previous one used.
+    """The newest usable checkpoint, restored into `template`'s shapes (arrays or
+    `jax.ShapeDtypeStruct`s).
 
-    An unreadable step directory is renamed to `<step>.unreadable` when `set_aside` (the
-    lead process of a run does it), so later saves of that step do not collide with it.
+    A step is unusable when its manifest finds a changed or missing file, when its save did
+    not finish, or when orbax cannot read it. Newer unusable steps are then reported (one
+    line each, with the reason; the traceback is logged at DEBUG) and, when `set_aside`
+    (the lead process does it), renamed to `<step>.unreadable`, so later saves of that step
+    do not collide with them.
 
     Returns:
         A `Restored`, or None when there is no checkpoint.
+
+    Raises:
+        CheckpointError: when checkpoints exist but none is usable (naming the directory
+            and each step's reason; nothing is moved, so the run never starts again from
+            step 0 by itself), or when the newest usable one was written for another model
+            (naming the first array of another shape, with both shapes).
     """
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), template)
-    for step in sorted(mngr.all_steps(), reverse=True):
+    steps = sorted(mngr.all_steps(), reverse=True)
+    if not steps:
+        _note_set_aside_only(str(mngr.directory), set_aside)
+        return None
+    unusable: list[tuple[int, str]] = []
+    for step in steps:
         try:
+            _check_whole(mngr, step)
+            _check_fits(mngr, step, abstract)
             train_target = {"step": abstract.step, "opt_state": abstract.opt_state,
                             "rng": abstract.rng}
             got = mngr.restore(step, args=ocp.args.Composite(
                 params=ocp.args.StandardRestore(abstract.params),
-                train=ocp.args.StandardRestore(train_target), data=ocp.args.JsonRestore()))
-            state = template.replace(params=got.params, **got.train)
-            return Restored(step, state, got.data)
+                train=ocp.args.StandardRestore(train_target), data=ocp.args.JsonRestore(),
+                config=ocp.args.JsonRestore()))
+        except CheckpointError:
+            raise
         except Exception as e:       # any failure to read: fall back to an older step
-            reason = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
-            moved = _set_aside(mngr, step) if set_aside else None
-            print(f"checkpoint at step {step} is unreadable ({reason}); "
-                  + (f"moved it to {moved}; " if moved else "")
-                  + "falling back to the previous one", flush=True)
-    return None
+            reason = str(e) if isinstance(e, _Unusable) else _brief(e)
+            log.debug("checkpoint at step %d in %s is unusable", step, mngr.directory,
+                      exc_info=True)
+            unusable.append((step, reason))
+            continue
+        for bad, reason in unusable:
+            moved = _set_aside(mngr, bad) if set_aside else None
+            if set_aside:
+                print(f"checkpoint at step {bad} is unreadable ({reason}); moved it to {moved}; "
+                      f"using step {step}", flush=True)
+        return Restored(step, template.replace(params=got.params, **got.train), got.data,
+                        got.config)
+    raise CheckpointError(
+        f"no usable checkpoint in {mngr.directory}: "
+        + "; ".join(f"step {s}: {reason}" for s, reason in unusable)
+        + ". Nothing was moved: to start again from step 0, move these steps away (or use "
+        "another workdir)")
+
+
+def _note_set_aside_only(directory: str, report: bool) -> None:
+    if not report or not os.path.isdir(directory):
+        return
+    aside = sorted(n for n in os.listdir(directory) if ".unreadable" in n)
+    if aside:
+        print(f"no checkpoint to resume from in {directory} (only steps set aside: "
+              f"{', '.join(aside)}); starting from step 0", flush=True)
 
 
 def _set_aside(mngr: ocp.CheckpointManager, step: int) -> str:
     """Renames an unreadable step directory out of the manager's sight (kept for inspection),
     so the run can save that step again once it gets there."""
-    src = os.path.join(str(mngr.directory), str(step))
+    src = step_dir(mngr, step)
     dst = f"{src}.unreadable"
     n = 1
     while os.path.exists(dst):
@@ -143,12 +306,15 @@ class SavedModel:
     experiment: dict
 
 
-def config_item(experiment: dict, choice: ModelChoice) -> dict:
+def config_item(experiment: dict, choice: ModelChoice, data: dict | None = None) -> dict:
+    """The checkpoint's "config" item: the experiment, the model (and where a fine-tuned
+    one came from), and what the data were (`train.data.data_record`)."""
     generation = choice.generation
     return {"experiment": experiment, "model": choice.config.to_dict(),
             "model_type": choice.model_type,
             "generation": None if generation is None else {
-                "eos_ids": generation.eos_ids, "raw": generation.raw}}
+                "eos_ids": generation.eos_ids, "raw": generation.raw},
+            "data": data}
 
 
 def restore_model(workdir: str, step: int | None = None) -> SavedModel:
@@ -156,25 +322,34 @@ def restore_model(workdir: str, step: int | None = None) -> SavedModel:
     state, on the host.
 
     Raises:
-        FileNotFoundError: naming the workdir when it has no (readable) checkpoint.
+        FileNotFoundError: naming the workdir when it has no (readable) checkpoint, and
+            what is wrong with each one it has.
+
+    A step whose files differ from its integrity manifest counts as unreadable (nothing is
+    moved here: only a training run sets steps aside).
     """
     path = os.path.abspath(os.path.join(workdir, "checkpoints"))
     if not os.path.isdir(path):
         raise FileNotFoundError(f"no checkpoints in {workdir!r} (looked for {path})")
-    mngr = ocp.CheckpointManager(path, item_names=("params", "config", "tokenizer"))
+    mngr = ocp.CheckpointManager(
+        path, options=ocp.CheckpointManagerOptions(create=False),
+        item_handlers=_handlers(("params", "config", "tokenizer")))
     steps = sorted(mngr.all_steps(), reverse=True) if step is None else [step]
     if not steps:
         raise FileNotFoundError(f"no checkpoints in {path}")
-    last_error = None
+    unusable: list[tuple[int, str]] = []
     for s in steps:
         try:
+            _check_whole(mngr, s)
             got = mngr.restore(s, args=ocp.args.Composite(
                 params=ocp.args.StandardRestore(), config=ocp.args.JsonRestore(),
                 tokenizer=ocp.args.JsonRestore()))
         except Exception as e:
-            print(f"checkpoint at step {s} is unreadable ({type(e).__name__}); trying the "
-                  "previous one", flush=True)
-            last_error = e
+            reason = str(e) if isinstance(e, _Unusable) else _brief(e)
+            log.debug("checkpoint at step %d in %s is unusable", s, path, exc_info=True)
+            print(f"checkpoint at step {s} is unreadable ({reason}); trying the previous one",
+                  flush=True)
+            unusable.append((s, reason))
             continue
         tok = tokenizer_from_json(got.tokenizer)
         item = got.config
@@ -187,4 +362,5 @@ def restore_model(workdir: str, step: int | None = None) -> SavedModel:
             raw=item["generation"]["raw"])
         return SavedModel(got.params, TransformerConfig.from_dict(item["model"]), tok, s,
                           item["model_type"], generation, item["experiment"])
-    raise FileNotFoundError(f"no readable checkpoint in {path}") from last_error
+    raise FileNotFoundError(f"no readable checkpoint in {path}: "
+                            + "; ".join(f"step {s}: {reason}" for s, reason in unusable))

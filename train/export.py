@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         out = export(args.workdir, args.step, args.out)
-    except (FileNotFoundError, ValueError) as e:
+    except (OSError, ValueError) as e:       # no (readable) checkpoint, an unwritable --out
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"exported {args.workdir} to {out}")

@@ -8,25 +8,53 @@ import os
 import time
 
 from train import step as step_lib
+from train.workdir import WorkdirError, write_text
 
 
 class MetricWriter:
     """metrics.jsonl, plus TensorBoard event files (tensorboardX, no TensorFlow).
 
-    Inert when not `enabled` (every process but the lead)."""
+    Inert when not `enabled` (every process but the lead).
 
-    def __init__(self, workdir: str, enabled: bool):
+    Args:
+        workdir: the run directory.
+        enabled: this process writes (the lead).
+        resume_step: the step the run goes on from (0 for a fresh start). What an earlier
+            run logged past it is dropped, so each step is recorded once however often the
+            run was killed: metrics.jsonl keeps its rows up to `resume_step` (rewritten
+            whole, then renamed over the old file), and the new TensorBoard events file
+            starts with a `SessionLog.START` at `resume_step + 1`, which tells TensorBoard
+            to discard the older files' events from that step on (tensorboardX's
+            `purge_step`).
+    """
+
+    def __init__(self, workdir: str, enabled: bool, resume_step: int = 0):
         self.enabled = enabled
-        if enabled:
-            from tensorboardX import SummaryWriter
-            self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a")
-            self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+        if not enabled:
+            return
+        from tensorboardX import SummaryWriter
+        path = os.path.join(workdir, "metrics.jsonl")
+        if os.path.exists(path):
+            _keep_rows_up_to(path, resume_step)
+        try:
+            self._jsonl = open(path, "a")
+        except OSError as e:
+            raise WorkdirError(f"cannot write {path}: {e.strerror}") from e
+        tb = os.path.join(workdir, "tensorboard")
+        earlier = os.path.isdir(tb) and any("tfevents" in n for n in os.listdir(tb))
+        # A name of its own: tensorboardX names files by the second and truncates an
+        # existing file of the same name (a run resumed within the second would erase one).
+        self._tb = SummaryWriter(tb, purge_step=resume_step + 1 if earlier else None,
+                                 filename_suffix=f".{os.getpid()}.{time.time_ns() % 10**9}")
 
     def write(self, step: int, prefix: str, metrics: dict) -> None:
         if not self.enabled:
             return
-        self._jsonl.write(json.dumps({"step": step, "split": prefix, **metrics}) + "\n")
-        self._jsonl.flush()
+        try:
+            self._jsonl.write(json.dumps({"step": step, "split": prefix, **metrics}) + "\n")
+            self._jsonl.flush()
+        except OSError as e:
+            raise WorkdirError(f"cannot write {self._jsonl.name}: {e.strerror}") from e
         for k, v in metrics.items():
             if isinstance(v, (int, float)):
                 self._tb.add_scalar(f"{prefix}/{k}", v, step)
@@ -36,6 +64,24 @@ class MetricWriter:
         if self.enabled:
             self._jsonl.close()
             self._tb.close()
+
+
+def _keep_rows_up_to(path: str, step: int) -> None:
+    """Rewrites metrics.jsonl without its rows past `step` (and any line a kill cut short)."""
+    kept, dropped = [], 0
+    with open(path) as f:
+        for line in f:
+            try:
+                row = json.loads(line)
+                keep = line.endswith("\n") and row["step"] <= step
+            except (ValueError, KeyError, TypeError):
+                keep = False
+            if keep:
+                kept.append(line)
+            else:
+                dropped += 1
+    if dropped:
+        write_text(path, "".join(kept))
 
 
 class StepLog:

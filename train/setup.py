@@ -4,6 +4,8 @@
     run.model, run.tokenizer, run.dp ...       # fixed for the whole run (a frozen `Run`)
     start.state, start.iterator, start.step    # where the loop begins (resumed or fresh)
 
+Before anything else, every process locks the workdir (`train.workdir.claim`: one run per
+workdir, and a workdir that cannot be written is found in seconds, naming the path).
 With several processes sharing a workdir, whatever is written there once (the prepared
 dataset, the tokenizer) is made by the lead process first, then read by the others
 (`lead_first`).
@@ -25,10 +27,13 @@ import models
 from train import (
     checkpoint,
     data as data_lib,
+    integrity,
     parallel,
     state as state_lib,
     step as step_lib,
+    workdir as workdir_lib,
 )
+from train.config_checks import check_config
 from train.export import write_model
 from train.metrics import MetricWriter
 from train.model_config import ModelChoice, choose_model
@@ -44,10 +49,12 @@ class Run:
         lead: this is process 0 (it prints, writes metrics and the summary).
         dataset, tokenizer, model: the data, its tokenizer and the model built for them.
         choice: the model's config and, fine-tuning, the directory's type and defaults.
+        data_record: what the data are (`train.data.data_record`), kept in checkpoints.
         eval_batches: the validation batches, the same on every evaluation.
         dp: the data-parallel wrapper of the train and eval steps.
         writer: metrics.jsonl and TensorBoard (inert on the other processes).
         checkpoints: the orbax checkpoint manager of `workdir/checkpoints`.
+        lock: this process's lock on the workdir (`release()` it when the run ends).
     """
 
     config: ml_collections.ConfigDict
@@ -57,14 +64,29 @@ class Run:
     tokenizer: data_lib.Tokenizer
     model: nn.Module
     choice: ModelChoice
+    data_record: dict
     eval_batches: list[dict]
     dp: parallel.DataParallel
     writer: MetricWriter
     checkpoints: ocp.CheckpointManager
+    lock: workdir_lib.Lock
 
     def save(self, step: int, state, iterator: grain.DatasetIterator) -> None:
-        """A checkpoint of `state` (on devices) and the data position at `step`."""
-        item = checkpoint.config_item(json.loads(self.config.to_json()), self.choice)
+        """A checkpoint of `state` (on devices) and the data position at `step`.
+
+        Raises:
+            FloatingPointError: naming the step and the first parameter (or optimiser
+                state) array holding a NaN or an Inf; nothing is saved, so the newest
+                checkpoint stays the last good one.
+        """
+        bad = integrity.first_non_finite({"params": state.params,
+                                          "opt_state": state.opt_state})
+        if bad is not None:
+            raise FloatingPointError(f"{bad} is not finite (nan or inf) at step {step}; "
+                                     "stopping without saving it, the last good checkpoint "
+                                     "is kept")
+        item = checkpoint.config_item(json.loads(self.config.to_json()), self.choice,
+                                      self.data_record)
         checkpoint.save(self.checkpoints, step, self.dp.host_state(state),
                         iterator.get_state(), item, self.tokenizer)
 
@@ -136,6 +158,8 @@ def get_tokenizer(config, ds: data_lib.Dataset, workdir: str) -> data_lib.Tokeni
     path = os.path.join(workdir, "tokenizer")
 
     def load_or_build() -> data_lib.Tokenizer:
+        # Written whole (a temporary directory renamed into place), so a kill never leaves
+        # a half-saved tokenizer that a later run would load.
         saved = data_lib.load_tokenizer(path, missing_ok=True)
         if saved is not None:
             return saved
@@ -154,7 +178,7 @@ def get_tokenizer(config, ds: data_lib.Dataset, workdir: str) -> data_lib.Tokeni
         else:
             raise ValueError(
                 f"tokenizer={config.tokenizer!r} must be 'sentencepiece' or 'byte'")
-        tok.save(path)
+        workdir_lib.write_dir(path, tok.save)
         return tok
 
     return lead_first(load_or_build, "tokenizer saved")
@@ -170,9 +194,28 @@ def pipeline_config(config, eval_: bool = False) -> data_lib.PipelineConfig:
 
 
 def start_run(config, workdir: str) -> tuple[Run, Start]:
-    """Sets up a run in `workdir`, resuming from its newest readable checkpoint if any."""
+    """Sets up a run in `workdir`, resuming from its newest readable checkpoint if any.
+
+    The returned `Run` holds this process's lock on the workdir; release it (`run.lock`)
+    when the run ends. If setting up fails, the lock is released here.
+
+    Raises:
+        WorkdirError: the workdir (or a path the run writes in it) cannot be written.
+        WorkdirInUse: another live run holds the workdir.
+        CheckpointError: checkpoints exist but none is usable, or they are another
+            model's.
+    """
+    check_config(config)
     maybe_initialize_distributed(config)
-    os.makedirs(workdir, exist_ok=True)
+    lock = workdir_lib.claim(workdir, jax.process_index())
+    try:
+        return _start_run(config, workdir, lock)
+    except BaseException:
+        lock.release()
+        raise
+
+
+def _start_run(config, workdir: str, lock: workdir_lib.Lock) -> tuple[Run, Start]:
     lead = jax.process_index() == 0
     ds = load_dataset(config)
     tok = get_tokenizer(config, ds, workdir)
@@ -209,9 +252,15 @@ def start_run(config, workdir: str) -> tuple[Run, Start]:
     iterator = data_lib.train_iterator(source, pcfg)
     restored = checkpoint.restore_latest(mngr, jax.eval_shape(fresh_state), set_aside=lead)
     resumed_from = None
+    record = data_lib.data_record(ds, tok)
     if restored is not None:
         resumed_from, state = restored.step, restored.state
         iterator.set_state(restored.data)
+        saved = restored.config.get("data") if isinstance(restored.config, dict) else None
+        changes = data_lib.data_changes(saved, record) if saved else []
+        if lead and changes:
+            print(f"warning: the data differ from those of the checkpoint at step "
+                  f"{resumed_from}: " + "; ".join(changes), flush=True)
         if lead:
             print(f"resumed from step {resumed_from}", flush=True)
     elif config.init_from:
@@ -223,11 +272,13 @@ def start_run(config, workdir: str) -> tuple[Run, Start]:
 
     train_fn, eval_fn = step_lib.make_steps(model, config, schedule)
     dp = parallel.DataParallel(config.parallel, train_fn, eval_fn)
+    step = int(resumed_from or 0)
+    # Rows and events past the step the run goes on from are dropped: each step once.
+    writer = MetricWriter(workdir, lead, resume_step=step)
     run = Run(config=config, workdir=workdir, lead=lead, dataset=ds, tokenizer=tok, model=model,
-              choice=choice, eval_batches=eval_batches, dp=dp, writer=MetricWriter(workdir, lead),
-              checkpoints=mngr)
-    return run, Start(dp.put_state(state), iterator, int(resumed_from or 0), resumed_from)
-
+              choice=choice, data_record=record, eval_batches=eval_batches, dp=dp, writer=writer,
+              checkpoints=mngr, lock=lock)
+    return run, Start(dp.put_state(state), iterator, step, resumed_from)
 
 
 def _runtime(config: models.TransformerConfig) -> dict:

@@ -5,9 +5,12 @@
 Restarting with the same workdir resumes from the newest readable checkpoint, exactly (the
 data position, RNG and optimiser state are all in it). At the end, and when SIGTERM or
 Ctrl-C stops the run after saving, the model is exported to WORKDIR/model (the directory
-`models.load` and `python -m decode --model` read). A NaN or Inf loss raises
-`FloatingPointError` naming the step, without saving. Setting up
-(data, tokenizer, model, state, restore) is `train.setup`.
+`models.load` and `python -m decode --model` read); a stopped run's summary says
+`"preempted": true` and `"stopped_by": "SIGTERM"` (the command line turns that into exit
+status 128 + the signal's number). A NaN or Inf loss, or parameters or optimiser state that
+are not finite when a checkpoint is due, raise `FloatingPointError` naming the step (and the
+array), without saving. The workdir is locked for the whole run (`train.workdir`). Setting up
+(lock, data, tokenizer, model, state, restore) is `train.setup`.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import jax
 from train import evaluate
 from train.metrics import StepLog
 from train.setup import Run, start_run
+from train.workdir import write_text
 
 
 @contextlib.contextmanager
@@ -65,6 +69,13 @@ def train_and_evaluate(config, workdir: str, *, hooks=()) -> dict:
             read (tests use them to send signals).
     """
     run, start = start_run(config, workdir)
+    try:
+        return _train(run, start, config, workdir, hooks)
+    finally:
+        run.lock.release()
+
+
+def _train(run: Run, start, config, workdir: str, hooks) -> dict:
     state, iterator, step = start.state, start.iterator, start.step
     from tqdm import tqdm
     progress = tqdm(total=config.num_train_steps, initial=step, disable=not run.lead,
@@ -99,7 +110,8 @@ def train_and_evaluate(config, workdir: str, *, hooks=()) -> dict:
             run.save(step, state, iterator)
         exported = run.export(state)
         summary = {"step": step, "resumed_from_step": start.resumed_from,
-                   "train_seconds": train_seconds, "model": exported}
+                   "train_seconds": train_seconds, "model": exported,
+                   "preempted": bool(stopped)}
         if stopped:
             if run.lead:
                 print(f"{stopped} received: saved a checkpoint at step {step}, exported it to "
@@ -108,8 +120,7 @@ def train_and_evaluate(config, workdir: str, *, hooks=()) -> dict:
         else:
             summary.update(_evaluate(run, state, step, test=True))
     if run.lead:
-        with open(os.path.join(workdir, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=2)
+        write_text(os.path.join(workdir, "summary.json"), json.dumps(summary, indent=2))
     return summary
 
 
