@@ -159,6 +159,9 @@ def replaced_atomically(path: str):
     parent = os.path.dirname(path)
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=parent)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)        # mkdtemp's 0700 would make exports private
     try:
         yield tmp
         old = None
