@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # The main job: train the default model (a tiny encoder-decoder on the built-in
-# toy_translation data; 8 minutes on 2 CPU cores), then translate with it.
+# toy_translation data; 4 minutes on 2 CPU cores), exports it, then translates with it.
 # Running it again resumes from runs/default's last checkpoint.
 demo: $(STAMP)
 	$(PY) -m train --workdir runs/default
