@@ -27,6 +27,8 @@ from typing import Protocol
 
 import sentencepiece as spm
 
+from models.atomic import read_json
+
 PAD_ID, EOS_ID, BOS_ID, UNK_ID = 0, 1, 2, 3
 _SPECIALS = {PAD_ID, EOS_ID, BOS_ID}
 OWN_FILE = "zoo_tokenizer.json"
@@ -195,12 +197,17 @@ class HFTokenizer:
 
     @classmethod
     def from_directory(cls, directory: str) -> HFTokenizer:
+        config = os.path.join(directory, "tokenizer_config.json")
+        if os.path.exists(config) and "auto_map" in read_json(config):
+            raise ValueError(f"{config} has auto_map: it asks to run code from the directory, "
+                             "which this project never does")
         try:
             from transformers import AutoTokenizer
         except ImportError:
             raise ImportError(f"{directory} holds a Hugging Face tokenizer; reading it needs "
                               f"transformers: {HF_EXTRA}") from None
-        return cls(AutoTokenizer.from_pretrained(directory, local_files_only=True))
+        return cls(AutoTokenizer.from_pretrained(directory, local_files_only=True,
+                                                 trust_remote_code=False))
 
     def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
         return self.hf.encode(text, add_special_tokens=add_special_tokens)
@@ -238,12 +245,12 @@ def load_tokenizer(directory: str, *, missing_ok: bool = False) -> Tokenizer | N
     own = os.path.join(directory, OWN_FILE)
     legacy = os.path.join(directory, _LEGACY_FILE)
     if not os.path.exists(own) and os.path.exists(legacy) and os.path.getsize(legacy) < 4096:
-        with open(legacy) as f:
-            if json.load(f).get("kind") in (ByteTokenizer.kind, SentencePieceTokenizer.kind):
-                own = legacy
+        if read_json(legacy).get("kind") in (ByteTokenizer.kind, SentencePieceTokenizer.kind):
+            own = legacy
     if os.path.exists(own):
-        with open(own) as f:
-            meta = json.load(f)
+        meta = read_json(own)
+        if "kind" not in meta:
+            raise ValueError(f"{own} names no tokenizer kind")
         flags = {"add_bos": meta.get("add_bos", False), "add_eos": meta.get("add_eos", False)}
         if meta["kind"] == ByteTokenizer.kind:
             return ByteTokenizer(**flags)
@@ -257,3 +264,4 @@ def load_tokenizer(directory: str, *, missing_ok: bool = False) -> Tokenizer | N
         return None
     raise FileNotFoundError(f"no tokenizer in {directory!r} (expected {OWN_FILE} or a "
                             "Hugging Face tokenizer's files)")
+

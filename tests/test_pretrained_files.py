@@ -313,3 +313,41 @@ def test_a_directory_without_tokenizer_files_loads_with_no_tokenizer(ckpt):
     assert not any(n.startswith("tokenizer") or n.startswith("vocab")
                    for n in os.listdir(c.path))
     assert models.load(c.path).tokenizer is None
+
+
+def test_a_flipped_byte_in_an_export_is_found_and_named(ckpt, tmp_path):
+    """models.save writes zoo_integrity.json last; models.load checks every file against it
+    (a Hugging Face directory without one loads as it is)."""
+    pre = models.load(ckpt("llama-mha-untied-bias").path)
+    out = str(tmp_path / "export")
+    models.save(out, pre.config, pre.params)
+    assert os.path.exists(os.path.join(out, "zoo_integrity.json"))
+    models.load(out)                                     # unchanged: loads
+    weights = os.path.join(out, "model.safetensors")
+    with open(weights, "r+b") as f:                      # a byte in the middle of the data
+        f.seek(os.path.getsize(weights) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x40]))
+    with pytest.raises(ValueError, match=r"has changed since it was saved: model.safetensors "
+                                         r"differs from its manifest"):
+        models.load(out)
+
+
+def test_a_tensor_that_is_not_floating_point_is_refused_by_name(ckpt, tmp_path):
+    key = "model.layers.0.mlp.up_proj.weight"
+    path = _rewrite_weights(copy_dir(ckpt("llama-mha-untied-bias").path, tmp_path / "m"),
+                            lambda t: t.update({key: t[key].to(ph.torch.int32)}))
+    with pytest.raises(ValueError, match=rf"tensor {re.escape(key)} holds int32, not "
+                                         "floating-point weights"):
+        models.load(path)
+
+
+def test_rope_theta_given_twice_must_agree(ckpt, tmp_path):
+    path = copy_dir(ckpt("llama-mha-untied-bias").path, tmp_path / "m")
+    ph.edit_config(path, lambda hf: hf.update(rope_theta=hf["rope_parameters"]["rope_theta"]))
+    assert read_config(path)[1].rope_theta == 10_000.0          # the same value twice: fine
+    ph.edit_config(path, lambda hf: hf.update(rope_theta=500.0))
+    with pytest.raises(ValueError, match=r"rope_theta=500.0 is not supported \(the RoPE "
+                                         r"settings say 10000.0\)"):
+        read_config(path)

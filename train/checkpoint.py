@@ -33,6 +33,7 @@ import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
 
+from models import atomic
 from models.config import TransformerConfig
 from models.pretrained import GenerationDefaults
 from models.tokenizer import ByteTokenizer, SentencePieceTokenizer, Tokenizer, load_tokenizer
@@ -128,7 +129,7 @@ def save(mngr: ocp.CheckpointManager, step: int, host_state, data_state: dict, c
         raise WorkdirError(f"cannot save the checkpoint of step {step} in {directory}: "
                            f"{reason}") from e
     if jax.process_index() == 0:
-        integrity.write_manifest(step_dir(mngr, step))
+        atomic.write_manifest(step_dir(mngr, step), integrity.MANIFEST)
 
 
 def _is_storage_error(e: ValueError) -> bool:
@@ -161,8 +162,8 @@ def _check_whole(mngr: ocp.CheckpointManager, step: int) -> None:
     manifest promise (`custom_metadata["integrity_manifest"]`, which every save now sets).
     """
     path = step_dir(mngr, step)
-    if integrity.has_manifest(path):
-        wrong = integrity.check_manifest(path)
+    if os.path.exists(os.path.join(path, integrity.MANIFEST)):
+        wrong = atomic.check_manifest(path, integrity.MANIFEST)
         if wrong:
             raise _Unusable(wrong)
         return

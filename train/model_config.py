@@ -52,7 +52,7 @@ def choose_model(config, vocab_size: int) -> ModelChoice:
         raise ValueError(f"model_overrides {fixed} would change the architecture of "
                          f"init_from={config.init_from!r}; only {sorted(RUNTIME_FIELDS)} "
                          "can be overridden when fine-tuning")
-    family, cfg, _ = read_config(config.init_from, dtype=config.dtype, **overrides)
+    family, cfg, _ = read_config(config.init_from, **{"dtype": config.dtype, **overrides})
     need = max(config.max_source_length, config.max_target_length,
                config.max_decode_length + 1)
     if need > cfg.max_len:

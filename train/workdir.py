@@ -20,11 +20,11 @@ import errno
 import fcntl
 import json
 import os
-import secrets
-import shutil
 import socket
 import tempfile
 from collections.abc import Callable
+
+from models import atomic
 
 #: What the run writes into the workdir itself; each one, if present, must be writable.
 RUN_DIRS = ("checkpoints", "tensorboard", "tokenizer", "model", "cache")
@@ -147,57 +147,26 @@ def _check_file_writable(path: str) -> None:
 
 
 def write_text(path: str, text: str) -> None:
-    """Writes `path` whole or not at all: a temporary file beside it, synced, then renamed
-    over it (a kill or a full disk leaves the old file or none, never half of one).
+    """Writes `path` whole or not at all (`models.atomic.write_text`).
 
     Raises:
         WorkdirError: naming `path` when it cannot be written.
     """
-    tmp = None
     try:
-        tmp = _temporary_name(path)
-        with open(tmp, "x") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        tmp = None
+        atomic.write_text(path, text)
     except OSError as e:
-        raise WorkdirError(f"cannot write {path}: {e.strerror or e}") from e
-    finally:
-        if tmp is not None:
-            _remove_quietly(tmp)
+        raise WorkdirError(str(e)) from e
 
 
 def write_dir(path: str, fill: Callable[[str], None]) -> None:
     """Makes directory `path` whole or not at all: `fill(tmp)` writes into a temporary
-    directory beside it, which is then renamed to `path` (which must not exist yet).
+    directory that then takes `path`'s place (`models.atomic.replaced_dir`).
 
     Raises:
         WorkdirError: naming `path` when it cannot be written.
     """
-    tmp = None
     try:
-        os.mkdir(candidate := _temporary_name(path))
-        tmp = candidate
-        fill(tmp)
-        os.rename(tmp, path)
-        tmp = None
+        with atomic.replaced_dir(path) as tmp:
+            fill(tmp)
     except OSError as e:
-        raise WorkdirError(f"cannot write {path}: {e.strerror or e}") from e
-    finally:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _temporary_name(path: str) -> str:
-    """A fresh name beside `path` (hidden, so nothing mistakes it for the real one)."""
-    head, tail = os.path.split(os.path.abspath(path))
-    return os.path.join(head, f".{tail}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
-
-
-def _remove_quietly(path: str) -> None:
-    try:
-        os.remove(path)
-    except OSError:
-        pass
+        raise WorkdirError(str(e)) from e

@@ -17,6 +17,7 @@ import os
 
 import flax.linen as nn
 
+from models import atomic
 from models.config import TransformerConfig
 from models.pretrained import gpt2, llama, mistral, qwen2, zoo
 from models.pretrained.convert import read_params, theirs_tensors
@@ -24,7 +25,6 @@ from models.pretrained.family import Family, Inexpressible
 from models.pretrained.files import (
     Weights,
     read_json,
-    replaced_atomically,
     write_json,
     write_weights,
 )
@@ -37,6 +37,8 @@ FAMILIES: dict[str, Family] = {
 # Tried in this order when saving a config without a model_type; the first that expresses
 # it wins (the project's own type expresses everything).
 SAVE_ORDER = ("gpt2", "llama", "mistral", "qwen2", zoo.MODEL_TYPE)
+# Written last by `save`; `load` checks the files against it when it is there.
+MANIFEST = "zoo_integrity.json"
 # Fields a loaded config may be given: how to run it, not what it computes.
 RUNTIME_FIELDS = frozenset({"dtype", "param_dtype", "scan_layers", "remat", "dropout_rate",
                             "attention_dropout_rate"})
@@ -125,6 +127,10 @@ def load(path: str, **runtime) -> Pretrained:
         FileNotFoundError: naming what is missing.
     """
     family, cfg, hf = read_config(path, **runtime)
+    if os.path.exists(os.path.join(path, MANIFEST)):
+        wrong = atomic.check_manifest(path, MANIFEST)
+        if wrong:
+            raise ValueError(f"{path} has changed since it was saved: {wrong}")
     with Weights(path) as weights:
         params = read_params(weights, family, cfg)
     return Pretrained(model=build(cfg), config=cfg, params=params,
@@ -136,7 +142,9 @@ def load(path: str, **runtime) -> Pretrained:
 def _generation_defaults(path: str, hf: dict, cfg: TransformerConfig) -> GenerationDefaults:
     file = os.path.join(path, "generation_config.json")
     raw = read_json(file) if os.path.exists(file) else {}
-    eos = raw.get("eos_token_id", hf.get("eos_token_id", cfg.eos_id))
+    eos = raw.get("eos_token_id")
+    if eos is None:                        # absent, or an explicit null: the model's own
+        eos = hf.get("eos_token_id", cfg.eos_id)
     eos_ids = None if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
     for i in eos_ids or ():
         if not isinstance(i, int) or not 0 <= i < cfg.vocab_size:
@@ -150,7 +158,9 @@ def save(path: str, config: TransformerConfig, params, tokenizer: Tokenizer | No
          max_shard_bytes: int = 2 << 30) -> str:
     """Writes a model directory that `load` (and, for a Hugging Face model type,
     transformers) reads back to the same tensors. Written to a temporary directory, then
-    renamed into place: a crash leaves the old directory or the new one.
+    renamed into place: a crash leaves the old directory or the new one. The last file
+    written is `zoo_integrity.json`, the size and sha256 of every other file, which `load`
+    checks (transformers ignores it).
 
     Args:
         model_type: the type to write as (default: the first in `SAVE_ORDER` that
@@ -165,15 +175,18 @@ def save(path: str, config: TransformerConfig, params, tokenizer: Tokenizer | No
     # A Hugging Face config's "dtype" is the weights' (ours keeps its compute dtype there).
     hf = {"dtype": config.param_dtype.name, **family.config_to_hf(config),
           "model_type": family.model_type, "architectures": list(family.architectures)}
-    with replaced_atomically(path) as tmp:
+    with atomic.replaced_dir(path) as tmp:
         write_json(os.path.join(tmp, "config.json"), hf)
         write_weights(tmp, theirs_tensors(family, config, params), max_shard_bytes)
         if generation is not None and (generation.raw or generation.eos_ids):
-            eos = list(generation.eos_ids or ())
-            write_json(os.path.join(tmp, "generation_config.json"), {
-                **generation.raw, "eos_token_id": eos[0] if len(eos) == 1 else eos})
+            gen = dict(generation.raw)
+            if generation.eos_ids:
+                eos = list(generation.eos_ids)
+                gen["eos_token_id"] = eos[0] if len(eos) == 1 else eos
+            write_json(os.path.join(tmp, "generation_config.json"), gen)
         if tokenizer is not None:
             tokenizer.save(tmp)
+        atomic.write_manifest(tmp, MANIFEST)
     return family.model_type
 
 

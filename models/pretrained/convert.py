@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from models.config import TransformerConfig
@@ -78,10 +79,14 @@ def read_params(weights: Weights, family: Family, cfg: TransformerConfig) -> dic
     stacks: dict[tuple, dict[int, jax.Array]] = {}
     for rule, theirs, ours in entries:
         read = [weights.read(resolve(k)) for k in theirs]
+        for k, a in zip(theirs, read, strict=True):
+            if not jnp.issubdtype(a.dtype, jnp.floating):      # bfloat16 included
+                raise ValueError(f"{family.model_type} checkpoint tensor {k} holds "
+                                 f"{a.dtype}, not floating-point weights")
         try:
             arrays = rule.layout.to_ours(read, cfg)
             shapes = [tuple(a.shape) for a in arrays]
-        except ValueError:          # a reshape or split that the tensor's shape cannot take
+        except (ValueError, IndexError):    # a reshape, split or axis the tensor cannot take
             shapes = None
         if shapes != [expected[p] for p in ours]:
             # The shapes the file should hold, in its own layout (empty arrays: no data).
@@ -111,8 +116,8 @@ def theirs_tensors(family: Family, cfg: TransformerConfig,
         arrays = []
         for path in ours:
             slot, index = our_slot(path, cfg)
-            leaf = np.asarray(_get(params, slot, path))
-            arrays.append(leaf if index is None else leaf[index])
+            leaf = _get(params, slot, path)
+            arrays.append(np.asarray(leaf if index is None else leaf[index]))  # one layer
         yield from zip(theirs, rule.layout.to_theirs(arrays, cfg), strict=True)
 
 

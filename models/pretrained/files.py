@@ -11,29 +11,18 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
-import tempfile
 
 import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, which safetensors reads into)
 import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from models.atomic import read_json
+
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 PICKLES = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "tf_model.h5",
            "flax_model.msgpack")
-
-
-def read_json(path: str) -> dict:
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not valid JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{path} holds {type(data).__name__}, not a JSON object")
-    return data
 
 
 class Weights(contextlib.AbstractContextManager):
@@ -51,6 +40,14 @@ class Weights(contextlib.AbstractContextManager):
         self._stack = contextlib.ExitStack()
         self._files: dict[str, object] = {}
         self._where: dict[str, str] = {}
+        try:
+            self._open_all()
+        except BaseException:
+            self._stack.close()              # the shards opened before the failing one
+            raise
+
+    def _open_all(self) -> None:
+        directory = self.directory
         index = os.path.join(directory, INDEX)
         if os.path.exists(index):
             weight_map = read_json(index).get("weight_map")
@@ -120,7 +117,15 @@ def write_weights(directory: str, tensors, max_shard_bytes: int) -> None:
         nonlocal pending, size
         if pending:
             name = f"shard-{len(shards):05d}.tmp"
-            save_file(pending, os.path.join(directory, name), metadata={"format": "pt"})
+            path = os.path.join(directory, name)
+            try:
+                save_file(pending, path, metadata={"format": "pt"})
+                with open(path, "rb") as f:
+                    os.fsync(f.fileno())
+            except OSError:
+                raise
+            except Exception as e:    # safetensors' own error type (a full disk, say)
+                raise OSError(f"cannot write {path}: {e}") from e
             shards.append(name)
             weight_map.update(dict.fromkeys(pending, name))
         pending, size = {}, 0
@@ -149,31 +154,5 @@ def write_json(path: str, data: dict) -> None:
     with open(path, "w") as f:
         json.dump(data, f, indent=2, sort_keys=True)
         f.write("\n")
-
-
-@contextlib.contextmanager
-def replaced_atomically(path: str):
-    """Yields a fresh directory beside `path`; when the block succeeds it replaces `path`
-    by a rename, so a crash leaves the old directory or the new one, never half of one."""
-    path = os.path.abspath(path)
-    parent = os.path.dirname(path)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=parent)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)        # mkdtemp's 0700 would make exports private
-    try:
-        yield tmp
-        old = None
-        if os.path.exists(path):
-            if not os.path.isdir(path):
-                raise NotADirectoryError(f"{path} exists and is not a directory")
-            old = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.", suffix=".old",
-                                   dir=parent)
-            os.rename(path, os.path.join(old, "previous"))
-        os.rename(tmp, path)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        f.flush()
+        os.fsync(f.fileno())

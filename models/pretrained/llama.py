@@ -37,8 +37,9 @@ def read_rope(r: ConfigReader, max_len: int) -> dict:
     params = dict(params)
     kind = params.pop("rope_type", None) or params.pop("type", None) or "default"
     params.pop("type", None)
-    theta = params.pop("rope_theta", None) or r.take("rope_theta", 10_000.0)
-    partial = params.pop("partial_rotary_factor", None) or r.take("partial_rotary_factor", 1.0)
+    theta = _one_value(r, "rope_theta", params.pop("rope_theta", None), 10_000.0)
+    partial = _one_value(r, "partial_rotary_factor", params.pop("partial_rotary_factor", None),
+                         1.0)
     if partial != 1.0:
         r.refuse("partial_rotary_factor", partial, "RoPE over the whole head")
     scaling = None
@@ -55,6 +56,14 @@ def read_rope(r: ConfigReader, max_len: int) -> dict:
     if params:
         r.refuse("rope_parameters", params, f"unknown for rope_type {kind!r}")
     return {"rope_theta": float(theta), "rope_scaling": scaling}
+
+
+def _one_value(r: ConfigReader, key: str, nested, default):
+    """A RoPE setting given inside the RoPE dict, at the top level, or both (equal)."""
+    top = r.take(key, None)
+    if nested is not None and top is not None and nested != top:
+        r.refuse(key, top, f"the RoPE settings say {nested!r}")
+    return next(v for v in (nested, top, default) if v is not None)
 
 
 def write_rope(cfg: TransformerConfig) -> dict:
