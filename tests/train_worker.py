@@ -32,14 +32,15 @@ from train.trainer import train_and_evaluate  # noqa: E402
 
 
 def _kill_in_save(k: int) -> None:
-    from train import integrity
-    write_manifest = integrity.write_manifest
+    """SIGKILL inside the save of step k: after orbax finished it, before its manifest."""
+    from models import atomic
+    write_manifest = atomic.write_manifest
 
-    def dying(step_dir: str) -> None:
-        if os.path.basename(step_dir) == str(k):
+    def dying(directory: str, manifest: str) -> None:
+        if os.path.basename(directory) == str(k):
             os.kill(os.getpid(), signal.SIGKILL)
-        write_manifest(step_dir)
-    integrity.write_manifest = dying
+        write_manifest(directory, manifest)
+    atomic.write_manifest = dying
 
 
 def _trace_saves() -> None:
