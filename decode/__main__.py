@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         run(args)
-    except (UsageError, FileNotFoundError, ValueError) as e:
+    except (UsageError, ValueError, OSError, ImportError) as e:
         if args.verbose:
             traceback.print_exc()
         print(f"error: {e}", file=sys.stderr)

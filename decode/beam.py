@@ -41,7 +41,8 @@ class BeamOutput:
     """What `beam_search` returns.
 
     Attributes:
-        tokens: int32[B, W, N] new tokens of each beam, best first, pad (0) after the end.
+        tokens: int32[B, W, N] new tokens of each beam, best first; after the end, the
+            config's pad_id (0 when it has none).
         scores: float32[B, W] length-penalised log-probabilities, best first.
         lengths: int32[B, W] new tokens of each beam, the end token included.
     """

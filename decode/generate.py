@@ -45,6 +45,7 @@ from decode.model_fns import (  # notebooks import start_decoding from here too
 from decode.processors import SamplingParams, Strategy
 from decode.sampling import sampling_arguments
 from models.checks import check_positive_int
+from models.masks import length_mask
 
 LOOPS = ("scan", "while")
 
@@ -54,7 +55,8 @@ class DecodeOutput:
     """What `generate` returns (all arrays; detokenise outside jit).
 
     Attributes:
-        tokens: int32[B, N] new tokens, pad (0) after the end token.
+        tokens: int32[B, N] new tokens; after the end token, the config's pad_id (0 when
+            it has none).
         lengths: int32[B] new tokens up to and including the end token.
         logprobs: float32[B, N] the model's log-probability of each chosen token (before any
             processor), 0 after the end token.
@@ -97,7 +99,7 @@ def _prompt_seen(cfg, prompts_BP, lengths_B):
     B, P = prompts_BP.shape
     if cfg.is_encoder_decoder:
         return jnp.zeros((B, cfg.vocab_size), bool).at[:, cfg.bos_id].set(True)
-    valid_BP = jnp.arange(P)[None, :] < lengths_B[:, None]
+    valid_BP = length_mask(lengths_B, P)
     rows_BP = jnp.broadcast_to(jnp.arange(B)[:, None], (B, P))
     return jnp.zeros((B, cfg.vocab_size), bool).at[rows_BP, prompts_BP].max(valid_BP)
 

@@ -12,7 +12,15 @@
 from models.attention import apply_rope, dot_product_attention, rope_frequencies
 from models.cache import KVCache
 from models.config import Llama3RopeScaling, TransformerConfig
-from models.masks import causal_mask, combine_masks, padding_mask, positions_like, segment_mask
+from models.masks import (
+    causal_mask,
+    combine_masks,
+    length_mask,
+    padding_mask,
+    positions_like,
+    segment_mask,
+    window_mask,
+)
 from models.presets import get_config, list_configs
 from models.pretrained import GenerationDefaults, Pretrained, load, save
 from models.transformer import DecoderOnly, EncoderDecoder, build
@@ -21,6 +29,7 @@ __all__ = [
     "DecoderOnly", "EncoderDecoder", "KVCache", "Llama3RopeScaling", "TransformerConfig",
     "apply_rope", "build", "rope_frequencies",
     "causal_mask", "combine_masks", "dot_product_attention", "get_config", "list_configs",
-    "padding_mask", "positions_like", "segment_mask", "GenerationDefaults", "Pretrained",
+    "padding_mask", "positions_like", "segment_mask", "length_mask", "window_mask",
+    "GenerationDefaults", "Pretrained",
     "load", "save",
 ]

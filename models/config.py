@@ -248,11 +248,6 @@ def _field_types() -> dict[str, Any]:
     return typing.get_type_hints(TransformerConfig)
 
 
-def choices(name: str) -> tuple:
-    """The allowed values of a `Literal` field, e.g. `choices("positions")`."""
-    return typing.get_args(_field_types()[name])
-
-
 def _typed(name: str, value, tp):
     """`value` as the field's type (numpy scalars become Python ones), or a ValueError.
 

@@ -423,3 +423,33 @@ def test_a_resumed_run_whose_data_file_changed_says_so_and_reads_the_new_tokens(
     assert "warning: the data differ from those of the checkpoint at step 2" in out
     assert f"data file '{train_file}' changed" in out
     assert set(os.listdir(os.path.join(workdir, "cache"))) - caches    # new tokens cached
+
+
+def test_with_one_checkpoint_kept_a_kill_before_its_manifest_still_resumes(
+        straight, data_dir, tmp_path, capsys):
+    """keep_checkpoints=1: orbax deletes step 2 inside the save of step 4, and the kill comes
+    before step 4's manifest. Step 4 is the only checkpoint left: orbax committed it whole,
+    so it is used (not a run that can never resume) and its manifest written then."""
+    workdir = str(tmp_path)
+    settings = {"checkpoint_every_steps": 2, "keep_checkpoints": 1}
+    worker_killed(worker(workdir, data_dir, 4, sigkill_in_save=4, **settings))
+    assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["4"]
+    summary = train_and_evaluate(tiny_train_config(data_dir, **settings), workdir)
+    out = capsys.readouterr().out
+    assert "checkpoint at step 4 has no integrity.json" in out
+    assert summary["resumed_from_step"] == 4 and summary["step"] == 6
+    chex.assert_trees_all_equal(_params(workdir), _params(straight[0]))
+
+
+def test_the_next_run_removes_what_a_killed_one_left_half_written(tmp_path):
+    workdir = str(tmp_path)
+    os.makedirs(os.path.join(workdir, ".model.tmp-123-abcd", "inner"))
+    with open(os.path.join(workdir, ".summary.json.tmp-123-ef01"), "w") as f:
+        f.write("{")
+    with open(os.path.join(workdir, ".keep-me"), "w") as f:
+        f.write("mine")
+    lock = workdir_lib.claim(workdir)
+    try:
+        assert sorted(os.listdir(workdir)) == [".keep-me", ".lock"]
+    finally:
+        lock.release()

@@ -154,12 +154,17 @@ class _Unusable(Exception):
     """A step that cannot be read, with the one-line reason."""
 
 
-def _check_whole(mngr: ocp.CheckpointManager, step: int) -> None:
+class _Unfinished(_Unusable):
+    """A step orbax committed whose manifest was never written (a kill in between)."""
+
+
+def _check_whole(mngr: ocp.CheckpointManager, step: int, unverified_ok: bool = False) -> None:
     """Raises `_Unusable` unless `step` is unchanged since it was written.
 
     A step with a manifest is checked against it. A step without one is accepted unchecked
-    only if it was written before manifests existed: its orbax step metadata has no
-    manifest promise (`custom_metadata["integrity_manifest"]`, which every save now sets).
+    if it was written before manifests existed (its orbax step metadata has no manifest
+    promise, `custom_metadata["integrity_manifest"]`, which every save now sets), or when
+    `unverified_ok` (the newest step, when no older one is usable).
     """
     path = step_dir(mngr, step)
     if os.path.exists(os.path.join(path, integrity.MANIFEST)):
@@ -171,8 +176,8 @@ def _check_whole(mngr: ocp.CheckpointManager, step: int) -> None:
         promised = (mngr.metadata(step).custom_metadata or {}).get(_PROMISE)
     except Exception as e:
         raise _Unusable(f"its step metadata cannot be read ({_brief(e)})") from e
-    if promised:
-        raise _Unusable(f"{integrity.MANIFEST} is missing: the save did not finish")
+    if promised and not unverified_ok:
+        raise _Unfinished(f"{integrity.MANIFEST} is missing: the save did not finish")
 
 
 def _brief(e: BaseException) -> str:
@@ -238,17 +243,23 @@ def restore_latest(mngr: ocp.CheckpointManager, template: TrainState,
     if not steps:
         _note_set_aside_only(str(mngr.directory), set_aside)
         return None
+    def restore(step: int, unverified_ok: bool = False):
+        _check_whole(mngr, step, unverified_ok)
+        _check_fits(mngr, step, abstract)
+        train_target = {"step": abstract.step, "opt_state": abstract.opt_state,
+                        "rng": abstract.rng}
+        got = mngr.restore(step, args=ocp.args.Composite(
+            params=ocp.args.StandardRestore(abstract.params),
+            train=ocp.args.StandardRestore(train_target), data=ocp.args.JsonRestore(),
+            config=ocp.args.JsonRestore()))
+        return Restored(step, template.replace(params=got.params, **got.train), got.data,
+                        got.config)
+
     unusable: list[tuple[int, str]] = []
+    unfinished: list[int] = []
     for step in steps:
         try:
-            _check_whole(mngr, step)
-            _check_fits(mngr, step, abstract)
-            train_target = {"step": abstract.step, "opt_state": abstract.opt_state,
-                            "rng": abstract.rng}
-            got = mngr.restore(step, args=ocp.args.Composite(
-                params=ocp.args.StandardRestore(abstract.params),
-                train=ocp.args.StandardRestore(train_target), data=ocp.args.JsonRestore(),
-                config=ocp.args.JsonRestore()))
+            restored = restore(step)
         except CheckpointError:
             raise
         except Exception as e:       # any failure to read: fall back to an older step
@@ -256,14 +267,26 @@ def restore_latest(mngr: ocp.CheckpointManager, template: TrainState,
             log.debug("checkpoint at step %d in %s is unusable", step, mngr.directory,
                       exc_info=True)
             unusable.append((step, reason))
+            if isinstance(e, _Unfinished):
+                unfinished.append(step)
             continue
         for bad, reason in unusable:
             moved = _set_aside(mngr, bad) if set_aside else None
             if set_aside:
                 print(f"checkpoint at step {bad} is unreadable ({reason}); moved it to {moved}; "
                       f"using step {step}", flush=True)
-        return Restored(step, template.replace(params=got.params, **got.train), got.data,
-                        got.config)
+        return restored
+    if unfinished:
+        # Killed between orbax's atomic commit and the manifest, with no older step to use
+        # (keep_checkpoints=1): orbax's commit shows the step whole, so it is used, unverified.
+        step = unfinished[0]
+        restored = restore(step, unverified_ok=True)
+        if set_aside:
+            atomic.write_manifest(step_dir(mngr, step), integrity.MANIFEST)
+            print(f"checkpoint at step {step} has no {integrity.MANIFEST} (the run stopped "
+                  "right after writing it) and no older one is usable: using it as orbax "
+                  "committed it, and writing its manifest now", flush=True)
+        return restored
     raise CheckpointError(
         f"no usable checkpoint in {mngr.directory}: "
         + "; ".join(f"step {s}: {reason}" for s, reason in unusable)

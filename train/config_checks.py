@@ -24,6 +24,8 @@ from typing import Any
 
 import numpy as np
 
+from models.checks import is_int
+
 SPLITS = ("train", "validation", "test")
 SPM_MODEL_TYPES = ("unigram", "bpe", "char", "word")
 
@@ -39,7 +41,7 @@ class _Rule:
 
 
 def _is_int(v) -> bool:
-    return isinstance(v, numbers.Integral) and not isinstance(v, (bool, np.bool_))
+    return is_int(v) and not isinstance(v, np.bool_)
 
 
 def _is_number(v) -> bool:
@@ -319,12 +321,16 @@ def _check_init_from(c: dict) -> None:
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise _fail("init_from", path, "must be a model directory with config.json; it has "
                     "none")
-    from models.pretrained import RUNTIME_FIELDS
+    from models.pretrained import RUNTIME_FIELDS, read_config
     fixed = sorted(set(c["model_overrides"]) - RUNTIME_FIELDS)
     if fixed:
         raise _fail("model_overrides", dict(c["model_overrides"]),
                     f"may only set {sorted(RUNTIME_FIELDS)} when fine-tuning init_from="
                     f"{path!r}; {fixed} would change its architecture", ": ")
+    try:        # its model type and every field, refused by name before any data work
+        read_config(path)
+    except (ValueError, FileNotFoundError) as e:
+        raise ValueError(f"init_from={path!r}: {e}") from None
 
 
 def _check_model(c: dict) -> None:

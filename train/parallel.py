@@ -40,7 +40,6 @@ class DataParallel:
         if kind not in ("pmap", "shard_map"):
             raise ValueError(f"parallel={kind!r} must be 'pmap' or 'shard_map'")
         self.kind = kind
-        self.local_devices = jax.local_device_count()
         if kind == "pmap":
             self._train = jax.pmap(train_step, axis_name=AXIS, donate_argnums=(0,))
             self._eval = jax.pmap(eval_step, axis_name=AXIS)

@@ -273,12 +273,14 @@ def _start_run(config, workdir: str, lock: workdir_lib.Lock) -> tuple[Run, Start
     train_fn, eval_fn = step_lib.make_steps(model, config, schedule)
     dp = parallel.DataParallel(config.parallel, train_fn, eval_fn)
     step = int(resumed_from or 0)
-    # Rows and events past the step the run goes on from are dropped: each step once.
+    state = dp.put_state(state)
+    # Opened last, so a failure above leaves no file or writer thread open. Rows and events
+    # past the step the run goes on from are dropped: each step once.
     writer = MetricWriter(workdir, lead, resume_step=step)
     run = Run(config=config, workdir=workdir, lead=lead, dataset=ds, tokenizer=tok, model=model,
               choice=choice, data_record=record, eval_batches=eval_batches, dp=dp, writer=writer,
               checkpoints=mngr, lock=lock)
-    return run, Start(dp.put_state(state), iterator, step, resumed_from)
+    return run, Start(state, iterator, step, resumed_from)
 
 
 def _runtime(config: models.TransformerConfig) -> dict:

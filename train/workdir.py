@@ -11,15 +11,19 @@ own). A second run started there while the first is alive fails at once on its o
 0 (or on any process i the first run also has), naming the holder's pid and host. The lock
 is `fcntl.flock`: the operating system drops it when its process dies, however it dies, so
 no stale lock is ever left to delete. On a filesystem without locks (some network and
-bucket mounts) the run warns and goes on unlocked.
+bucket mounts) the run warns and goes on unlocked, still probing every path it writes.
+Whatever a killed run left half-written (the hidden temporaries of `models.atomic`) is
+removed when the next run takes the lock.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
 import os
+import shutil
 import socket
 import tempfile
 from collections.abc import Callable
@@ -79,18 +83,19 @@ def claim(workdir: str, process_index: int = 0) -> Lock:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:
-        os.close(fd)
         if e.errno in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+            os.close(fd)
             raise WorkdirInUse(f"workdir {workdir!r} is in use by another run "
                                f"({_holder(path)}; lock file {path}); wait for it to end or "
                                "use another workdir") from None
         print(f"warning: cannot lock {path} ({e.strerror}); nothing stops a second run in "
               f"{workdir!r}", flush=True)
-        return Lock(path, None)
     lock = Lock(path, fd)
     try:
         os.ftruncate(fd, 0)
         os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname()}).encode())
+        if process_index == 0:
+            _remove_temporaries(workdir)
         for name in RUN_DIRS:
             check_dir_writable(os.path.join(workdir, name), missing_ok=True)
         for name in RUN_FILES:
@@ -102,6 +107,20 @@ def claim(workdir: str, process_index: int = 0) -> Lock:
         raise WorkdirError(f"cannot write in the workdir {workdir!r} ({path}: {e.strerror})"
                            ) from e
     return lock
+
+
+def _remove_temporaries(workdir: str) -> None:
+    """Removes what a killed run left half-written in the workdir (hidden `.NAME.tmp-...`
+    files and directories: `models.atomic`'s temporaries). The workdir is locked, so no live
+    writer owns them."""
+    for name in os.listdir(workdir):
+        if name.startswith(".") and ".tmp-" in name:
+            path = os.path.join(workdir, name)
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                with contextlib.suppress(OSError):
+                    os.remove(path)
 
 
 def _holder(path: str) -> str:

@@ -97,7 +97,8 @@ def read_config(path: str, **runtime) -> tuple[Family, TransformerConfig, dict]:
         raise ValueError(f"a loaded model takes only {sorted(RUNTIME_FIELDS)} as overrides, "
                          f"not {sorted(unknown)}")
     if not os.path.isdir(path):
-        raise FileNotFoundError(f"model directory {path!r} does not exist")
+        raise FileNotFoundError(f"model directory {path!r} " + (
+            "is a file, not a directory" if os.path.exists(path) else "does not exist"))
     config_path = os.path.join(path, "config.json")
     if not os.path.exists(config_path):
         raise FileNotFoundError(f"no config.json in {path}")

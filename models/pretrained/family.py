@@ -27,7 +27,6 @@ class Family:
         prefix: the base model's key prefix ("model.", "transformer."); files saved from
             the base model alone lack it, and are read all the same.
         ignored: regexes of file keys that are not weights (buffers) and are skipped.
-        generation: config.json fields that are generation defaults, kept for decoding.
     """
 
     model_type: str
