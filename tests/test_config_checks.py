@@ -3,9 +3,12 @@ error naming the key, the value and the rule, found before any data is prepared.
 
 import re
 
+import jax
+import jax.numpy as jnp
 import ml_collections
 import pytest
 
+import models
 from train import configs
 from train.config_checks import RULES, check_config
 from train.configs._base import base_config
@@ -180,7 +183,13 @@ def test_data_files_must_be_files_that_exist(tmp_path):
 def test_init_from_must_be_a_model_directory(tmp_path):
     assert _error(_config(init_from=str(tmp_path), model_overrides={})) == (
         f"init_from={str(tmp_path)!r} must be a model directory with config.json; it has none")
-    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "config.json").write_text("{}")            # its config is read, too
+    assert _error(_config(init_from=str(tmp_path), model_overrides={})) == (
+        f"init_from={str(tmp_path)!r}: {tmp_path}: model_type None is not supported; "
+        "supported: gpt2, jax_transformer_zoo, llama, mistral, qwen2")
+    models.save(str(tmp_path), models.get_config("gpt-tiny", num_layers=1),
+                jax.jit(models.build(models.get_config("gpt-tiny", num_layers=1)).init)(
+                    jax.random.key(0), jnp.zeros((1, 2), jnp.int32))["params"])
     check_config(_config(init_from=str(tmp_path), model_overrides={}))
     message = _error(_config(init_from=str(tmp_path), model_overrides={"d_model": 64}))
     assert re.match(r"model_overrides=\{'d_model': 64\}: may only set \[.*'dropout_rate'", message)
