@@ -31,6 +31,7 @@ import numpy as np
 
 import models
 from bench.decode import best_of, timed
+from models.layers import GATED
 from train import configs, parallel, state as state_lib, step as step_lib
 
 # Dense (no sparsity) datasheet peaks, FLOP/s, by device kind substring and dtype.
@@ -62,7 +63,7 @@ def model_flops(cfg: models.TransformerConfig, batch: int, src_len: int, tgt_len
     nh = cfg.num_heads * cfg.head_dim
     q_o = 2 * cfg.d_model * nh                                  # query and output projections
     kv = 2 * cfg.d_model * cfg.num_kv_heads * cfg.head_dim      # key and value projections
-    mlp = (3 if cfg.activation == "swiglu" else 2) * cfg.d_model * cfg.mlp_dim
+    mlp = (3 if cfg.activation in GATED else 2) * cfg.d_model * cfg.mlp_dim
     out_proj = cfg.d_model * cfg.vocab_size
 
     def attn_qk_av(t, s):                                   # forward FLOPs, one layer, one row

@@ -26,10 +26,12 @@ def dot_product_attention(
     v_BSKH: Float[Array, "Bk S K H"],
     mask_BTS: Bool[Array, "B T S"] | None = None,
     *,
+    bias_BNTS: Float[Array, "B N T S"] | None = None,
+    scale: float | None = None,
     dropout_rate: float = 0.0,
     dropout_rng: jax.Array | None = None,
 ) -> tuple[Float[Array, "B T N H"], Float[Array, "B N T S"]]:
-    """softmax(q k^T / sqrt(H) masked) v, with the softmax in float32.
+    """softmax(scale * q k^T + bias, masked) v, with the softmax in float32.
 
     Args:
         q_BTNH: queries.
@@ -38,6 +40,9 @@ def dot_product_attention(
             source) attend to it without the keys being copied.
         mask_BTS: True where a query may see a key; broadcastable to [B, T, S]; None means
             everything is visible. A query row with no visible key returns zeros, not NaN.
+        bias_BNTS: added to the logits before masking (T5's relative position bias);
+            broadcastable to [B, N, T, S], float32 preferred; None adds nothing.
+        scale: the logits' scale; None means 1 / sqrt(H).
         dropout_rate, dropout_rng: dropout on the probabilities (training only).
 
     Returns:
@@ -56,10 +61,17 @@ def dot_product_attention(
             raise ValueError(f"mask must be [B, T, S] (rank 3), got shape {mask_BTS.shape}")
         mask_BTS = jnp.broadcast_to(mask_BTS, (B, T, S))
     W, G = B // Bk, N // K
+    scale = H ** -0.5 if scale is None else scale
     # Fold the W query rows that share one key row into its time axis.
-    q_BQKGH = q_BTNH.reshape(Bk, W * T, K, G, H) * jnp.asarray(H ** -0.5, q_BTNH.dtype)
+    q_BQKGH = q_BTNH.reshape(Bk, W * T, K, G, H)
+    if scale != 1.0:
+        q_BQKGH = q_BQKGH * jnp.asarray(scale, q_BTNH.dtype)
     logits_BKGQS = jnp.einsum(
         "BQKGH,BSKH->BKGQS", q_BQKGH, k_BSKH, preferred_element_type=jnp.float32)
+    if bias_BNTS is not None:
+        bias_BWKGTS = jnp.broadcast_to(bias_BNTS, (B, N, T, S)).reshape(Bk, W, K, G, T, S)
+        bias_BKGQS = bias_BWKGTS.transpose(0, 2, 3, 1, 4, 5).reshape(Bk, K, G, W * T, S)
+        logits_BKGQS = logits_BKGQS + bias_BKGQS.astype(jnp.float32)
     if mask_BTS is not None:
         mask_B11QS = mask_BTS.reshape(Bk, 1, 1, W * T, S)
         logits_BKGQS = jnp.where(mask_B11QS, logits_BKGQS, MASKED_LOGIT)
@@ -129,12 +141,13 @@ def _dense_out(config: TransformerConfig) -> nn.DenseGeneral:
         name="out")
 
 
-def _attend(module: nn.Module, config, q, k, v, mask, deterministic):
+def _attend(module: nn.Module, config, q, k, v, mask, deterministic, bias=None):
     """The attention core plus dropout rng and the sown weights, shared by both modules."""
     rate = 0.0 if deterministic else config.attention_dropout_rate
     rng = module.make_rng("dropout") if rate > 0.0 else None
     out_BTNH, probs_BNTS = dot_product_attention(
-        q, k, v, mask, dropout_rate=rate, dropout_rng=rng)
+        q, k, v, mask, bias_BNTS=bias, scale=None if config.scale_attention else 1.0,
+        dropout_rate=rate, dropout_rng=rng)
     # A no-op unless the caller applies with mutable=["intermediates"].
     module.sow("intermediates", "attention_weights", probs_BNTS)
     return out_BTNH
@@ -144,7 +157,8 @@ class SelfAttention(nn.Module):
     """Self-attention projections; bidirectional or causal depending on the mask given.
 
     With a cache, the new keys/values are written into `cache` for `layer` at `positions`
-    and the queries attend over all cache slots (the mask hides unwritten ones).
+    and the queries attend over all cache slots (the mask hides unwritten ones). `bias_BNTS`
+    (relative positions) is added to the logits.
     """
 
     config: TransformerConfig
@@ -158,6 +172,7 @@ class SelfAttention(nn.Module):
         cache: KVCache | None,
         layer,
         deterministic: bool,
+        bias_BNTS: Float[Array, "B N T S"] | None = None,
     ) -> tuple[Float[Array, "B T D"], KVCache | None]:
         cfg = self.config
         q_BTNH = _dense_heads(cfg, cfg.num_heads, "query")(x_BTD)
@@ -172,7 +187,8 @@ class SelfAttention(nn.Module):
         else:
             cache = cache.write(layer, k_BTKH, v_BTKH, positions_BT)
             k_BSKH, v_BSKH = cache.read(layer)
-        out_BTNH = _attend(self, cfg, q_BTNH, k_BSKH, v_BSKH, mask_BTS, deterministic)
+        out_BTNH = _attend(self, cfg, q_BTNH, k_BSKH, v_BSKH, mask_BTS, deterministic,
+                           bias_BNTS)
         return _dense_out(cfg)(out_BTNH), cache
 
 

@@ -19,6 +19,7 @@ from jaxtyping import Array, Bool, Float, Int
 from models.attention import CrossAttention, SelfAttention
 from models.config import TransformerConfig
 from models.layers import MLP, make_norm, residual
+from models.relative import RelativePositionBias
 
 
 @flax.struct.dataclass
@@ -27,10 +28,15 @@ class LayerInputs:
 
     Attributes:
         self_mask: bool[B, T, S] self-attention mask (S = T without a cache).
-        positions: int32[B, T] absolute positions of the T tokens (for rotary positions).
+        positions: int32[B, T] absolute positions of the T tokens (for rotary and relative
+            positions).
+        key_positions: int32[B, S] positions of the self-attention keys (the cache slots
+            when decoding), or None: the same tokens as the queries.
         cross_k, cross_v: float[L, Bs, K, Ssrc, H] cross-attention keys/values of all
             layers (`KVCache` layout), or None in a stack without cross-attention.
         cross_mask: bool[B, T or 1, Ssrc] cross-attention mask, or None.
+        self_bias: float32[B, N, T, S] added to the self-attention logits (relative
+            positions; the stack computes it), or None.
         deterministic: no dropout (static).
     """
 
@@ -39,6 +45,8 @@ class LayerInputs:
     cross_k: Float[Array, "L Bs K Ssrc H"] | None = None
     cross_v: Float[Array, "L Bs K Ssrc H"] | None = None
     cross_mask: Bool[Array, "B T Ssrc"] | None = None
+    key_positions: Int[Array, "B S"] | None = None
+    self_bias: Float[Array, "B N T S"] | None = None
     deterministic: bool = flax.struct.field(pytree_node=False, default=True)
 
 
@@ -47,12 +55,14 @@ def _self_attention_sublayer(cfg, x_BTD, inputs: LayerInputs, cache, layer):
     attn = SelfAttention(cfg, name="self_attention")
     return residual(
         cfg, x_BTD,
-        lambda y: attn(y, inputs.self_mask, inputs.positions, cache, layer, inputs.deterministic),
+        lambda y: attn(y, inputs.self_mask, inputs.positions, cache, layer, inputs.deterministic,
+                       inputs.self_bias),
         make_norm(cfg, "self_attention_norm"), inputs.deterministic)
 
 
 def _mlp_sublayer(cfg, x_BTD, inputs: LayerInputs):
-    x_BTD, _ = residual(cfg, x_BTD, lambda y: (MLP(cfg, name="mlp")(y), None),
+    mlp = MLP(cfg, name="mlp")
+    x_BTD, _ = residual(cfg, x_BTD, lambda y: (mlp(y, inputs.deterministic), None),
                         make_norm(cfg, "mlp_norm"), inputs.deterministic)
     return x_BTD
 
@@ -96,16 +106,24 @@ class LayerStack(nn.Module):
 
     With `config.scan_layers` the layers run as one `nn.scan` (compiles once, parameters
     under "layers" with a leading L axis); otherwise as "layer_0" .. "layer_{L-1}".
-    `config.remat` rematerialises each layer in the backward pass.
+    `config.remat` rematerialises each layer in the backward pass. With relative positions
+    the stack computes the position bias once ("relative_bias", bidirectional unless
+    `causal`) and every layer adds it.
     """
 
     config: TransformerConfig
     layer_type: Any
     num_layers: int
+    causal: bool
 
     @nn.compact
     def __call__(self, x_BTD, inputs: LayerInputs, cache=None):
         cfg = self.config
+        if cfg.positions == "relative":
+            keys = inputs.positions if inputs.key_positions is None else inputs.key_positions
+            bias = RelativePositionBias(cfg, bidirectional=not self.causal,
+                                        name="relative_bias")(inputs.positions, keys)
+            inputs = inputs.replace(self_bias=bias)
         layer_type = self.layer_type
         if cfg.remat:
             layer_type = nn.remat(layer_type, prevent_cse=not cfg.scan_layers)

@@ -28,10 +28,10 @@ import numpy as np
 from models.checks import check_positive_int, is_int
 
 Architecture = Literal["decoder_only", "encoder_decoder"]
-PositionKind = Literal["sinusoidal", "learned", "rope"]
+PositionKind = Literal["sinusoidal", "sinusoidal_paper", "learned", "rope", "relative"]
 NormKind = Literal["layernorm", "rmsnorm"]
 NormPosition = Literal["pre", "post"]
-Activation = Literal["relu", "gelu", "gelu_exact", "swiglu"]
+Activation = Literal["relu", "gelu", "gelu_exact", "silu", "swiglu", "geglu"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +62,7 @@ class Llama3RopeScaling:
 
 _POSITIVE = ("vocab_size", "d_model", "num_heads", "num_kv_heads", "head_dim", "mlp_dim",
              "max_len", "num_layers", "num_encoder_layers", "num_decoder_layers",
-             "sliding_window")
+             "sliding_window", "relative_buckets", "relative_max_distance")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,15 +81,30 @@ class TransformerConfig:
         num_layers: L of a decoder-only stack.
         num_encoder_layers, num_decoder_layers: L of each encoder-decoder stack.
         max_len: the longest sequence (positions 0 .. max_len - 1) and the largest cache.
-        positions: "sinusoidal" or "learned" (added to the embeddings) or "rope" (rotary,
-            applied to queries and keys of self-attention).
+        positions: how a token's position enters the model.
+            "sinusoidal": fixed, added to the embeddings; sines in the first half of the
+                channels and cosines in the second, frequencies 10000 ** (-i / (D/2 - 1))
+                (tensor2tensor's spacing).
+            "sinusoidal_paper": the same halves with the paper's frequencies
+                10000 ** (-2i / D) (Marian).
+            "learned": a table of max_len + position_offset rows added to the embeddings.
+            "rope": rotary, applied to queries and keys of self-attention.
+            "relative": T5's bucketed relative position bias, added to the self-attention
+                logits; one [relative_buckets, N] table per stack, shared by its layers.
+        position_offset: learned positions only: position p reads row p + offset (BART
+            keeps 2 unused rows in front).
+        relative_buckets, relative_max_distance: "relative" positions only: the number of
+            buckets (half for each direction in an encoder) and the distance at which the
+            logarithmically growing buckets stop.
         rope_theta: the rotary base frequency.
         rope_scaling: None, or a `Llama3RopeScaling` of the rotary frequencies.
         norm: "layernorm" or "rmsnorm"; norm_position: "pre" (x + f(norm(x)), with a final
             norm after the stack) or "post" (norm(x + f(x)), as in Vaswani et al.).
         norm_eps: epsilon of every norm.
-        activation: "relu", "gelu" (tanh approximation, as GPT-2), "gelu_exact" (erf) or
-            "swiglu" (gated, silu(x W_gate) * x W_up).
+        activation: "relu", "gelu" (tanh approximation, as GPT-2), "gelu_exact" (erf),
+            "silu" (swish), or gated: "swiglu" (silu(x W_gate) * x W_up) and "geglu" (the
+            same with tanh GELU, T5 v1.1).
+        mlp_dropout_rate: dropout on the MLP's hidden activations (training only).
         use_bias: biases in the attention and MLP projections.
         qkv_bias: biases in the query/key/value projections even without `use_bias`
             (Qwen2).
@@ -100,6 +115,14 @@ class TransformerConfig:
         tie_embeddings: the output projection is the transposed target embedding.
         scale_embeddings: multiply embeddings by sqrt(D) (Vaswani et al.); their initial
             scale is then D ** -0.5 so the scaled input has unit variance.
+        embedding_norm: a norm (of the config's kind) on the embeddings plus positions,
+            before dropout (BART, BERT).
+        scale_attention: divide the attention logits by sqrt(H); False for T5, which folds
+            that scale into its initialisation.
+        scale_head_input: multiply the last hidden state by D ** -0.5 before the output
+            projection (T5 with a tied head).
+        logits_bias: a learned bias [V] added to the logits (BART and Marian's
+            final_logits_bias).
         dropout_rate: on embeddings and on every sublayer output before the residual add.
         attention_dropout_rate: on the attention probabilities.
         dtype: the compute dtype; param_dtype: the parameters' dtype. Given as names or
@@ -126,18 +149,26 @@ class TransformerConfig:
     num_decoder_layers: int = 2
     max_len: int = 256
     positions: PositionKind = "sinusoidal"
+    position_offset: int = 0
+    relative_buckets: int = 32
+    relative_max_distance: int = 128
     rope_theta: float = 10_000.0
     rope_scaling: Llama3RopeScaling | None = None
     norm: NormKind = "layernorm"
     norm_position: NormPosition = "pre"
     norm_eps: float = 1e-6
     activation: Activation = "relu"
+    mlp_dropout_rate: float = 0.0
     use_bias: bool = True
     qkv_bias: bool = False
     sliding_window: int | None = None
     share_embeddings: bool = True
     tie_embeddings: bool = True
     scale_embeddings: bool = False
+    embedding_norm: bool = False
+    scale_attention: bool = True
+    scale_head_input: bool = False
+    logits_bias: bool = False
     dropout_rate: float = 0.0
     attention_dropout_rate: float = 0.0
     dtype: Any = "float32"
@@ -186,10 +217,29 @@ class TransformerConfig:
             raise ValueError(f"TransformerConfig.rope_theta={self.rope_theta} must be > 0")
         if not self.norm_eps > 0:
             raise ValueError(f"TransformerConfig.norm_eps={self.norm_eps} must be > 0")
-        for name in ("dropout_rate", "attention_dropout_rate"):
+        for name in ("dropout_rate", "attention_dropout_rate", "mlp_dropout_rate"):
             rate = getattr(self, name)
             if not 0.0 <= rate < 1.0:
                 raise ValueError(f"TransformerConfig.{name}={rate} must be in [0, 1)")
+        if self.position_offset < 0:
+            raise ValueError(
+                f"TransformerConfig.position_offset={self.position_offset} must be >= 0")
+        if self.position_offset and self.positions != "learned":
+            raise ValueError(f"TransformerConfig.position_offset={self.position_offset} needs "
+                             f"positions='learned', not {self.positions!r}")
+        if self.positions == "relative" and self.relative_buckets < (
+                4 if self.is_encoder_decoder else 2):
+            # An encoder halves the buckets per direction, and each half keeps half its
+            # buckets for exact distances: at least 1 of each.
+            raise ValueError(
+                f"TransformerConfig.relative_buckets={self.relative_buckets} is too few "
+                f"(at least {4 if self.is_encoder_decoder else 2})")
+        if self.positions == "relative" and (
+                self.relative_max_distance <= self.relative_buckets // 2):
+            raise ValueError(
+                f"TransformerConfig.relative_max_distance={self.relative_max_distance} must "
+                f"exceed relative_buckets // 2 = {self.relative_buckets // 2} (the exact "
+                "buckets end there; the logarithmic ones reach up to the max distance)")
         if self.rope_scaling is not None and self.positions != "rope":
             raise ValueError(f"TransformerConfig.rope_scaling={self.rope_scaling} needs "
                              f"positions='rope', not {self.positions!r}")

@@ -8,6 +8,7 @@ from collections.abc import Callable
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float, Int
 
 from models.config import TransformerConfig
@@ -26,6 +27,20 @@ def sinusoidal_embedding(positions_BT: Int[Array, "B T"], d_model: int) -> Float
     return emb
 
 
+@functools.lru_cache(maxsize=16)
+def paper_sinusoid_table(max_len: int, d_model: int) -> np.ndarray:
+    """float32[max_len, D]: Vaswani et al.'s frequencies w_i = 10000 ** (-2i / D), sines in
+    the first ceil(D/2) channels and cosines in the last floor(D/2) (Marian's layout),
+    computed in float64 and rounded once.
+
+        D = 4, position p:  [sin(p), sin(p / 100), cos(p), cos(p / 100)]
+    """
+    p = np.arange(max_len, dtype=np.float64)[:, None]
+    sin = np.sin(p * 10_000.0 ** (-2 * np.arange((d_model + 1) // 2) / d_model))
+    cos = np.cos(p * 10_000.0 ** (-2 * np.arange(d_model // 2) / d_model))
+    return np.concatenate([sin, cos], axis=1).astype(np.float32)
+
+
 def token_embedding(config: TransformerConfig, name: str) -> nn.Embed:
     """The [V, D] table; also the output projection when embeddings are tied."""
     std = config.d_model ** -0.5 if config.scale_embeddings else 0.02
@@ -36,7 +51,8 @@ def token_embedding(config: TransformerConfig, name: str) -> nn.Embed:
 
 class InputEmbedding(nn.Module):
     """Token embedding (optionally shared, optionally scaled by sqrt(D)) plus absolute
-    positions when the config uses them (rotary positions act inside attention)."""
+    positions when the config uses them (rotary and relative positions act inside
+    attention), then the embedding norm if the config has one, then dropout."""
 
     config: TransformerConfig
     tokens: nn.Embed
@@ -49,11 +65,17 @@ class InputEmbedding(nn.Module):
             x_BTD = x_BTD * jnp.asarray(cfg.d_model ** 0.5, x_BTD.dtype)
         if cfg.positions == "sinusoidal":
             x_BTD = x_BTD + sinusoidal_embedding(positions_BT, cfg.d_model).astype(x_BTD.dtype)
+        elif cfg.positions == "sinusoidal_paper":
+            table_PD = jnp.asarray(paper_sinusoid_table(cfg.max_len, cfg.d_model))
+            x_BTD = x_BTD + table_PD[positions_BT].astype(x_BTD.dtype)
         elif cfg.positions == "learned":
             table = nn.Embed(
-                cfg.max_len, cfg.d_model, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
-                embedding_init=nn.initializers.normal(0.01), name="positions")
-            x_BTD = x_BTD + table(positions_BT)
+                cfg.max_len + cfg.position_offset, cfg.d_model, dtype=cfg.dtype,
+                param_dtype=cfg.param_dtype, embedding_init=nn.initializers.normal(0.01),
+                name="positions")
+            x_BTD = x_BTD + table(positions_BT + cfg.position_offset)
+        if cfg.embedding_norm:
+            x_BTD = make_norm(cfg, "norm")(x_BTD)
         return nn.Dropout(cfg.dropout_rate)(x_BTD, deterministic=deterministic)
 
 
@@ -71,17 +93,22 @@ ACTIVATIONS = {
     "relu": jax.nn.relu,
     "gelu": functools.partial(jax.nn.gelu, approximate=True),       # GPT-2's tanh form
     "gelu_exact": functools.partial(jax.nn.gelu, approximate=False),  # erf
+    "silu": jax.nn.silu,
 }
+# Gated activations: the function applied to the gate, which multiplies the up projection.
+GATED = {"swiglu": jax.nn.silu, "geglu": ACTIVATIONS["gelu"]}
 
 
 class MLP(nn.Module):
-    """D -> F -> D with ReLU or GELU (tanh or exact), or the gated SwiGLU
-    (silu(x W_gate) * x W_up) W_down."""
+    """D -> F -> D, either act(x W_up) W_down (ReLU, GELU tanh or exact, SiLU) or gated:
+    (act(x W_gate) * x W_up) W_down (SwiGLU with SiLU, GeGLU with tanh GELU). Dropout at
+    `mlp_dropout_rate` on the hidden activations."""
 
     config: TransformerConfig
 
     @nn.compact
-    def __call__(self, x_BTD: Float[Array, "B T D"]) -> Float[Array, "B T D"]:
+    def __call__(self, x_BTD: Float[Array, "B T D"],
+                 deterministic: bool = True) -> Float[Array, "B T D"]:
         cfg = self.config
 
         def dense(features, name):
@@ -90,10 +117,12 @@ class MLP(nn.Module):
                 param_dtype=cfg.param_dtype, kernel_init=nn.initializers.xavier_uniform(),
                 name=name)
 
-        if cfg.activation == "swiglu":
-            h_BTF = jax.nn.silu(dense(cfg.mlp_dim, "gate")(x_BTD)) * dense(cfg.mlp_dim, "up")(x_BTD)
+        if cfg.activation in GATED:
+            gate_BTF = GATED[cfg.activation](dense(cfg.mlp_dim, "gate")(x_BTD))
+            h_BTF = gate_BTF * dense(cfg.mlp_dim, "up")(x_BTD)
         else:
             h_BTF = ACTIVATIONS[cfg.activation](dense(cfg.mlp_dim, "up")(x_BTD))
+        h_BTF = nn.Dropout(cfg.mlp_dropout_rate)(h_BTF, deterministic=deterministic)
         return dense(cfg.d_model, "down")(h_BTF)
 
 

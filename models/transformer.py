@@ -74,16 +74,25 @@ def _source_valid(src_BS, lengths_B) -> Bool[Array, "B S"]:
 
 class _CachedDecoder(nn.Module):
     """prefill / step over a `KVCache`, shared by both families; subclasses supply
-    `_decode(tokens_BT, positions_BT, self_mask_BTS, cache, deterministic)`."""
+    `_decode(tokens_BT, positions_BT, self_mask_BTS, cache, deterministic, key_positions_BS)`
+    (key positions: the cache slots, for relative positions)."""
 
     config: TransformerConfig
 
     def _logits(self, x_BTD) -> Float[Array, "B T V"]:
-        if self.config.tie_embeddings:
+        """float32 logits of the last hidden states: optionally scaled by D ** -0.5, then
+        the tied embedding or the head, then optionally the logits bias."""
+        cfg = self.config
+        if cfg.scale_head_input:
+            x_BTD = x_BTD * jnp.asarray(cfg.d_model ** -0.5, x_BTD.dtype)
+        if cfg.tie_embeddings:
             logits = self.tgt_tokens.attend(x_BTD)
         else:
             logits = self.head(x_BTD)
-        return logits.astype(jnp.float32)
+        logits = logits.astype(jnp.float32)
+        if cfg.logits_bias:
+            logits = logits + self.logits_bias.astype(jnp.float32)
+        return logits
 
     def _make_head(self):
         cfg = self.config
@@ -91,6 +100,9 @@ class _CachedDecoder(nn.Module):
             self.head = nn.Dense(
                 cfg.vocab_size, use_bias=False, dtype=cfg.dtype,
                 param_dtype=cfg.param_dtype, kernel_init=nn.initializers.xavier_uniform())
+        if cfg.logits_bias:
+            self.logits_bias = self.param(
+                "logits_bias", nn.initializers.zeros, (cfg.vocab_size,), cfg.param_dtype)
 
     def prefill(
         self, tokens_BT: Int[Array, "B T"], lengths_B: Int[Array, " B"], cache: KVCache
@@ -120,7 +132,8 @@ class _CachedDecoder(nn.Module):
         positions_BT = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
         slots_BS = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32)[None, :], (B, S))
         mask_BTS = _self_mask(self.config, positions_BT, slots_BS)
-        logits_BTV, cache = self._decode(tokens_BT, positions_BT, mask_BTS, cache, True)
+        logits_BTV, cache = self._decode(tokens_BT, positions_BT, mask_BTS, cache, True,
+                                         slots_BS)
         return logits_BTV, cache.replace(lengths=cache.lengths + lengths_B.astype(jnp.int32))
 
     def step(self, tokens_B: Int[Array, " B"],
@@ -139,7 +152,7 @@ class DecoderOnly(_CachedDecoder):
         cfg = self.config
         self.tgt_tokens = token_embedding(cfg, "tokens")
         self.embed = InputEmbedding(cfg, self.tgt_tokens)
-        self.decoder = LayerStack(cfg, SelfAttentionLayer, cfg.num_layers)
+        self.decoder = LayerStack(cfg, SelfAttentionLayer, cfg.num_layers, causal=True)
         self._make_head()
 
     def __call__(
@@ -159,9 +172,11 @@ class DecoderOnly(_CachedDecoder):
         logits, _ = self._decode(tokens, positions, mask, None, deterministic)
         return logits
 
-    def _decode(self, tokens_BT, positions_BT, self_mask_BTS, cache, deterministic):
+    def _decode(self, tokens_BT, positions_BT, self_mask_BTS, cache, deterministic,
+                key_positions_BS=None):
         x_BTD = self.embed(tokens_BT, positions_BT, deterministic)
-        inputs = LayerInputs(self_mask_BTS, positions_BT, deterministic=deterministic)
+        inputs = LayerInputs(self_mask_BTS, positions_BT, key_positions=key_positions_BS,
+                             deterministic=deterministic)
         x_BTD, cache = self.decoder(x_BTD, inputs, cache)
         return self._logits(x_BTD), cache
 
@@ -178,9 +193,9 @@ class EncoderDecoder(_CachedDecoder):
             self.src_tokens if cfg.share_embeddings else token_embedding(cfg, "tgt_tokens"))
         self.src_embed = InputEmbedding(cfg, self.src_tokens)
         self.tgt_embed = InputEmbedding(cfg, self.tgt_tokens)
-        self.encoder = LayerStack(cfg, SelfAttentionLayer, cfg.num_encoder_layers)
+        self.encoder = LayerStack(cfg, SelfAttentionLayer, cfg.num_encoder_layers, causal=False)
         self.cross_kv = CrossKVProjection(cfg, cfg.num_decoder_layers)
-        self.decoder = LayerStack(cfg, DecoderLayer, cfg.num_decoder_layers)
+        self.decoder = LayerStack(cfg, DecoderLayer, cfg.num_decoder_layers, causal=True)
         self._make_head()
 
     def encode(
@@ -238,7 +253,8 @@ class EncoderDecoder(_CachedDecoder):
         cross_mask = combine_masks(_source_valid(src, src_lengths)[:, None, :], seg)
         positions, self_mask = _forward_masks(cfg, tgt_in, tgt_segment_ids, tgt_positions)
         x_BTD = self.tgt_embed(tgt_in, positions, deterministic)
-        inputs = LayerInputs(self_mask, positions, cross_k, cross_v, cross_mask, deterministic)
+        inputs = LayerInputs(self_mask, positions, cross_k, cross_v, cross_mask,
+                             deterministic=deterministic)
         x_BTD, _ = self.decoder(x_BTD, inputs)
         return self._logits(x_BTD)
 
@@ -258,7 +274,8 @@ class EncoderDecoder(_CachedDecoder):
         return cache.replace(cross_k=cross_k, cross_v=cross_v,
                              cross_mask=_source_valid(src, src_lengths))
 
-    def _decode(self, tokens_BT, positions_BT, self_mask_BTS, cache, deterministic):
+    def _decode(self, tokens_BT, positions_BT, self_mask_BTS, cache, deterministic,
+                key_positions_BS=None):
         if cache.cross_k is None:
             raise ValueError("encoder-decoder cache has no cross-attention keys: build it "
                              "with model.apply(params, src, cache_len, method='init_cache')")
@@ -266,7 +283,7 @@ class EncoderDecoder(_CachedDecoder):
         cross_mask_B1S = jnp.repeat(cache.cross_mask, beams, axis=0)[:, None, :]
         x_BTD = self.tgt_embed(tokens_BT, positions_BT, deterministic)
         inputs = LayerInputs(self_mask_BTS, positions_BT, cache.cross_k, cache.cross_v,
-                             cross_mask_B1S, deterministic)
+                             cross_mask_B1S, key_positions_BS, deterministic=deterministic)
         x_BTD, cache = self.decoder(x_BTD, inputs, cache)
         return self._logits(x_BTD), cache
 

@@ -20,7 +20,13 @@ import numpy as np
 from models.config import TransformerConfig
 from models.pretrained.family import Family
 from models.pretrained.files import Weights
-from models.pretrained.mapping import Rule, our_slot, parameter_shapes
+from models.pretrained.mapping import (
+    Rule,
+    expected_shape,
+    our_slot,
+    parameter_shapes,
+    whole_leaf,
+)
 
 TIED_HEAD = "lm_head.weight"
 
@@ -70,11 +76,12 @@ def read_params(weights: Weights, family: Family, cfg: TransformerConfig) -> dic
     if extra:
         raise ValueError(f"{family.model_type} checkpoint {weights.directory} has "
                          f"{len(extra)} tensor(s) the config does not use: {_show(extra)}")
-    expected = parameter_shapes(cfg)
-    covered = {p for _, _, ours in entries for p in ours}
-    if covered != set(expected):                  # a bug in a rule table, not in the file
-        raise AssertionError(f"{family.model_type} rules miss {_show(set(expected) - covered)}"
-                             f" or name unknown {_show(covered - set(expected))}")
+    leaves = parameter_shapes(cfg)
+    expected = {p: expected_shape(p, leaves) for _, _, ours in entries for p in ours}
+    covered = {whole_leaf(p) for p in expected}
+    if covered != set(leaves):                    # a bug in a rule table, not in the file
+        raise AssertionError(f"{family.model_type} rules miss {_show(set(leaves) - covered)}"
+                             f" or name unknown {_show(covered - set(leaves))}")
     tree: dict = {}
     stacks: dict[tuple, dict[int, jax.Array]] = {}
     for rule, theirs, ours in entries:
@@ -122,6 +129,8 @@ def theirs_tensors(family: Family, cfg: TransformerConfig,
 
 
 def _depth(slot: tuple[str, ...], cfg: TransformerConfig) -> int:
+    """The layers stacked in a leaf: the encoder's, or the decoder's (its own stack and the
+    cross-attention projections)."""
     return cfg.num_encoder_layers if slot[0] == "encoder" else cfg.decoder_layers
 
 

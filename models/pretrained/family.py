@@ -126,9 +126,16 @@ def hf_special_ids(cfg: TransformerConfig) -> dict:
             "pad_token_id": cfg.pad_id}
 
 
+# The variants a family expresses only when it says so: `require` holds every other family
+# to these values.
+PLAIN = {"position_offset": 0, "embedding_norm": False, "scale_attention": True,
+         "scale_head_input": False, "logits_bias": False, "mlp_dropout_rate": 0.0}
+
+
 def require(cfg: TransformerConfig, model_type: str, **fields) -> None:
-    """Raises `Inexpressible` naming the first field of `cfg` that differs from `fields`."""
-    for name, value in fields.items():
+    """Raises `Inexpressible` naming the first field of `cfg` that differs from `fields`
+    or, for a field not given, from its `PLAIN` value."""
+    for name, value in {**PLAIN, **fields}.items():
         if getattr(cfg, name) != value:
             raise Inexpressible(f"{model_type} cannot express {name}={getattr(cfg, name)!r} "
                                 f"(it has {value!r})")

@@ -10,6 +10,8 @@ unscanned model), and a `Layout` that converts one into the other and back:
 
 `{i}` runs over the layers of the rule's `stack`. Under `scan_layers` the layers' parameters
 are stacked: "decoder/layer_{i}/rest" is slice i of "decoder/layers/rest" (`our_slot`).
+A parameter stacked over layers in every model (the cross-attention key/value kernels) is
+named by its slice: "cross_kv/key_kernel[{i}]".
 Layouts are plain numpy functions of (arrays, config): transposes, reshapes and splits are
 views, so converting costs no copies and no compilation. Applying a rule forwards and then
 backwards gives back the same tensors, bit for bit.
@@ -69,12 +71,29 @@ def our_slot(path: str, cfg: TransformerConfig) -> tuple[tuple[str, ...], int | 
 
         scan_layers False:  "decoder/layer_3/mlp/up/kernel" -> (decoder, layer_3, ...), None
         scan_layers True:   "decoder/layer_3/mlp/up/kernel" -> (decoder, layers, ...), 3
+        either:             "cross_kv/key_kernel[3]"        -> (cross_kv, key_kernel), 3
     """
+    if path.endswith("]"):
+        path, index = path[:-1].split("[")
+        return tuple(path.split("/")), int(index)
     parts = path.split("/")
     for k, part in enumerate(parts):
         if part.startswith("layer_") and part[6:].isdigit() and cfg.scan_layers:
             return (*parts[:k], "layers", *parts[k + 1:]), int(part[6:])
     return tuple(parts), None
+
+
+def expected_shape(path: str, shapes: dict[str, tuple[int, ...]]) -> tuple[int, ...]:
+    """The shape of an unscanned parameter path (`parameter_shapes`), or of one layer's
+    slice for "name[i]"."""
+    if path.endswith("]"):
+        return shapes[path[:path.index("[")]][1:]
+    return shapes[path]
+
+
+def whole_leaf(path: str) -> str:
+    """The leaf a path names: "cross_kv/key_kernel[3]" -> "cross_kv/key_kernel"."""
+    return path[:path.index("[")] if path.endswith("]") else path
 
 
 @functools.lru_cache(maxsize=32)
