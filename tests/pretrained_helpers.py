@@ -177,3 +177,120 @@ def stack_layers(tree):
         assert layers == [f"layer_{i}" for i in range(len(layers))]
         out["layers"] = jax.tree.map(lambda *xs: jnp.stack(xs), *[tree[k] for k in layers])
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Encoder-decoder checkpoints (BART, Marian, T5, mT5): the same idea with a ragged batch of
+# sources (lengths SRC_LENS, junk after them, masked by transformers' attention_mask) and
+# decoder inputs that start with the config's decoder start token.
+
+S = 9                              # source width
+SRC_LENS = np.array([9, 5])        # row 1 is padded
+_BART = dict(vocab_size=64, d_model=32, encoder_layers=2, decoder_layers=2,
+             encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=48,
+             decoder_ffn_dim=48, max_position_embeddings=32, dropout=0.0,
+             attention_dropout=0.0, activation_dropout=0.0)
+_T5 = dict(vocab_size=64, d_model=32, d_kv=8, d_ff=48, num_layers=2, num_heads=4,
+           relative_attention_num_buckets=8, relative_attention_max_distance=12,
+           dropout_rate=0.0)
+
+SEQ2SEQ_CASES = {
+    "bart": ("bart", dict(_BART, pad_token_id=1, bos_token_id=0, eos_token_id=2,
+                          decoder_start_token_id=2, forced_eos_token_id=2,
+                          scale_embedding=False), dict(
+        positions="learned", position_offset=2, embedding_norm=True, norm_position="post",
+        activation="gelu_exact", logits_bias=True, bos_id=2, pad_id=1, eos_id=2)),
+    "bart-scaled-3-layers": ("bart", dict(_BART, vocab_size=70, encoder_layers=3,
+                                          decoder_layers=1, scale_embedding=True,
+                                          pad_token_id=1, bos_token_id=0, eos_token_id=2,
+                                          decoder_start_token_id=2), dict(
+        scale_embeddings=True, num_encoder_layers=3, num_decoder_layers=1)),
+    "marian-shared": ("marian", dict(_BART, vocab_size=66, pad_token_id=65, eos_token_id=0,
+                                     decoder_start_token_id=65, forced_eos_token_id=0,
+                                     activation_function="swish", scale_embedding=True,
+                                     share_encoder_decoder_embeddings=True), dict(
+        positions="sinusoidal_paper", activation="silu", share_embeddings=True,
+        scale_embeddings=True, logits_bias=True, pad_id=65, bos_id=65, eos_id=0)),
+    "marian-separate": ("marian", dict(_BART, vocab_size=66, pad_token_id=65, eos_token_id=0,
+                                       decoder_start_token_id=65,
+                                       activation_function="swish", scale_embedding=True,
+                                       share_encoder_decoder_embeddings=False), dict(
+        share_embeddings=False, tie_embeddings=True)),
+    "t5-v1.0": ("t5", dict(_T5, feed_forward_proj="relu", tie_word_embeddings=True,
+                           decoder_start_token_id=0), dict(
+        positions="relative", scale_attention=False, norm="rmsnorm", use_bias=False,
+        activation="relu", tie_embeddings=True, scale_head_input=True, bos_id=0, pad_id=0,
+        eos_id=1)),
+    "t5-v1.1": ("t5", dict(_T5, num_decoder_layers=3, feed_forward_proj="gated-gelu",
+                           tie_word_embeddings=False, decoder_start_token_id=0), dict(
+        activation="geglu", tie_embeddings=False, scale_head_input=False,
+        num_decoder_layers=3)),
+    "mt5": ("mt5", dict(_T5, vocab_size=72, feed_forward_proj="gated-gelu",
+                        tie_word_embeddings=False, decoder_start_token_id=0), dict(
+        activation="geglu", tie_embeddings=False, vocab_size=72)),
+}
+CONFIG_CLASSES.update(bart="BartConfig", marian="MarianConfig", t5="T5Config",
+                      mt5="MT5Config")
+
+
+def randomize_seq2seq(model, seed: int):
+    """`randomize`, and the logits bias buffer of BART and Marian (zeros as made)."""
+    randomize(model, seed)
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name.endswith("final_logits_bias"):
+                buf.copy_(torch.randn_like(buf) * 0.5)
+    return model
+
+
+def hf_seq2seq_logits(model, src, src_lens, tgt_in) -> np.ndarray:
+    mask = np.arange(src.shape[1])[None, :] < np.asarray(src_lens)[:, None]
+    with torch.no_grad():
+        return model(input_ids=torch.as_tensor(src, dtype=torch.long),
+                     attention_mask=torch.as_tensor(mask, dtype=torch.long),
+                     decoder_input_ids=torch.as_tensor(tgt_in, dtype=torch.long),
+                     ).logits.float().numpy()
+
+
+def hf_seq2seq_load(path: str):
+    model, info = transformers.AutoModelForSeq2SeqLM.from_pretrained(
+        path, attn_implementation="eager", output_loading_info=True)
+    assert not any(info.values()), info
+    return model.eval()
+
+
+class Seq2SeqCheckpoint:
+    """One tiny transformers encoder-decoder, saved: `path`, `model`, `src` (ragged, junk
+    past SRC_LENS), `tgt_in` (starting with the decoder start token), `logits`, `state`."""
+
+    def __init__(self, name: str, root: str, seed: int):
+        model_type, fields, self.expect = SEQ2SEQ_CASES[name]
+        self.model_type = model_type
+        hf_cfg = getattr(transformers, CONFIG_CLASSES[model_type])(
+            **copy.deepcopy(fields), attn_implementation="eager")
+        torch.manual_seed(seed)
+        self.model = randomize_seq2seq(
+            transformers.AutoModelForSeq2SeqLM.from_config(hf_cfg), seed)
+        assert self.model.config._attn_implementation == "eager"
+        self.path = os.path.join(root, name)
+        self.model.save_pretrained(self.path, safe_serialization=True)
+        rng = np.random.default_rng(seed)
+        vocab = hf_cfg.vocab_size
+        self.src = rng.integers(0, vocab, (B, S)).astype(np.int32)
+        self.src_lens = SRC_LENS.astype(np.int32)
+        self.tgt_in = rng.integers(0, vocab, (B, T)).astype(np.int32)
+        self.tgt_in[:, 0] = hf_cfg.decoder_start_token_id
+        self.logits = hf_seq2seq_logits(self.model, self.src, self.src_lens, self.tgt_in)
+        self.state = state_of(self.model)
+
+
+@functools.cache
+def seq2seq_checkpoint(name: str, root: str) -> Seq2SeqCheckpoint:
+    return Seq2SeqCheckpoint(name, root, seed=100 + list(SEQ2SEQ_CASES).index(name))
+
+
+@pytest.fixture(scope="session")
+def seq2seq_ckpt(tmp_path_factory):
+    """seq2seq_ckpt(name): the encoder-decoder case's checkpoint, built once."""
+    root = str(tmp_path_factory.getbasetemp() / "hf_seq2seq_checkpoints")
+    return lambda name: seq2seq_checkpoint(name, root)

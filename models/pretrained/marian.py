@@ -1,0 +1,18 @@
+"""`marian`: being written (issue 15)."""
+
+from __future__ import annotations
+
+from models.config import TransformerConfig
+from models.pretrained.family import Family, Inexpressible
+
+
+def config_from_hf(hf: dict) -> TransformerConfig:
+    raise ValueError("marian checkpoints are not supported yet")
+
+
+def config_to_hf(cfg: TransformerConfig) -> dict:
+    raise Inexpressible("marian is not written yet")
+
+
+FAMILY = Family(model_type="marian", architectures=(), config_from_hf=config_from_hf,
+                config_to_hf=config_to_hf, rules=lambda cfg: [])
