@@ -91,7 +91,7 @@ class _CachedDecoder(nn.Module):
             logits = self.head(x_BTD)
         logits = logits.astype(jnp.float32)
         if cfg.logits_bias:
-            logits = logits + self.logits_bias.astype(jnp.float32)
+            logits = logits + self.logits_bias.astype(jnp.float32)[None, None, :]
         return logits
 
     def _make_head(self):

@@ -106,6 +106,14 @@ def test_unknown_override_names_itself():
     (dict(positions="rope", rope_scaling=dict(low_freq_factor=4.0, high_freq_factor=1.0)),
      r"high_freq_factor=1.0 must be above low_freq_factor=4.0"),
     (dict(norm_eps=0.0), r"norm_eps=0.0 must be > 0"),
+    (dict(positions="rope", position_offset=2),
+     r"position_offset=2 needs positions='learned', not 'rope'"),
+    (dict(positions="learned", position_offset=-1), r"position_offset=-1 must be >= 0"),
+    (dict(positions="relative", relative_buckets=1), r"relative_buckets=1 is too few"),
+    (dict(positions="relative", relative_buckets=32, relative_max_distance=16),
+     r"relative_max_distance=16 must exceed relative_buckets // 2 = 16"),
+    (dict(mlp_dropout_rate=-0.1), r"mlp_dropout_rate=-0.1 must be in \[0, 1\)"),
+    (dict(scale_attention=1), r"scale_attention=1 must be bool, not int"),
 ])
 def test_bad_configs_name_field_value_and_rule(overrides, message):
     with pytest.raises(ValueError, match=message):

@@ -74,6 +74,55 @@ def test_parity_sliding_window_qkv_bias_exact_gelu_llama3_rope(arch):
                        rope_scaling=dict(factor=8.0, original_max_len=16)))
 
 
+# The variants published encoder-decoders need (issue 15), each in both families: T5's
+# relative bias (8 buckets with exact distances below 4 or 2, so 10 tokens reach the
+# logarithmic buckets in prefill and in the steps) without the 1/sqrt(H) scale, BART's
+# offset learned positions and embedding norm, Marian's sinusoid and logits bias.
+SEQ2SEQ_VARIANTS = {
+    "t5": dict(positions="relative", relative_buckets=8, relative_max_distance=12,
+               scale_attention=False, norm="rmsnorm", use_bias=False, activation="geglu",
+               scale_head_input=True, head_dim=12),
+    "t5-untied": dict(positions="relative", relative_buckets=8, relative_max_distance=12,
+                      scale_attention=False, norm="rmsnorm", use_bias=False,
+                      activation="relu", tie_embeddings=False),
+    "bart": dict(positions="learned", position_offset=2, embedding_norm=True,
+                 norm_position="post", activation="gelu_exact", logits_bias=True,
+                 mlp_dropout_rate=0.1),
+    "marian": dict(positions="sinusoidal_paper", norm_position="post", activation="silu",
+                   logits_bias=True, scale_embeddings=True, share_embeddings=False,
+                   d_model=36),
+}
+VARIANT_CASES = [(arch, name, scan) for arch in ("decoder_only", "encoder_decoder")
+                 for name in SEQ2SEQ_VARIANTS for scan in (False, True)
+                 if scan == (name in ("t5", "marian"))]
+
+
+@pytest.mark.parametrize("arch,name,scan", VARIANT_CASES,
+                         ids=[f"{a}-{n}-{'scan' if s else 'loop'}" for a, n, s in VARIANT_CASES])
+def test_parity_of_the_checkpoint_variants(arch, name, scan):
+    _check_parity(tiny(arch, scan_layers=scan, **SEQ2SEQ_VARIANTS[name]))
+
+
+@pytest.mark.parametrize("name", ["t5", "bart"])
+def test_a_packed_row_equals_its_examples_alone(name):
+    """Two examples packed into one row (segment ids, per-segment positions) give the
+    logits each gives alone: relative and offset positions restart with each segment."""
+    f = fns(tiny("encoder_decoder", **SEQ2SEQ_VARIANTS[name]))
+    params = f.init()
+    src_a, src_b = random_tokens(5, (1, 4), 61), random_tokens(6, (1, 6), 61)
+    tgt_a, tgt_b = random_tokens(7, (1, 7), 61), random_tokens(8, (1, 5), 61)
+    seg = lambda n, m: jnp.array([[1] * n + [2] * m + [0]])              # noqa: E731
+    pos = lambda n, m: jnp.array([list(range(n)) + list(range(m)) + [0]])  # noqa: E731
+    src = jnp.concatenate([src_a, src_b, jnp.zeros((1, 1), jnp.int32)], 1)
+    tgt = jnp.concatenate([tgt_a, tgt_b, jnp.zeros((1, 1), jnp.int32)], 1)
+    packed = f.forward(params, src, tgt, src_segment_ids=seg(4, 6), tgt_segment_ids=seg(7, 5),
+                       src_positions=pos(4, 6), tgt_positions=pos(7, 5))
+    np.testing.assert_allclose(packed[0, :7], f.forward(params, src_a, tgt_a)[0], atol=ATOL,
+                               rtol=0)
+    np.testing.assert_allclose(packed[0, 7:12], f.forward(params, src_b, tgt_b)[0],
+                               atol=ATOL, rtol=0)
+
+
 def test_the_source_padding_is_masked_by_lengths_not_by_its_tokens():
     f = fns(tiny("encoder_decoder"))
     params = f.init()
