@@ -23,10 +23,11 @@ from models.masks import (
 )
 from models.presets import get_config, list_configs
 from models.pretrained import GenerationDefaults, Pretrained, load, save
+from models.encoder_only import EncoderOnly
 from models.transformer import DecoderOnly, EncoderDecoder, build
 
 __all__ = [
-    "DecoderOnly", "EncoderDecoder", "KVCache", "Llama3RopeScaling", "TransformerConfig",
+    "DecoderOnly", "EncoderDecoder", "EncoderOnly", "KVCache", "Llama3RopeScaling", "TransformerConfig",
     "apply_rope", "build", "rope_frequencies",
     "causal_mask", "combine_masks", "dot_product_attention", "get_config", "list_configs",
     "padding_mask", "positions_like", "segment_mask", "length_mask", "window_mask",

@@ -27,7 +27,7 @@ import numpy as np
 
 from models.checks import check_positive_int, is_int
 
-Architecture = Literal["decoder_only", "encoder_decoder"]
+Architecture = Literal["decoder_only", "encoder_decoder", "encoder_only"]
 PositionKind = Literal["sinusoidal", "sinusoidal_paper", "learned", "rope", "relative"]
 NormKind = Literal["layernorm", "rmsnorm"]
 NormPosition = Literal["pre", "post"]
@@ -67,10 +67,11 @@ _POSITIVE = ("vocab_size", "d_model", "num_heads", "num_kv_heads", "head_dim", "
 
 @dataclasses.dataclass(frozen=True)
 class TransformerConfig:
-    """Architecture of a decoder-only or encoder-decoder transformer.
+    """Architecture of a decoder-only, encoder-decoder or encoder-only transformer.
 
     Attributes:
-        architecture: "decoder_only" (GPT/Llama) or "encoder_decoder" (Vaswani/T5/BART).
+        architecture: "decoder_only" (GPT/Llama), "encoder_decoder" (Vaswani/T5/BART) or
+            "encoder_only" (BERT/RoBERTa).
         vocab_size: V, shared by source and target.
         d_model: D, the residual width.
         num_heads: N, query heads.
@@ -78,7 +79,7 @@ class TransformerConfig:
             grouped-query attention. None means N.
         head_dim: H; None means D // N.
         mlp_dim: F, the MLP hidden width.
-        num_layers: L of a decoder-only stack.
+        num_layers: L of a decoder-only or encoder-only stack.
         num_encoder_layers, num_decoder_layers: L of each encoder-decoder stack.
         max_len: the longest sequence (positions 0 .. max_len - 1) and the largest cache.
         positions: how a token's position enters the model.
@@ -111,6 +112,10 @@ class TransformerConfig:
         sliding_window: None, or W: a query sees only the W most recent positions, itself
             included (key position > query position - W), in the forward pass, prefill and
             every cached step alike (Mistral). The cache stays `max_len` slots.
+        num_token_types: encoder-only: rows of the token-type (segment A/B) embedding added
+            to the input; 0 for none.
+        num_labels: encoder-only: 0 gives the masked-LM head, C > 0 a classifier of C
+            labels instead (see `models.encoder_only`).
         share_embeddings: encoder-decoder only: source and target use one embedding table.
         tie_embeddings: the output projection is the transposed target embedding.
         scale_embeddings: multiply embeddings by sqrt(D) (Vaswani et al.); their initial
@@ -162,6 +167,8 @@ class TransformerConfig:
     use_bias: bool = True
     qkv_bias: bool = False
     sliding_window: int | None = None
+    num_token_types: int = 0
+    num_labels: int = 0
     share_embeddings: bool = True
     tie_embeddings: bool = True
     scale_embeddings: bool = False
@@ -221,6 +228,12 @@ class TransformerConfig:
             rate = getattr(self, name)
             if not 0.0 <= rate < 1.0:
                 raise ValueError(f"TransformerConfig.{name}={rate} must be in [0, 1)")
+        for name in ("num_token_types", "num_labels"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"TransformerConfig.{name}={getattr(self, name)} must be >= 0")
+            if getattr(self, name) and self.architecture != "encoder_only":
+                raise ValueError(f"TransformerConfig.{name}={getattr(self, name)} needs "
+                                 f"architecture='encoder_only', not {self.architecture!r}")
         if self.position_offset < 0:
             raise ValueError(
                 f"TransformerConfig.position_offset={self.position_offset} must be >= 0")

@@ -50,19 +50,29 @@ def token_embedding(config: TransformerConfig, name: str) -> nn.Embed:
 
 
 class InputEmbedding(nn.Module):
-    """Token embedding (optionally shared, optionally scaled by sqrt(D)) plus absolute
-    positions when the config uses them (rotary and relative positions act inside
-    attention), then the embedding norm if the config has one, then dropout."""
+    """Token embedding (optionally shared, optionally scaled by sqrt(D)), plus token types
+    when the config has them, plus absolute positions when the config uses them (rotary
+    and relative positions act inside attention), then the embedding norm if the config
+    has one, then dropout."""
 
     config: TransformerConfig
     tokens: nn.Embed
 
     @nn.compact
-    def __call__(self, tokens_BT, positions_BT, deterministic: bool) -> Float[Array, "B T D"]:
+    def __call__(self, tokens_BT, positions_BT, deterministic: bool,
+                 token_types_BT=None) -> Float[Array, "B T D"]:
+        """`token_types_BT` (config.num_token_types > 0 only): None means type 0."""
         cfg = self.config
         x_BTD = self.tokens(tokens_BT)
         if cfg.scale_embeddings:
             x_BTD = x_BTD * jnp.asarray(cfg.d_model ** 0.5, x_BTD.dtype)
+        if cfg.num_token_types:
+            types = nn.Embed(
+                cfg.num_token_types, cfg.d_model, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
+                embedding_init=nn.initializers.normal(0.02), name="token_types")
+            if token_types_BT is None:
+                token_types_BT = jnp.zeros_like(tokens_BT)
+            x_BTD = x_BTD + types(token_types_BT)
         if cfg.positions == "sinusoidal":
             x_BTD = x_BTD + sinusoidal_embedding(positions_BT, cfg.d_model).astype(x_BTD.dtype)
         elif cfg.positions == "sinusoidal_paper":

@@ -20,6 +20,8 @@ import functools
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Int
 
+from models.checks import check_int_array, check_new_lengths
+
 
 def causal_mask(q_pos_BT: Int[Array, "B T"], k_pos_BS: Int[Array, "B S"]) -> Bool[Array, "B T S"]:
     """A query at position p sees the keys at positions <= p.
@@ -47,6 +49,20 @@ def length_mask(lengths_B: Int[Array, " B"], width: int) -> Bool[Array, "B W"]:
     """True at the first lengths[b] positions of each row: the real tokens of a
     right-padded batch."""
     return jnp.arange(width, dtype=jnp.int32)[None, :] < lengths_B[:, None]
+
+
+def valid_from_lengths(tokens_BS: Int[Array, "B S"], lengths_B: Int[Array, " B"] | None,
+                       name: str) -> Bool[Array, "B S"]:
+    """bool[B, S]: the real tokens of right-padded rows, from their `lengths` (checked and
+    named `name` in errors); None means every token is real."""
+    if lengths_B is None:
+        return jnp.ones(tokens_BS.shape, bool)
+    check_int_array(lengths_B, name, 1, "int[B]")
+    if lengths_B.shape != tokens_BS.shape[:1]:
+        raise ValueError(f"{name} has shape {lengths_B.shape}, but the tokens have "
+                         f"{tokens_BS.shape}")
+    check_new_lengths(lengths_B, tokens_BS.shape[1], name)
+    return length_mask(lengths_B, tokens_BS.shape[1])
 
 
 def padding_mask(q_valid_BT: Bool[Array, "B T"],

@@ -23,6 +23,12 @@ _LLAMA = dict(
     activation="swiglu", use_bias=False, tie_embeddings=False, scale_embeddings=False,
     norm_eps=1e-5, rope_theta=10_000.0,
 )
+_BERT = dict(
+    architecture="encoder_only", positions="learned", norm="layernorm", norm_position="post",
+    activation="gelu_exact", use_bias=True, tie_embeddings=True, scale_embeddings=False,
+    embedding_norm=True, num_token_types=2, norm_eps=1e-12, vocab_size=30_522, max_len=512,
+    dropout_rate=0.1, attention_dropout_rate=0.1, pad_id=0, eos_id=None, bos_id=None,
+)
 
 _PRESETS: dict[str, dict] = {
     # Tiny models for tests and the CPU demo: compile in seconds.
@@ -31,6 +37,8 @@ _PRESETS: dict[str, dict] = {
         num_encoder_layers=2, num_decoder_layers=2, max_len=128, norm_position="pre"),
     "gpt-tiny": dict(
         _GPT2, vocab_size=512, d_model=64, num_heads=4, mlp_dim=256, num_layers=2, max_len=128),
+    "bert-tiny": dict(                   # Turc et al. 2019's BERT-Tiny (L=2, H=128)
+        _BERT, d_model=128, num_heads=2, mlp_dim=512, num_layers=2),
     "llama-tiny": dict(
         _LLAMA, vocab_size=512, d_model=64, num_heads=4, num_kv_heads=2, mlp_dim=192,
         num_layers=2, max_len=128),
@@ -44,6 +52,12 @@ _PRESETS: dict[str, dict] = {
     # Radford et al. 2019 (GPT-2).
     "gpt2-small": dict(_GPT2, d_model=768, num_heads=12, mlp_dim=3072, num_layers=12),
     "gpt2-medium": dict(_GPT2, d_model=1024, num_heads=16, mlp_dim=4096, num_layers=24),
+    # Devlin et al. 2019 (BERT-base, 110M) and Liu et al. 2019 (RoBERTa-base: positions
+    # from 2, after the pad id 1; one token type; LayerNorm eps 1e-5).
+    "bert-base": dict(_BERT, d_model=768, num_heads=12, mlp_dim=3072, num_layers=12),
+    "roberta-base": dict(
+        _BERT, vocab_size=50_265, d_model=768, num_heads=12, mlp_dim=3072, num_layers=12,
+        position_offset=2, num_token_types=1, norm_eps=1e-5, pad_id=1, bos_id=0, eos_id=2),
     # A small Llama-style model: RMSNorm, RoPE, SwiGLU, grouped-query attention, no biases.
     "llama-small": dict(
         _LLAMA, vocab_size=32_000, d_model=768, num_heads=12, num_kv_heads=4, mlp_dim=2048,

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import flax.linen as nn
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array, Float, Int
 
 from models.attention import CrossKVProjection
 from models.blocks import DecoderLayer, LayerInputs, LayerStack, SelfAttentionLayer
@@ -32,14 +32,15 @@ from models.checks import (
     check_tokens,
 )
 from models.config import TransformerConfig
+from models.encoder_only import EncoderOnly
 from models.layers import InputEmbedding, token_embedding
 from models.masks import (
     causal_mask,
     combine_masks,
-    length_mask,
     padding_mask,
     positions_like,
     segment_mask,
+    valid_from_lengths,
     window_mask,
 )
 
@@ -59,17 +60,6 @@ def _forward_masks(config, tokens_BT, segment_ids_BT, positions_BT):
     positions_BT = index_BT if positions_BT is None else positions_BT
     seg = None if segment_ids_BT is None else segment_mask(segment_ids_BT, segment_ids_BT)
     return positions_BT, combine_masks(_self_mask(config, index_BT, index_BT), seg)
-
-
-def _source_valid(src_BS, lengths_B) -> Bool[Array, "B S"]:
-    """bool[B, S]: the real source tokens, from their lengths (None: all of them)."""
-    if lengths_B is None:
-        return jnp.ones(src_BS.shape, bool)
-    check_int_array(lengths_B, "src_lengths", 1, "int[B]")
-    if lengths_B.shape != src_BS.shape[:1]:
-        raise ValueError(f"src_lengths has shape {lengths_B.shape}, but src has {src_BS.shape}")
-    check_new_lengths(lengths_B, src_BS.shape[1], "src_lengths")
-    return length_mask(lengths_B, src_BS.shape[1])
 
 
 class _CachedDecoder(nn.Module):
@@ -214,7 +204,7 @@ class EncoderDecoder(_CachedDecoder):
         check_same_shape(segment_ids, src, "src_segment_ids", "src")
         check_same_shape(positions, src, "src_positions", "src")
         positions = positions_like(src) if positions is None else positions
-        valid_BS = _source_valid(src, lengths)
+        valid_BS = valid_from_lengths(src, lengths, "src_lengths")
         seg = None if segment_ids is None else segment_mask(segment_ids, segment_ids)
         mask = combine_masks(padding_mask(valid_BS, valid_BS), seg)
         x_BSD = self.src_embed(src, positions, deterministic)
@@ -250,7 +240,8 @@ class EncoderDecoder(_CachedDecoder):
             deterministic=deterministic)
         cross_k, cross_v = self.cross_kv(encoded_BSD)
         seg = None if tgt_segment_ids is None else segment_mask(tgt_segment_ids, src_segment_ids)
-        cross_mask = combine_masks(_source_valid(src, src_lengths)[:, None, :], seg)
+        valid_BS = valid_from_lengths(src, src_lengths, "src_lengths")
+        cross_mask = combine_masks(valid_BS[:, None, :], seg)
         positions, self_mask = _forward_masks(cfg, tgt_in, tgt_segment_ids, tgt_positions)
         x_BTD = self.tgt_embed(tgt_in, positions, deterministic)
         inputs = LayerInputs(self_mask, positions, cross_k, cross_v, cross_mask,
@@ -272,7 +263,7 @@ class EncoderDecoder(_CachedDecoder):
         cross_k, cross_v = self.cross_kv(encoded_BSD)
         cache = KVCache.create(self.config, src.shape[0] * beams, cache_len)
         return cache.replace(cross_k=cross_k, cross_v=cross_v,
-                             cross_mask=_source_valid(src, src_lengths))
+                             cross_mask=valid_from_lengths(src, src_lengths, "src_lengths"))
 
     def _decode(self, tokens_BT, positions_BT, self_mask_BTS, cache, deterministic,
                 key_positions_BS=None):
@@ -289,7 +280,9 @@ class EncoderDecoder(_CachedDecoder):
 
 
 def build(config: TransformerConfig) -> nn.Module:
-    """The linen module for `config`: `EncoderDecoder` or `DecoderOnly`."""
+    """The linen module for `config`: `EncoderDecoder`, `DecoderOnly` or `EncoderOnly`."""
     if not isinstance(config, TransformerConfig):
         raise TypeError(f"build() takes a TransformerConfig, got {type(config).__name__}")
-    return EncoderDecoder(config) if config.is_encoder_decoder else DecoderOnly(config)
+    family = {"encoder_decoder": EncoderDecoder, "decoder_only": DecoderOnly,
+              "encoder_only": EncoderOnly}
+    return family[config.architecture](config)

@@ -35,8 +35,9 @@ def test_transformer_base_is_near_the_papers_65m():
 def test_every_preset_builds(name):
     cfg = models.get_config(name)
     assert _count(cfg) > 0
-    assert isinstance(models.build(cfg), models.EncoderDecoder if cfg.is_encoder_decoder
-                      else models.DecoderOnly)
+    family = {"encoder_decoder": models.EncoderDecoder, "decoder_only": models.DecoderOnly,
+              "encoder_only": models.EncoderOnly}
+    assert isinstance(models.build(cfg), family[cfg.architecture])
 
 
 def test_presets_have_their_architectures():

@@ -102,7 +102,9 @@ def parameter_shapes(cfg: TransformerConfig) -> dict[str, tuple[int, ...]]:
     tokens = jax.ShapeDtypeStruct((1, 1), "int32")
     args = (tokens, tokens) if cfg.is_encoder_decoder else (tokens,)
     model = build(cfg.replace(scan_layers=False))
-    tree = jax.eval_shape(model.init, jax.random.key(0), *args)["params"]
+    method = "classify" if cfg.num_labels else None           # an encoder-only classifier
+    tree = jax.eval_shape(functools.partial(model.init, method=method), jax.random.key(0),
+                          *args)["params"]
     return {"/".join(k.key for k in path): tuple(leaf.shape)
             for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
 

@@ -1,0 +1,131 @@
+"""The encoder-only family (BERT, RoBERTa): a bidirectional stack and its two heads.
+
+    logits_BTV = model.apply(v, tokens, lengths=lengths)                    # masked LM
+    logits_BC  = model.apply(v, tokens, lengths=lengths, method="classify")  # C labels
+
+The stack is the encoder-decoder's encoder: the same attention function, layers and
+`LayerStack`, bidirectional, with padding (`lengths`, or segment id 0) and packed segments
+kept apart by the mask. The embedding may add token types (BERT's sentence A/B) and an
+embedding norm. Which head the model has follows the config, as a Hugging Face class
+fixes it:
+
+    num_labels == 0   masked-LM head: dense, activation, norm, then the tied embedding
+                      plus its own bias [V]                       (BertForMaskedLM)
+    num_labels == C   pooler (dense + tanh of the first token), dropout, then a linear
+                      layer to C logits                  (BertForSequenceClassification)
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from models.blocks import LayerInputs, LayerStack, SelfAttentionLayer
+from models.checks import check_same_shape, check_tokens
+from models.config import TransformerConfig
+from models.layers import ACTIVATIONS, InputEmbedding, make_norm, token_embedding
+from models.masks import (
+    combine_masks,
+    padding_mask,
+    positions_like,
+    segment_mask,
+    valid_from_lengths,
+)
+
+
+def _dense(cfg: TransformerConfig, features: int, name: str) -> nn.Dense:
+    return nn.Dense(features, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
+                    kernel_init=nn.initializers.xavier_uniform(), name=name)
+
+
+class MaskedLMHead(nn.Module):
+    """h -> norm(act(h W + b)) E^T + bias: next to nothing but a transform before the tied
+    embedding `E` and a per-token bias."""
+
+    config: TransformerConfig
+    tokens: nn.Embed
+
+    @nn.compact
+    def __call__(self, x_BTD: Float[Array, "B T D"]) -> Float[Array, "B T V"]:
+        cfg = self.config
+        h_BTD = ACTIVATIONS[cfg.activation](_dense(cfg, cfg.d_model, "transform")(x_BTD))
+        h_BTD = make_norm(cfg, "norm")(h_BTD)
+        bias_V = self.param("bias", nn.initializers.zeros, (cfg.vocab_size,), cfg.param_dtype)
+        logits_BTV = self.tokens.attend(h_BTD).astype(jnp.float32)
+        return logits_BTV + bias_V.astype(jnp.float32)[None, None, :]
+
+
+class ClassificationHead(nn.Module):
+    """The first token's state -> tanh(dense) (the "pooler") -> dropout -> C logits."""
+
+    config: TransformerConfig
+
+    @nn.compact
+    def __call__(self, x_BTD: Float[Array, "B T D"], deterministic: bool) -> Float[Array, "B C"]:
+        cfg = self.config
+        pooled_BD = jnp.tanh(_dense(cfg, cfg.d_model, "pooler")(x_BTD[:, 0]))
+        pooled_BD = nn.Dropout(cfg.dropout_rate)(pooled_BD, deterministic=deterministic)
+        return _dense(cfg, cfg.num_labels, "classifier")(pooled_BD).astype(jnp.float32)
+
+
+class EncoderOnly(nn.Module):
+    """A BERT/RoBERTa-style bidirectional encoder with a masked-LM or a classification head
+    (see the module docstring). Padding is given by `lengths` (right-padded rows) or
+    segment ids (packed rows, 0 = padding), never by comparing tokens with a pad id."""
+
+    config: TransformerConfig
+
+    def setup(self):
+        cfg = self.config
+        self.tokens = token_embedding(cfg, "tokens")
+        self.embed = InputEmbedding(cfg, self.tokens)
+        self.encoder = LayerStack(cfg, SelfAttentionLayer, cfg.num_layers, causal=False)
+        if cfg.num_labels:
+            self.classifier = ClassificationHead(cfg)
+        else:
+            self.mlm_head = MaskedLMHead(cfg, self.tokens)
+
+    def encode(
+        self,
+        tokens: Int[Array, "B T"],
+        *,
+        lengths: Int[Array, " B"] | None = None,
+        segment_ids: Int[Array, "B T"] | None = None,
+        positions: Int[Array, "B T"] | None = None,
+        token_types: Int[Array, "B T"] | None = None,
+        deterministic: bool = True,
+    ) -> Float[Array, "B T D"]:
+        """The last hidden states. Padding (past `lengths`, or segment id 0) neither sees
+        nor is seen; packed segments (with per-segment `positions`) see only themselves."""
+        cfg = self.config
+        check_tokens(cfg, tokens, "tokens")
+        check_same_shape(segment_ids, tokens, "segment_ids", "tokens")
+        check_same_shape(positions, tokens, "positions", "tokens")
+        check_same_shape(token_types, tokens, "token_types", "tokens")
+        if token_types is not None and not cfg.num_token_types:
+            raise ValueError("token_types given, but the config has num_token_types=0")
+        positions = positions_like(tokens) if positions is None else positions
+        valid_BT = valid_from_lengths(tokens, lengths, "lengths")
+        seg = None if segment_ids is None else segment_mask(segment_ids, segment_ids)
+        mask = combine_masks(padding_mask(valid_BT, valid_BT), seg)
+        x_BTD = self.embed(tokens, positions, deterministic, token_types)
+        x_BTD, _ = self.encoder(x_BTD, LayerInputs(mask, positions, deterministic=deterministic))
+        return x_BTD
+
+    def __call__(self, tokens: Int[Array, "B T"], **kwargs) -> Float[Array, "B T V"]:
+        """Masked-LM logits of every position (float32); keywords as `encode`."""
+        if self.config.num_labels:
+            raise ValueError(f"this model classifies (num_labels={self.config.num_labels}); "
+                             "its logits come from method='classify'")
+        return self.mlm_head(self.encode(tokens, **kwargs))
+
+    def classify(self, tokens: Int[Array, "B T"], *, deterministic: bool = True,
+                 **kwargs) -> Float[Array, "B C"]:
+        """Class logits (float32) from each row's first token; keywords as `encode`. One
+        example per row: the first token is the [CLS] (<s>) token the tokenizer adds."""
+        if not self.config.num_labels:
+            raise ValueError("this model has a masked-LM head (num_labels=0); give the config "
+                             "num_labels > 0 for a classifier")
+        x_BTD = self.encode(tokens, deterministic=deterministic, **kwargs)
+        return self.classifier(x_BTD, deterministic)
