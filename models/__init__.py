@@ -12,6 +12,7 @@
 from models.attention import apply_rope, dot_product_attention, rope_frequencies
 from models.cache import KVCache
 from models.config import Llama3RopeScaling, TransformerConfig
+from models.encoder_only import EncoderOnly
 from models.masks import (
     causal_mask,
     combine_masks,
@@ -23,11 +24,11 @@ from models.masks import (
 )
 from models.presets import get_config, list_configs
 from models.pretrained import GenerationDefaults, Pretrained, load, save
-from models.encoder_only import EncoderOnly
 from models.transformer import DecoderOnly, EncoderDecoder, build
 
 __all__ = [
-    "DecoderOnly", "EncoderDecoder", "EncoderOnly", "KVCache", "Llama3RopeScaling", "TransformerConfig",
+    "DecoderOnly", "EncoderDecoder", "EncoderOnly", "KVCache", "Llama3RopeScaling",
+    "TransformerConfig",
     "apply_rope", "build", "rope_frequencies",
     "causal_mask", "combine_masks", "dot_product_attention", "get_config", "list_configs",
     "padding_mask", "positions_like", "segment_mask", "length_mask", "window_mask",
