@@ -12,25 +12,36 @@ lowered computation (`.compile()`, `.cost_analysis()`, `.as_text()`).
 
 Modules: `generate` and `beam` (the public calls), `sampling` and `checks` (their
 arguments), `loop` (the sampling loop, model-free), `beam_steps` (beam search's steps),
-`processors` (logits processors), `model_fns` (the model as the loops see it).
+`processors` (logits processors, the token constraints among them), `ngrams` (the history
+that bans repeated n-grams), `model_fns` (the model as the loops see it).
+
+A model directory's generation_config.json gives defaults for these calls:
+`pre = models.load(path)`, then `decode.beam_search(..., **pre.generation.beam_options(
+pre.config))` (see `models.pretrained.generation`).
 """
 
 from decode.beam import BeamOutput, beam_search, beam_search_arguments
-from decode.beam_steps import gnmt_penalty
+from decode.beam_steps import gnmt_penalty, hf_penalty, length_penalty
 from decode.generate import DecodeOutput, bucket_width, generate, generate_arguments, pad_prompts
 from decode.loop import LoopState, decode_loop
 from decode.processors import (
+    Constraints,
     Strategy,
     apply_repetition_penalty,
     apply_temperature,
+    ban_end_before,
+    ban_tokens,
+    constrain_logits,
+    force_token,
     min_p_filter,
     top_k_filter,
     top_p_filter,
 )
 
 __all__ = [
-    "BeamOutput", "beam_search", "beam_search_arguments", "gnmt_penalty", "DecodeOutput",
-    "LoopState", "Strategy", "apply_repetition_penalty", "apply_temperature", "bucket_width",
-    "decode_loop", "generate", "generate_arguments", "min_p_filter", "pad_prompts",
-    "top_k_filter", "top_p_filter",
+    "BeamOutput", "beam_search", "beam_search_arguments", "gnmt_penalty", "hf_penalty",
+    "length_penalty", "DecodeOutput", "LoopState", "Constraints", "Strategy",
+    "apply_repetition_penalty", "apply_temperature", "ban_end_before", "ban_tokens",
+    "bucket_width", "constrain_logits", "decode_loop", "force_token", "generate",
+    "generate_arguments", "min_p_filter", "pad_prompts", "top_k_filter", "top_p_filter",
 ]

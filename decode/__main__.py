@@ -6,12 +6,20 @@ inside an output is written as \\n.
 
 --model reads a model directory (a Hugging Face one, or a training run's export): text in,
 text out with its tokenizer, which adds its own special tokens (GPT-2 none, Llama a leading
-BOS, a run's encoder-decoder export a trailing EOS); the end tokens default to the
-directory's generation_config.json. A directory without tokenizer files, and --config (a
-preset with random weights, seeded by --seed), take and print space-separated token ids.
---workdir RUN is --model RUN/model.
+BOS, a run's encoder-decoder export a trailing EOS). A directory without tokenizer files,
+and --config (a preset with random weights, seeded by --seed), take and print
+space-separated token ids. --workdir RUN is --model RUN/model.
+
+The directory's generation_config.json fills in what the command line does not give: the
+end tokens, the strategy (beam search when num_beams > 1), the beam size, the length
+penalty (with transformers' normalisation, --length-normalization hf, when the file sets
+num_beams or length_penalty), the number of new tokens (max_new_tokens, or max_length
+less the decoder's prompt), the forced first and last tokens, the banned ids, the minimum
+length and no_repeat_ngram_size. Flags win. Settings the file has that would change
+transformers' output and that are not applied here are named in one warning on stderr.
 
     python -m decode --model runs/default/model "the dog sees a cat ."
+    python -m decode --model path/to/opus-mt-en-de "An English sentence."   # beam 4 (file)
     echo "5 6 7" | python -m decode --config transformer-tiny --strategy beam --beam-size 4
 
 Exit status: 0 when every input was decoded; 2 for a bad argument or input (one `error:`
@@ -30,10 +38,15 @@ import numpy as np
 
 import decode
 import models
+from models.pretrained.generation import GenerationDefaults
 
 
 class UsageError(ValueError):
     """A mistake in the command line or its input, reported as one `error:` line."""
+
+
+DEFAULT_NEW_TOKENS = 32        # when neither the command line nor the directory gives one
+DEFAULT_BEAM_SIZE = 4
 
 
 def _positive_int(text: str) -> int:
@@ -41,6 +54,21 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} must be >= 1")
     return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 0")
+    return value
+
+
+NONE = "none"
+
+
+def _id_or_none(text: str):
+    """A token id, or "none" (-1 internally: turn a directory's default off)."""
+    return -1 if text == NONE else int(text)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,17 +82,40 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--config",
                         help=f"a preset with random weights: {', '.join(models.list_configs())}")
     p.add_argument("--seed", type=int, default=0, help="weights and sampling seed")
-    p.add_argument("--strategy", choices=("greedy", "sample", "beam"), default="greedy")
-    p.add_argument("--max-new-tokens", type=_positive_int, default=32)
+    p.add_argument("--strategy", choices=("greedy", "sample", "beam"), default=None,
+                   help="default: beam when the directory's num_beams > 1, else greedy")
+    p.add_argument("--max-new-tokens", type=_positive_int, default=None,
+                   help=f"default: the directory's max_new_tokens or max_length, else "
+                        f"{DEFAULT_NEW_TOKENS}")
     p.add_argument("--temperature", type=float, default=1.0, help="sample only")
     p.add_argument("--top-k", type=int, default=0, help="sample only; 0 is off")
     p.add_argument("--top-p", type=float, default=1.0, help="sample only; 1 is off")
     p.add_argument("--min-p", type=float, default=0.0, help="sample only; 0 is off")
-    p.add_argument("--repetition-penalty", type=float, default=1.0, help="1 is off")
-    p.add_argument("--beam-size", type=_positive_int, default=4, help="beam only")
-    p.add_argument("--length-penalty", type=float, default=0.6, help="beam only (GNMT alpha)")
+    p.add_argument("--repetition-penalty", type=float, default=None,
+                   help="greedy and sample; 1 is off (default: the directory's, else 1)")
+    p.add_argument("--beam-size", type=_positive_int, default=None,
+                   help=f"beam only (default: the directory's num_beams, else "
+                        f"{DEFAULT_BEAM_SIZE})")
+    p.add_argument("--length-penalty", type=float, default=None,
+                   help="beam only: alpha (default: the directory's length_penalty, else "
+                        "1.0 with hf normalisation, 0.6 with gnmt)")
+    p.add_argument("--length-normalization", choices=("gnmt", "hf"), default=None,
+                   help="beam only: gnmt, log-prob / ((5 + len) / 6) ** alpha; hf, log-prob "
+                        "/ len ** alpha (default: hf when the directory sets num_beams or "
+                        "length_penalty, else gnmt)")
     p.add_argument("--eos-id", type=int, nargs="*", default=None,
                    help="end token id(s); default the model's; give none to never stop")
+    p.add_argument("--forced-bos-id", type=_id_or_none, default=None, metavar="ID|none",
+                   help="the first new token (default: the directory's forced_bos_token_id)")
+    p.add_argument("--forced-eos-id", type=_id_or_none, default=None, metavar="ID|none",
+                   help="the last new token (default: the directory's forced_eos_token_id)")
+    p.add_argument("--banned-ids", type=int, nargs="*", default=None,
+                   help="ids never generated (default: the directory's bad_words_ids); "
+                        "give none to ban nothing")
+    p.add_argument("--min-new-tokens", type=_non_negative_int, default=None,
+                   help="no end token before this many (default: the directory's minimum)")
+    p.add_argument("--no-repeat-ngram-size", type=_non_negative_int, default=None,
+                   help="no n-gram of this size twice; 0 is off (default: the directory's)")
     p.add_argument("--batch-size", type=_positive_int, default=16,
                    help="inputs decoded together")
     p.add_argument("--truncate", action="store_true",
@@ -84,7 +135,7 @@ def _note(message: str) -> None:
 
 
 def _load(args):
-    """(model, params, tokenizer or None, default end ids) of the chosen source."""
+    """(model, params, tokenizer or None, the decoding defaults) of the chosen source."""
     if args.config:
         try:
             cfg = models.get_config(args.config)
@@ -94,7 +145,8 @@ def _load(args):
         dummy = jnp.full((1, 4), 3, jnp.int32)
         params = jax.jit(model.init)(jax.random.key(args.seed),
                                      *((dummy, dummy) if cfg.is_encoder_decoder else (dummy,)))
-        return model, params["params"], None, cfg.eos_id
+        eos = None if cfg.eos_id is None else (cfg.eos_id,)
+        return model, params["params"], None, GenerationDefaults(eos_ids=eos)
     path = args.model or f"{args.workdir.rstrip('/')}/model"
     try:
         pre = models.load(path)
@@ -104,7 +156,77 @@ def _load(args):
         raise UsageError(f"{e}{hint}") from None
     _note(f"# {path}: {pre.model_type}, {pre.config.architecture}"
           + ("" if pre.tokenizer else "; no tokenizer: token ids in and out"))
-    return pre.model, pre.params, pre.tokenizer, pre.generation.eos_ids
+    return pre.model, pre.params, pre.tokenizer, pre.generation
+
+
+def _strategy(args, gen: GenerationDefaults) -> str:
+    if args.strategy is not None:
+        return args.strategy
+    return "beam" if gen.num_beams is not None and gen.num_beams > 1 else "greedy"
+
+
+def _new_tokens(args, gen: GenerationDefaults, cfg) -> int | None:
+    """The number of new tokens, or None when it depends on each batch's prompt (a
+    decoder-only model's max_length counts the prompt)."""
+    if args.max_new_tokens is not None:
+        return args.max_new_tokens
+    if gen.max_new_tokens is not None:
+        return gen.max_new_tokens
+    if gen.max_length is not None:
+        if cfg.is_encoder_decoder:
+            if gen.max_length < 2:
+                raise UsageError(f"the directory's max_length={gen.max_length} leaves no new "
+                                 "token after the start token; pass --max-new-tokens")
+            return gen.max_length - 1
+        return None
+    return DEFAULT_NEW_TOKENS
+
+
+def decoding_options(args, gen: GenerationDefaults, cfg, strategy: str,
+                     prompt_len: int) -> dict:
+    """The keyword arguments of `decode.generate` / `decode.beam_search` for one batch whose
+    longest input has `prompt_len` tokens: the directory's defaults, then the flags given.
+
+        file {num_beams: 4, length_penalty: 2.0, max_length: 20}, flags --beam-size 2, an
+        encoder-decoder -> beam_size 2, length_penalty 2.0, length_normalization "hf",
+        max_new_tokens 19 (max_length counts the start token)
+    """
+    beam = strategy == "beam"
+    options = (gen.beam_options if beam else gen.generate_options)(cfg, prompt_len)
+    n = _new_tokens(args, gen, cfg)
+    options["max_new_tokens"] = options["max_new_tokens"] if n is None else n
+    if args.eos_id is not None:
+        options["eos_id"] = tuple(args.eos_id) or None
+    for flag, key in (("forced_bos_id", "forced_bos_id"), ("forced_eos_id", "forced_eos_id")):
+        value = getattr(args, flag)
+        if value is not None:
+            options[key] = None if value < 0 else value
+    if args.banned_ids is not None:
+        options["banned_ids"] = tuple(args.banned_ids)
+    if args.min_new_tokens is not None:
+        options["min_new_tokens"] = args.min_new_tokens
+    if args.no_repeat_ngram_size is not None:
+        options["no_repeat_ngram_size"] = args.no_repeat_ngram_size
+    if beam:
+        from_file = gen.num_beams is not None or gen.length_penalty is not None
+        norm = args.length_normalization or ("hf" if from_file else "gnmt")
+        if args.length_penalty is not None:
+            alpha = args.length_penalty
+        elif norm == "hf":
+            alpha = 1.0 if gen.length_penalty is None else gen.length_penalty
+        else:
+            alpha = 0.6
+        size = args.beam_size or (gen.num_beams if gen.num_beams and gen.num_beams > 1
+                                  else DEFAULT_BEAM_SIZE)
+        options.update(beam_size=size, length_penalty=alpha, length_normalization=norm)
+        return options
+    sample = strategy == "sample"
+    options.update(temperature=args.temperature if sample else 0.0,
+                   top_k=args.top_k if sample else 0, top_p=args.top_p if sample else 1.0,
+                   min_p=args.min_p if sample else 0.0)
+    if args.repetition_penalty is not None:
+        options["repetition_penalty"] = args.repetition_penalty
+    return options
 
 
 def _encode(line: str, number: int, tok, cfg) -> list[int]:
@@ -122,24 +244,29 @@ def _encode(line: str, number: int, tok, cfg) -> list[int]:
     return ids
 
 
-def _limit(cfg, max_new_tokens: int) -> int:
-    """The longest input the model takes with `max_new_tokens` more."""
+def _limit(cfg, max_new_tokens: int | None, max_length: int | None = None) -> tuple[int, str]:
+    """The longest input the model takes with `max_new_tokens` more (None: a decoder-only
+    model's `max_length` counts the input and leaves at least one new token), and the rule
+    that sets it, for error messages."""
     if cfg.is_encoder_decoder:
         if 1 + max_new_tokens > cfg.max_len:
-            raise UsageError(f"--max-new-tokens {max_new_tokens} + the start token exceeds the "
+            raise UsageError(f"max new tokens {max_new_tokens} + the start token exceeds the "
                              f"model's max_len {cfg.max_len}")
-        return cfg.max_len
+        return cfg.max_len, "max_len"
+    if max_new_tokens is None:
+        if max_length > cfg.max_len:
+            raise UsageError(f"the directory's max_length={max_length} exceeds the model's "
+                             f"max_len {cfg.max_len}; pass --max-new-tokens")
+        return max_length - 1, "the directory's max_length - 1"
     if max_new_tokens >= cfg.max_len:
-        raise UsageError(f"--max-new-tokens {max_new_tokens} leaves no room for a prompt in "
+        raise UsageError(f"max new tokens {max_new_tokens} leaves no room for a prompt in "
                          f"the model's max_len {cfg.max_len}")
-    return cfg.max_len - max_new_tokens
+    return cfg.max_len - max_new_tokens, "max_len - max_new_tokens"
 
 
-def _inputs(lines: list[str], tok, cfg, args) -> list[list[int] | None]:
+def _inputs(lines: list[str], tok, cfg, args, limit: int, rule: str) -> list[list[int] | None]:
     """Token ids of every line (None for a blank one), each checked against the model's
     length limit before anything is decoded."""
-    limit = _limit(cfg, args.max_new_tokens)
-    rule = "max_len" if cfg.is_encoder_decoder else "max_len - max_new_tokens"
     out = []
     for number, line in enumerate(lines, start=1):
         if not line.strip():
@@ -159,43 +286,51 @@ def _inputs(lines: list[str], tok, cfg, args) -> list[list[int] | None]:
     return out
 
 
-def _decode_batch(model, params, batch: list[list[int]], limit: int, args, eos, key):
+def _decode_batch(model, params, batch: list[list[int]], limit: int, options_for, key):
     """The new tokens of each input of `batch`, as lists."""
     width = min(decode.bucket_width(max(len(ids) for ids in batch)), limit)
     prompts, lengths = decode.pad_prompts(batch, width=width)
-    if args.strategy == "beam":
-        out = decode.beam_search(model, params, prompts, lengths, beam_size=args.beam_size,
-                                 max_new_tokens=args.max_new_tokens,
-                                 length_penalty=args.length_penalty, eos_id=eos)
+    strategy, options = options_for(max(len(ids) for ids in batch))
+    if strategy == "beam":
+        out = decode.beam_search(model, params, prompts, lengths, **options)
         tokens, n = np.asarray(out.tokens[:, 0]), np.asarray(out.lengths[:, 0])
     else:
-        sample = args.strategy == "sample"
-        out = decode.generate(
-            model, params, prompts, lengths, max_new_tokens=args.max_new_tokens, rng=key,
-            eos_id=eos, temperature=args.temperature if sample else 0.0,
-            top_k=args.top_k if sample else 0, top_p=args.top_p if sample else 1.0,
-            min_p=args.min_p if sample else 0.0, repetition_penalty=args.repetition_penalty)
+        out = decode.generate(model, params, prompts, lengths, rng=key, **options)
         tokens, n = np.asarray(out.tokens), np.asarray(out.lengths)
     return [row[:length].tolist() for row, length in zip(tokens, n, strict=True)]
 
 
 def run(args) -> None:
     lines = args.text or sys.stdin.read().splitlines()
-    model, params, tok, default_eos = _load(args)
+    model, params, tok, gen = _load(args)
     cfg = model.config
-    if args.strategy == "beam" and args.beam_size > cfg.vocab_size:
-        raise UsageError(f"--beam-size {args.beam_size} exceeds the vocabulary "
-                         f"({cfg.vocab_size} tokens)")
-    eos = default_eos if args.eos_id is None else (tuple(args.eos_id) or None)
-    inputs = _inputs(lines, tok, cfg, args)
-    limit = _limit(cfg, args.max_new_tokens)
+    strategy = _strategy(args, gen)
+    if strategy == "beam" and args.repetition_penalty is not None:
+        raise UsageError("--repetition-penalty applies to greedy decoding and sampling; beam "
+                         "search has none")
+    unapplied = gen.unapplied(beam=strategy == "beam")
+    if unapplied:
+        _note(f"warning: generation settings not applied: {', '.join(unapplied)}")
+    limit, rule = _limit(cfg, _new_tokens(args, gen, cfg), gen.max_length)
+    inputs = _inputs(lines, tok, cfg, args, limit, rule)
+
+    def options_for(prompt_len: int):
+        options = decoding_options(args, gen, cfg, strategy, prompt_len)
+        if strategy == "beam" and options["beam_size"] > cfg.vocab_size:
+            given = "--beam-size" if args.beam_size else "the directory's num_beams"
+            raise UsageError(f"{given} {options['beam_size']} exceeds the vocabulary "
+                             f"({cfg.vocab_size} tokens)")
+        return strategy, options
+
     todo = [i for i, ids in enumerate(inputs) if ids is not None]
+    if todo:              # the options' mistakes before anything is decoded
+        options_for(max(len(inputs[i]) for i in todo))
     outputs: dict[int, list[int]] = {}
     key = jax.random.key(args.seed)
     try:
         for start in range(0, len(todo), args.batch_size):
             rows = todo[start:start + args.batch_size]
-            new = _decode_batch(model, params, [inputs[i] for i in rows], limit, args, eos,
+            new = _decode_batch(model, params, [inputs[i] for i in rows], limit, options_for,
                                 jax.random.fold_in(key, start))
             outputs.update(zip(rows, new, strict=True))
     except ValueError as e:          # decode names the argument and the limit

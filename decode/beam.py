@@ -1,18 +1,24 @@
-"""`beam_search`: the W best continuations with a GNMT length penalty, one jitted `lax.scan`.
+"""`beam_search`: the W best continuations with a length penalty, one jitted `lax.scan`.
 
     beams = decode.beam_search(model, params, prompts, lengths, beam_size=4,
                                max_new_tokens=64, length_penalty=0.6, eos_id=1)
 
 Each iteration expands the W alive beams of every source by the whole vocabulary, keeps
-the 2W best continuations, moves those among the W best that end in an end token into the
-finished pool (scored by log-prob / ((5 + length) / 6) ** alpha, Wu et al. 2016) and keeps
-the W best others alive; `decode.beam_steps` names each step and works through an example.
-Only the self-attention cache is reordered (gathered by parent beam); the encoder's
-cross-attention keys/values stay one row per source, shared by its beams.
+the 2W best continuations (more with several end ids), moves those among the W best that
+end in an end token into the finished pool (scored by log-prob / ((5 + length) / 6) **
+alpha, Wu et al. 2016, or with `length_normalization="hf"` log-prob / length ** alpha, as
+transformers does) and keeps the W best that add no end token alive; `decode.beam_steps`
+names each step and works through an example. The token constraints (forced, banned and
+end ids before a minimum length, repeated n-grams) apply to each step's log-probs before
+the candidates are chosen, as in transformers' beam search. Only the self-attention cache
+is reordered (gathered by parent beam); the encoder's cross-attention keys/values stay one
+row per source, shared by its beams.
 
-A source stops early once its W-th best finished score beats anything an alive beam can
-still reach; once all have stopped, the remaining iterations call no model. At the end the
-alive beams join the finished pool, so a source whose beams never ended still returns W.
+A source stops once its W-th best finished score beats anything an alive beam can still
+reach (an exact bound, `beam_steps.cannot_improve`; transformers' `early_stopping=True`
+stops as soon as W beams have finished, so the best beam here scores at least as high as
+transformers'); once all have stopped, the remaining iterations call no model. At the end the alive
+beams join the finished pool, so a source whose beams never ended still returns W.
 
 Like `generate`, a call is `_beam_search(*args, **static)` with
 `args, static = decode.beam_search_arguments(...)`, and `beam_search.lower(...)` returns
@@ -30,9 +36,10 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from decode import checks
-from decode.beam_steps import beam_init, beam_loop, finalize
-from decode.model_fns import model_step_fn, output_pad_id, start_decoding
+from decode import checks, ngrams
+from decode.beam_steps import NORMALIZATIONS, beam_init, beam_loop, finalize
+from decode.model_fns import decoder_prefix, model_step_fn, output_pad_id, start_decoding
+from decode.processors import Constraints
 from models.checks import check_positive_int
 
 
@@ -43,7 +50,8 @@ class BeamOutput:
     Attributes:
         tokens: int32[B, W, N] new tokens of each beam, best first; after the end, the
             config's pad_id (0 when it has none).
-        scores: float32[B, W] length-penalised log-probabilities, best first.
+        scores: float32[B, W] length-penalised log-probabilities, best first (sums of the
+            log-probs after the constraints: a forced token adds 0).
         lengths: int32[B, W] new tokens of each beam, the end token included.
     """
 
@@ -53,15 +61,24 @@ class BeamOutput:
 
 
 @functools.partial(jax.jit, static_argnames=("model", "beam_size", "max_new_tokens", "cache_len",
-                                             "eos_ids"))
-def _beam_search(model, params, prompts_BP, lengths_B, alpha, *, beam_size, max_new_tokens,
-                 cache_len, eos_ids) -> BeamOutput:
+                                             "eos_ids", "normalization", "no_repeat"))
+def _beam_search(model, params, prompts_BP, lengths_B, alpha, constraints: Constraints,
+                 renormalize, *, beam_size, max_new_tokens, cache_len, eos_ids, normalization,
+                 no_repeat) -> BeamOutput:
     """The jitted computation; `beam_search_arguments` gives its (args, static)."""
-    logits_RV, cache = start_decoding(model, params, prompts_BP, lengths_B, cache_len,
-                                      beams=beam_size)
-    state = beam_init(logits_RV, cache, beam_size, max_new_tokens)
-    state = beam_loop(model_step_fn(model, params), state, alpha=alpha, eos_ids=eos_ids)
-    return BeamOutput(*finalize(state, alpha, output_pad_id(model.config)))
+    W = beam_size
+    logits_RV, cache = start_decoding(model, params, prompts_BP, lengths_B, cache_len, beams=W)
+    history = None
+    if no_repeat:   # row b * W + w is beam w of source b
+        prefix_BP, prefix_lengths_B = decoder_prefix(model.config, prompts_BP, lengths_B)
+        history = ngrams.start(jnp.repeat(prefix_BP, W, axis=0),
+                               jnp.repeat(prefix_lengths_B, W), prefix_BP.shape[1] + max_new_tokens)
+    constraints = constraints.replace(min_new_tokens=jnp.repeat(constraints.min_new_tokens, W))
+    state = beam_init(logits_RV, cache, W, max_new_tokens, history)
+    state = beam_loop(model_step_fn(model, params), state, alpha=alpha, eos_ids=eos_ids,
+                      normalization=normalization, constraints=constraints,
+                      renormalize=renormalize)
+    return BeamOutput(*finalize(state, alpha, output_pad_id(model.config), normalization))
 
 
 def beam_search_arguments(
@@ -73,7 +90,14 @@ def beam_search_arguments(
     beam_size: int = 4,
     max_new_tokens: int,
     length_penalty=0.6,
+    length_normalization: str = "gnmt",
     eos_id: int | tuple[int, ...] | str | None = "config",
+    forced_bos_id=None,
+    forced_eos_id=None,
+    banned_ids=(),
+    min_new_tokens=0,
+    no_repeat_ngram_size=0,
+    renormalize_logits=False,
     cache_len: int | None = None,
 ) -> tuple[tuple, dict]:
     """A `beam_search` call's arguments, checked, as its jitted computation takes them.
@@ -85,29 +109,57 @@ def beam_search_arguments(
         model, params, prompts, lengths, max_new_tokens, eos_id, cache_len: as in
             `decode.generate_arguments`.
         beam_size: W >= 1 (static); W = 1 with length_penalty 0 is greedy decoding.
-        length_penalty: GNMT alpha >= 0 (0: plain sums of log-probs), a scalar; traced, so
-            changing it never recompiles.
+        length_penalty: alpha, a scalar; traced, so changing it never recompiles. "gnmt"
+            takes alpha >= 0 (0: plain sums of log-probs), "hf" any alpha (> 0 favours
+            longer sequences, < 0 shorter ones).
+        length_normalization: "gnmt" (default): score = log-prob / ((5 + length) / 6) **
+            alpha; "hf": score = log-prob / length ** alpha, transformers' beam search.
+            Length counts the new tokens, the end token included (static).
+        forced_bos_id, forced_eos_id, banned_ids, min_new_tokens, no_repeat_ngram_size: the
+            token constraints, as in `decode.generate_arguments` (traced), applied to each
+            step's log-probs before the candidates are chosen.
+        renormalize_logits: a log_softmax again after the constraints, transformers'
+            renormalize_logits (a traced bool; False by default). It changes the scores only
+            where a constraint removed probability mass.
 
     Returns:
         (args, static): `(model, params, prompts int32[B, P], lengths int32[B], alpha
-        float32[])` and the static keywords `beam_size`, `max_new_tokens`, `cache_len`,
-        `eos_ids`.
+        float32[], Constraints, renormalize bool[])` and the static keywords `beam_size`,
+        `max_new_tokens`, `cache_len`, `eos_ids`, `normalization`, `no_repeat`.
 
     Raises:
         ValueError: naming the argument, its value and the limit it breaks (values only
             when concrete).
     """
-    common = checks.check_common(model.config, prompts, lengths, max_new_tokens=max_new_tokens,
+    cfg = model.config
+    common = checks.check_common(cfg, prompts, lengths, max_new_tokens=max_new_tokens,
                                  cache_len=cache_len, eos_id=eos_id)
     beam_size = check_positive_int(beam_size, "beam_size")
+    if length_normalization not in NORMALIZATIONS:
+        raise ValueError(f"length_normalization={length_normalization!r} must be one of "
+                         f"{NORMALIZATIONS}")
+    if common.eos_ids is not None and len(set(common.eos_ids)) >= cfg.vocab_size:
+        raise ValueError(f"eos_id {common.eos_ids} names every token of the vocabulary "
+                         f"(vocab_size={cfg.vocab_size}): beam search needs one that is not an end")
     alpha = checks.as_array(length_penalty)
     if alpha.shape != () or not jnp.issubdtype(alpha.dtype, jnp.number):
         raise ValueError(f"length_penalty must be a number, got {length_penalty!r}")
     alpha = alpha.astype(np.float32)
-    checks.check_in_range(alpha, "length_penalty", 0.0, np.inf, hi_open=True)
-    return ((model, params, common.prompts, common.lengths, alpha),
+    if length_normalization == "gnmt":
+        checks.check_in_range(alpha, "length_penalty", 0.0, np.inf, hi_open=True)
+    else:
+        checks.check_in_range(alpha, "length_penalty", -np.inf, np.inf, True, True)
+    renormalize = checks.as_array(renormalize_logits)
+    if renormalize.shape != () or renormalize.dtype != bool:
+        raise ValueError(f"renormalize_logits must be a bool, got {renormalize_logits!r}")
+    constraints, no_repeat = checks.check_constraints(
+        cfg, common.prompts.shape[0], common.eos_ids, forced_bos_id=forced_bos_id,
+        forced_eos_id=forced_eos_id, banned_ids=banned_ids, min_new_tokens=min_new_tokens,
+        no_repeat_ngram_size=no_repeat_ngram_size)
+    return ((model, params, common.prompts, common.lengths, alpha, constraints, renormalize),
             dict(beam_size=beam_size, max_new_tokens=common.max_new_tokens,
-                 cache_len=common.cache_len, eos_ids=common.eos_ids))
+                 cache_len=common.cache_len, eos_ids=common.eos_ids,
+                 normalization=length_normalization, no_repeat=no_repeat))
 
 
 def beam_search(model: nn.Module, params, prompts, lengths, **options) -> BeamOutput:
@@ -119,9 +171,12 @@ def beam_search(model: nn.Module, params, prompts, lengths, **options) -> BeamOu
 
     Args:
         model, params, prompts, lengths: as in `decode.generate`.
-        **options: `max_new_tokens` (required), `beam_size`, `length_penalty`, `eos_id`,
-            `cache_len`, each documented in `decode.beam_search_arguments`, which checks
-            them.
+        **options: `max_new_tokens` (required), `beam_size`, `length_penalty`,
+            `length_normalization`, `eos_id`, `forced_bos_id`, `forced_eos_id`, `banned_ids`,
+            `min_new_tokens`, `no_repeat_ngram_size`, `renormalize_logits`, `cache_len`, each
+            documented in `decode.beam_search_arguments`, which checks them. A model
+            directory's defaults for them: `models.load(path).generation
+            .beam_options(config)`.
 
     Returns:
         A `BeamOutput`.

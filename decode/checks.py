@@ -8,7 +8,9 @@ unchecked, as `models.checks` does for the models' entry points. Static argument
 (`max_new_tokens`, `cache_len`, `eos_id`, `beam_size`) must always be concrete. Every error
 is a ValueError that names the argument, the value and the limit.
 
-`check_common` checks the arguments `generate` and `beam_search` share, once for both.
+`check_common` checks the arguments `generate` and `beam_search` share, once for both;
+`check_constraints` their token constraints (forced, banned and end ids before a minimum
+length, no repeated n-grams), which become one traced `decode.processors.Constraints`.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
+from decode.processors import Constraints
 from models import TransformerConfig
 from models.checks import check_positive_int, is_concrete, is_int
 
@@ -51,6 +54,9 @@ class CommonArgs:
 def check_common(config: TransformerConfig, prompts, lengths, *, max_new_tokens, cache_len,
                  eos_id) -> CommonArgs:
     """Checks the prompts, their lengths, `max_new_tokens`, `cache_len` and `eos_id`."""
+    if config.architecture == "encoder_only":
+        raise ValueError("an encoder-only model does not generate: it predicts masked tokens "
+                         "(model.apply) or classes (method='classify')")
     prompts, lengths = check_prompts(config, prompts, lengths)
     max_new_tokens = check_positive_int(max_new_tokens, "max_new_tokens")
     cache_len = check_cache_len(config, prompts.shape[1], max_new_tokens, cache_len)
@@ -164,3 +170,76 @@ def shown(value) -> str:
     """One number as error messages write it: floats short (0.1, 1.5, inf), ints exact."""
     value = np.asarray(value).item()
     return f"{value:g}" if isinstance(value, float) else repr(value)
+
+
+def check_constraints(config: TransformerConfig, batch: int, eos_ids: tuple[int, ...] | None, *,
+                      forced_bos_id, forced_eos_id, banned_ids, min_new_tokens,
+                      no_repeat_ngram_size) -> tuple[Constraints, bool]:
+    """The token constraints as a traced `Constraints` (so new values never recompile), and
+    whether the n-gram history must be compiled in (static: no_repeat_ngram_size traced or
+    > 0). Ids are checked against the vocabulary when concrete; a traced id of -1 is none.
+
+        forced_bos_id=None, banned_ids=(3, 7)  ->  forced_bos -1, banned[3] = banned[7] = True
+    """
+    V = config.vocab_size
+    end = np.zeros((V,), bool)
+    end[list(eos_ids or ())] = True
+    banned = banned_mask(banned_ids, V)
+    min_new = per_row(min_new_tokens, "min_new_tokens", batch, np.int32)
+    check_in_range(min_new, "min_new_tokens", 0, np.inf)
+    n = as_array(no_repeat_ngram_size)
+    if n.shape != () or not jnp.issubdtype(n.dtype, jnp.integer):
+        raise ValueError(f"no_repeat_ngram_size must be an int, got {no_repeat_ngram_size!r}")
+    check_in_range(n, "no_repeat_ngram_size", 0, np.inf)
+    if is_concrete(banned):
+        if banned.all():
+            raise ValueError(f"banned_ids ban every token of the vocabulary (vocab_size={V})")
+        if is_concrete(min_new) and min_new.max() > 0 and (banned | end).all():
+            raise ValueError(
+                "banned_ids and the end ids together are the whole vocabulary, so nothing "
+                f"can be generated before min_new_tokens={int(min_new.max())}")
+    constraints = Constraints(
+        banned=banned, forced_bos=token_or_none(forced_bos_id, "forced_bos_id", V),
+        forced_eos=token_or_none(forced_eos_id, "forced_eos_id", V), min_new_tokens=min_new,
+        end=end, no_repeat_ngram_size=n.astype(np.int32))
+    return constraints, bool(not is_concrete(n) or n > 0)
+
+
+def token_or_none(token_id, name: str, vocab_size: int):
+    """None as -1; an id as an int32 scalar, in [0, vocab_size) when concrete (a traced one
+    may be -1, none)."""
+    if token_id is None:
+        return np.int32(-1)
+    a = as_array(token_id)
+    if a.shape != () or not jnp.issubdtype(a.dtype, jnp.integer):
+        raise ValueError(f"{name} must be None or one int token id, got {token_id!r}")
+    if is_concrete(a) and not 0 <= a < vocab_size:
+        raise ValueError(f"{name}={int(a)} is outside [0, vocab_size={vocab_size})")
+    return a.astype(np.int32)
+
+
+def banned_mask(banned_ids, vocab_size: int):
+    """bool[V] from a sequence (or int array) of token ids; numpy when concrete. A traced
+    array's -1 entries ban nothing (padding to a fixed count)."""
+    if banned_ids is None:
+        banned_ids = ()
+    if is_concrete(banned_ids) and not hasattr(banned_ids, "shape"):
+        ids = list(banned_ids) if isinstance(banned_ids, (list, tuple, set, frozenset)) else None
+        if ids is None or not all(is_int(i) for i in ids):
+            raise ValueError(f"banned_ids must be a sequence of int token ids, got {banned_ids!r}")
+        a = np.asarray(ids, np.int64).reshape(-1)
+    else:
+        a = as_array(banned_ids)
+        if a.ndim != 1 or not jnp.issubdtype(a.dtype, jnp.integer):
+            raise ValueError(f"banned_ids must be a sequence of int token ids, got shape "
+                             f"{a.shape} dtype {a.dtype}")
+    if is_concrete(a):
+        bad = a[(a < 0) | (a >= vocab_size)]
+        if bad.size:
+            raise ValueError(f"banned_ids hold token id {int(bad[0])} outside [0, "
+                             f"vocab_size={vocab_size})")
+        mask = np.zeros((vocab_size,), bool)
+        mask[a] = True
+        return mask
+    ids = jnp.where(a >= 0, a, vocab_size)             # -1: out of range, dropped
+    return jnp.zeros((vocab_size,), bool).at[ids].set(True, mode="drop")

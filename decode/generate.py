@@ -6,9 +6,10 @@
 Decoder-only models continue their prompts; encoder-decoder models encode `prompts` as
 sources (and project every layer's cross-attention keys/values once), then decode from the
 start token. One compilation per (model, batch, padded prompt width, cache length,
-max_new_tokens, end ids, strategy): the sampling values themselves are traced, so new
-prompts of the same padded shape and new temperatures never recompile (`bucket_width`
-and `pad_prompts` keep the set of widths small).
+max_new_tokens, end ids, strategy, n-gram history on or off): the sampling values and the
+token constraints (forced, banned and end ids before a minimum length) are traced, so new
+prompts of the same padded shape, new temperatures and new banned ids never recompile
+(`bucket_width` and `pad_prompts` keep the set of widths small).
 
 A call is two steps, each a plain function:
 
@@ -35,14 +36,15 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from decode import checks
+from decode import checks, ngrams
 from decode.loop import LoopState, decode_loop, initial_state
 from decode.model_fns import (  # notebooks import start_decoding from here too
+    decoder_prefix,
     model_step_fn,
     output_pad_id,
     start_decoding,
 )
-from decode.processors import SamplingParams, Strategy
+from decode.processors import Constraints, SamplingParams, Strategy
 from decode.sampling import sampling_arguments
 from models.checks import check_positive_int
 from models.masks import length_mask
@@ -95,28 +97,35 @@ def pad_prompts(token_lists, width: int | None = None, pad_id: int = 0):
 
 
 def _prompt_seen(cfg, prompts_BP, lengths_B):
-    """bool[B, V]: the decoder-prompt tokens, for the repetition penalty."""
-    B, P = prompts_BP.shape
-    if cfg.is_encoder_decoder:
-        return jnp.zeros((B, cfg.vocab_size), bool).at[:, cfg.bos_id].set(True)
+    """bool[B, V]: the decoder-prompt tokens (the start token for an encoder-decoder), for
+    the repetition penalty."""
+    prefix_BP, lengths_B = decoder_prefix(cfg, prompts_BP, lengths_B)
+    B, P = prefix_BP.shape
     valid_BP = length_mask(lengths_B, P)
     rows_BP = jnp.broadcast_to(jnp.arange(B)[:, None], (B, P))
-    return jnp.zeros((B, cfg.vocab_size), bool).at[rows_BP, prompts_BP].max(valid_BP)
+    return jnp.zeros((B, cfg.vocab_size), bool).at[rows_BP, prefix_BP].max(valid_BP)
 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("model", "max_new_tokens", "cache_len", "eos_ids", "strategy", "loop"))
-def _generate(model, params, prompts_BP, lengths_B, rng, sampling: SamplingParams, *,
-              max_new_tokens, cache_len, eos_ids, strategy, loop) -> DecodeOutput:
+    static_argnames=("model", "max_new_tokens", "cache_len", "eos_ids", "strategy", "loop",
+                     "no_repeat"))
+def _generate(model, params, prompts_BP, lengths_B, rng, sampling: SamplingParams,
+              constraints: Constraints, *, max_new_tokens, cache_len, eos_ids, strategy, loop,
+              no_repeat) -> DecodeOutput:
     """The jitted computation; `generate_arguments` gives its (args, static)."""
     cfg = model.config
     logits_BV, cache = start_decoding(model, params, prompts_BP, lengths_B, cache_len)
     seen = _prompt_seen(cfg, prompts_BP, lengths_B) if strategy.penalty else None
+    history = None
+    if no_repeat:
+        prefix_BP, prefix_lengths_B = decoder_prefix(cfg, prompts_BP, lengths_B)
+        history = ngrams.start(prefix_BP, prefix_lengths_B, prefix_BP.shape[1] + max_new_tokens)
     state: LoopState = decode_loop(
-        model_step_fn(model, params), initial_state(logits_BV, cache, rng, max_new_tokens, seen),
+        model_step_fn(model, params),
+        initial_state(logits_BV, cache, rng, max_new_tokens, seen, history),
         eos_ids=eos_ids, pad_id=output_pad_id(cfg), params=sampling, strategy=strategy,
-        while_loop=loop == "while")
+        constraints=constraints, while_loop=loop == "while")
     return DecodeOutput(state.tokens, state.lengths, state.logprobs, state.cache.lengths,
                         cache_len)
 
@@ -135,6 +144,11 @@ def generate_arguments(
     min_p=0.0,
     repetition_penalty=1.0,
     eos_id: int | tuple[int, ...] | str | None = "config",
+    forced_bos_id=None,
+    forced_eos_id=None,
+    banned_ids=(),
+    min_new_tokens=0,
+    no_repeat_ngram_size=0,
     cache_len: int | None = None,
     loop: str = "scan",
     strategy: Strategy | None = None,
@@ -161,6 +175,19 @@ def generate_arguments(
             These five are each a scalar or one value per row, and traced.
         eos_id: "config" (default: the model config's end token, none if it has none),
             an end id, several, or None to always generate N tokens (static).
+        forced_bos_id: the first new token is this id (None: not forced).
+        forced_eos_id: the last new token, index N - 1, is this id (None: not forced), as
+            transformers forces it at max_length - 1.
+        banned_ids: token ids never generated (a sequence of ints; () none).
+        min_new_tokens: the end ids are banned until a row has this many new tokens (a
+            scalar or one per row; 0 off).
+        no_repeat_ngram_size: n > 0: no n-gram occurs twice in a row's decoder sequence (a
+            decoder-only model's prompt and new tokens; an encoder-decoder's start token and
+            new tokens), as transformers' NoRepeatNGramLogitsProcessor (0 off).
+            These five are traced (checked when concrete; a traced id of -1 is none), so
+            changing them never recompiles; the n-gram history is compiled in only when
+            no_repeat_ngram_size is traced or > 0. They apply after the repetition penalty
+            and before the temperature (`decode.processors` gives the order).
         cache_len: decoder cache slots; default the decoder prompt width + N (static).
         loop: "scan" (default; differentiable) or "while" (stops once all rows are done).
         strategy: the processors to compile (a `decode.Strategy`, static). Default: the
@@ -169,8 +196,8 @@ def generate_arguments(
 
     Returns:
         (args, static): the traced arguments `(model, params, prompts int32[B, P],
-        lengths int32[B], rng, SamplingParams)` and the static keywords `max_new_tokens`,
-        `cache_len`, `eos_ids`, `strategy`, `loop`.
+        lengths int32[B], rng, SamplingParams, Constraints)` and the static keywords
+        `max_new_tokens`, `cache_len`, `eos_ids`, `strategy`, `loop`, `no_repeat`.
 
     Raises:
         ValueError: naming the argument, its value and the limit it breaks. Shapes and
@@ -188,9 +215,13 @@ def generate_arguments(
     if strategy.sample and rng is None:
         raise ValueError("rng is required when temperature > 0 (sampling: strategy.sample)")
     rng = jax.random.key(0) if rng is None else rng
-    return ((model, params, common.prompts, common.lengths, rng, sampling),
+    constraints, no_repeat = checks.check_constraints(
+        cfg, common.prompts.shape[0], common.eos_ids, forced_bos_id=forced_bos_id,
+        forced_eos_id=forced_eos_id, banned_ids=banned_ids, min_new_tokens=min_new_tokens,
+        no_repeat_ngram_size=no_repeat_ngram_size)
+    return ((model, params, common.prompts, common.lengths, rng, sampling, constraints),
             dict(max_new_tokens=common.max_new_tokens, cache_len=common.cache_len,
-                 eos_ids=common.eos_ids, strategy=strategy, loop=loop))
+                 eos_ids=common.eos_ids, strategy=strategy, loop=loop, no_repeat=no_repeat))
 
 
 def generate(model: nn.Module, params, prompts, lengths, **options) -> DecodeOutput:
@@ -204,8 +235,11 @@ def generate(model: nn.Module, params, prompts, lengths, **options) -> DecodeOut
         prompts: int[B, P] right-padded prompts (decoder-only) or sources (encoder-decoder);
             lengths: int[B] their true lengths.
         **options: `max_new_tokens` (required), `rng`, `temperature`, `top_k`, `top_p`,
-            `min_p`, `repetition_penalty`, `eos_id`, `cache_len`, `loop`, `strategy`, each
-            documented in `decode.generate_arguments`, which checks them.
+            `min_p`, `repetition_penalty`, `eos_id`, `forced_bos_id`, `forced_eos_id`,
+            `banned_ids`, `min_new_tokens`, `no_repeat_ngram_size`, `cache_len`, `loop`,
+            `strategy`, each documented in `decode.generate_arguments`, which checks them.
+            A model directory's defaults for them: `models.load(path).generation
+            .generate_options(config)`.
 
     Returns:
         A `DecodeOutput`.

@@ -25,7 +25,15 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Bool, Float, Int
 
-from decode.processors import SamplingParams, Strategy, process_logits, select_tokens
+from decode import ngrams
+from decode.processors import (
+    Constraints,
+    SamplingParams,
+    Strategy,
+    constrain_logits,
+    process_logits,
+    select_tokens,
+)
 
 StepFn = Callable[[Array, object], tuple[Array, object]]
 
@@ -44,6 +52,7 @@ class LoopState:
         tokens: int32[B, N] chosen tokens, pad after the end token.
         logprobs: float32[B, N] the model's log-probability of each chosen token, 0 after end.
         seen: bool[B, V] tokens seen so far (for the repetition penalty), or None.
+        history: each row's decoder sequence (for no_repeat_ngram_size), or None.
     """
 
     step: Int[Array, ""]
@@ -55,6 +64,7 @@ class LoopState:
     tokens: Int[Array, "B N"]
     logprobs: Float[Array, "B N"]
     seen: Bool[Array, "B V"] | None
+    history: ngrams.NgramHistory | None = None
 
 
 def unchanged(tree):
@@ -74,13 +84,15 @@ def unchanged(tree):
     return jax.tree.map(touch, tree)
 
 
-def initial_state(logits_BV, cache, rng, max_new_tokens: int, seen_BV=None) -> LoopState:
+def initial_state(logits_BV, cache, rng, max_new_tokens: int, seen_BV=None,
+                  history: ngrams.NgramHistory | None = None) -> LoopState:
+    """The carry before the first new token, from the prefill's logits and cache."""
     B = logits_BV.shape[0]
     return LoopState(
         step=jnp.zeros((), jnp.int32), logits=logits_BV.astype(jnp.float32), cache=cache,
         rng=rng, done=jnp.zeros((B,), bool), lengths=jnp.zeros((B,), jnp.int32),
         tokens=jnp.zeros((B, max_new_tokens), jnp.int32),
-        logprobs=jnp.zeros((B, max_new_tokens), jnp.float32), seen=seen_BV)
+        logprobs=jnp.zeros((B, max_new_tokens), jnp.float32), seen=seen_BV, history=history)
 
 
 def decode_loop(
@@ -91,20 +103,31 @@ def decode_loop(
     pad_id: int,
     params: SamplingParams,
     strategy: Strategy,
+    constraints: Constraints | None = None,
     while_loop: bool = False,
 ) -> LoopState:
     """Runs the loop for N = state.tokens.shape[1] tokens.
 
     `lax.scan` by default (fixed trip count, differentiable); with `while_loop=True` a
     `lax.while_loop` that also stops iterating once every row is done. Both give the same
-    tokens.
+    tokens. `constraints` (forced, banned and end ids before a minimum length; repeated
+    n-grams when the state carries a `history`) apply between the repetition penalty and the
+    temperature, as in `decode.processors`; None applies none.
     """
     N = state.tokens.shape[1]
+    V = state.logits.shape[-1]
     eos_E = None if eos_ids is None else jnp.asarray(eos_ids, jnp.int32)
+
+    def constrain(s: LoopState):
+        repeated_BV = (None if s.history is None else
+                       ngrams.repeated(s.history, constraints.no_repeat_ngram_size, V))
+        return lambda logits_BV: constrain_logits(logits_BV, constraints, s.step, N - 1,
+                                                  repeated_BV)
 
     def body(s: LoopState) -> LoopState:
         rng, sample_rng = jax.random.split(s.rng)
-        processed_BV = process_logits(s.logits, s.seen, params, strategy)
+        processed_BV = process_logits(s.logits, s.seen, params, strategy,
+                                      None if constraints is None else constrain(s))
         token_B = select_tokens(processed_BV, sample_rng, params, strategy)
         # log_softmax at the chosen token only: no [B, V] array in the loop body.
         logprob_B = (jnp.take_along_axis(s.logits, token_B[:, None], axis=-1)[:, 0]
@@ -127,7 +150,8 @@ def decode_loop(
             done=done, lengths=lengths,
             tokens=lax.dynamic_update_slice(s.tokens, token_B[:, None], (0, s.step)),
             logprobs=lax.dynamic_update_slice(s.logprobs, logprob_B[:, None], (0, s.step)),
-            seen=seen)
+            seen=seen,
+            history=None if s.history is None else ngrams.append(s.history, token_B, ~s.done))
 
     if while_loop:
         return lax.while_loop(lambda s: (s.step < N) & ~jnp.all(s.done), body, state)

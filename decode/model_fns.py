@@ -55,6 +55,18 @@ def start_decoding(model: nn.Module, params, prompts_BP, lengths_B, cache_len: i
     return logits_BV, cache
 
 
+def decoder_prefix(config, prompts_BP, lengths_B):
+    """The decoder's input before the first new token, as (int32[B, P'], lengths int32[B]):
+    a decoder-only model's prompts, or an encoder-decoder's start token (P' = 1).
+
+        encoder-decoder, bos_id 2, B = 2  ->  [[2], [2]], lengths [1, 1]
+    """
+    if config.is_encoder_decoder:
+        B = prompts_BP.shape[0]
+        return jnp.full((B, 1), config.bos_id, jnp.int32), jnp.ones((B,), jnp.int32)
+    return prompts_BP, lengths_B
+
+
 def model_step_fn(model: nn.Module, params):
     """The model as the loops' `step_fn(tokens_B, cache) -> (logits_BV, cache)`."""
     return lambda tokens_B, cache: model.apply({"params": params}, tokens_B, cache, method="step")

@@ -1,15 +1,32 @@
 """Logits processors: small pure functions `(logits_BV, param) -> logits_BV`.
 
 Each removes tokens by setting their logits to -inf (`models.numerics.REMOVED_LOGIT`: the
-probability of a removed token is exactly 0) or rescales them, and can be called on any
+probability of a removed token is exactly 0), rescales them, or forces one token (all
+others -inf, its own 0), and can be called on any
 logits, inside or outside jit. Parameters are traced values, a scalar or one per row
-(shape [B]), so changing them never recompiles. `process_logits` composes them in the
-usual order: repetition penalty, temperature, top-k, top-p, min-p.
+(shape [B]), so changing them never recompiles. `process_logits` composes them in the order
+transformers' `generate` applies its processors:
+
+    repetition penalty                              (RepetitionPenaltyLogitsProcessor)
+    the token constraints, `constrain_logits`:
+        repeated n-grams banned                     (NoRepeatNGramLogitsProcessor)
+        banned ids                                  (NoBadWordsLogitsProcessor, single tokens;
+                                                     SuppressTokensLogitsProcessor)
+        end ids banned before min_new_tokens        (MinLength / MinNewTokensLength...)
+        the forced first token                      (ForcedBOSTokenLogitsProcessor)
+        the forced last token                       (ForcedEOSTokenLogitsProcessor)
+    temperature, top-k, top-p, min-p                (the sampling warpers, in that order)
+
+Greedy decoding and sampling apply them to the model's logits; beam search applies the
+constraints to the log-probs (log_softmax of the logits) and sums what they return, as
+transformers does: a forced token adds log-prob 0 to its beam, whatever the model gave it.
 
     >>> top_k_filter(jnp.array([[1., 3., 3., 2.]]), 2)      # ties go to the lower id
     [[-inf, 3., 3., -inf]]
     >>> top_p_filter(jnp.log(jnp.array([[.5, .25, .125, .125]])), .75)
     [[log .5, log .25, -inf, -inf]]                         # keeps the smallest set with mass >= p
+    >>> force_token(jnp.array([[1., 3., 2.]]), 2, True)     # the forced id gets 0, others -inf
+    [[-inf, -inf, 0.]]
 """
 
 from __future__ import annotations
@@ -18,7 +35,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jaxtyping import Array, Bool, Float
+from jaxtyping import Array, Bool, Float, Int
 
 from models.numerics import REMOVED_LOGIT
 
@@ -106,6 +123,94 @@ def apply_repetition_penalty(logits_BV: Float[Array, "B V"], seen_BV: Bool[Array
     return jnp.where(seen_BV, penalised, logits_BV)
 
 
+def ban_tokens(logits_BV: Float[Array, "B V"], banned) -> Float[Array, "B V"]:
+    """Removes the banned tokens: `banned` is bool[V] (the same in every row) or bool[B, V].
+
+        >>> ban_tokens(jnp.array([[1., 3., 2.]]), jnp.array([False, True, False]))
+        [[1., -inf, 2.]]
+    """
+    banned = jnp.asarray(banned)
+    return jnp.where(banned[None, :] if banned.ndim == 1 else banned, REMOVED_LOGIT, logits_BV)
+
+
+def force_token(logits_BV: Float[Array, "B V"], token_id, when) -> Float[Array, "B V"]:
+    """Where `when` holds and `token_id` >= 0, every logit becomes -inf but the token's, which
+    becomes 0 (transformers' ForcedBOS/ForcedEOSTokenLogitsProcessor); elsewhere, and for
+    token_id -1 (none), the logits are unchanged. `token_id` and `when` are each a scalar or
+    one per row, and may be traced.
+
+        >>> force_token(jnp.array([[1., 3., 2.], [1., 3., 2.]]), 0, jnp.array([True, False]))
+        [[0., -inf, -inf], [1., 3., 2.]]
+    """
+    id_B1 = _per_row(token_id, logits_BV).astype(jnp.int32)
+    on_B1 = _per_row(when, logits_BV) & (id_B1 >= 0)
+    forced_BV = jnp.where(jnp.arange(logits_BV.shape[-1])[None, :] == id_B1, 0.0, REMOVED_LOGIT)
+    return jnp.where(on_B1, forced_BV.astype(logits_BV.dtype), logits_BV)
+
+
+def ban_end_before(logits_BV: Float[Array, "B V"], end_V: Bool[Array, " V"], generated,
+                   min_new_tokens) -> Float[Array, "B V"]:
+    """Bans the end ids (`end_V`) in rows that have generated fewer than `min_new_tokens`
+    tokens (transformers' MinNewTokensLengthLogitsProcessor; its MinLengthLogitsProcessor is
+    the same with min_length minus the decoder prompt's length).
+
+        >>> ban_end_before(jnp.zeros((2, 3)), jnp.array([False, True, False]), 2, jnp.array([3, 2]))
+        [[0., -inf, 0.], [0., 0., 0.]]          # row 0 has 2 < 3 tokens; row 1 has its 2
+    """
+    early_B1 = _per_row(generated, logits_BV) < _per_row(min_new_tokens, logits_BV)
+    return jnp.where(early_B1 & end_V[None, :], REMOVED_LOGIT, logits_BV)
+
+
+@flax.struct.dataclass
+class Constraints:
+    """Traced token constraints: changing any value never recompiles (see `constrain_logits`).
+
+    Attributes:
+        banned: bool[V] ids never generated (all False: none).
+        forced_bos: int32[] the id forced as new token 0 (-1: none).
+        forced_eos: int32[] the id forced as the last new token, index max_new_tokens - 1
+            (-1: none).
+        min_new_tokens: int32[B] (or [R], one per beam row) the end ids are banned until a row
+            has generated that many tokens (0: off).
+        end: bool[V] the end ids (from the static eos_ids) that min_new_tokens bans.
+        no_repeat_ngram_size: int32[] n > 0: no n-gram occurs twice in a row's decoder
+            sequence (0: off). It needs the n-gram history (`decode.ngrams`), which is
+            compiled in only where asked for.
+    """
+
+    banned: Bool[Array, " V"]
+    forced_bos: Int[Array, ""]
+    forced_eos: Int[Array, ""]
+    min_new_tokens: Int[Array, " B"]
+    end: Bool[Array, " V"]
+    no_repeat_ngram_size: Int[Array, ""]
+
+    @classmethod
+    def none(cls, vocab_size: int, batch: int) -> Constraints:
+        """Constraints that change nothing."""
+        return cls(banned=jnp.zeros((vocab_size,), bool), forced_bos=jnp.int32(-1),
+                   forced_eos=jnp.int32(-1), min_new_tokens=jnp.zeros((batch,), jnp.int32),
+                   end=jnp.zeros((vocab_size,), bool), no_repeat_ngram_size=jnp.int32(0))
+
+
+def constrain_logits(logits_BV: Float[Array, "B V"], c: Constraints, step, last_step,
+                     repeated_BV: Bool[Array, "B V"] | None = None) -> Float[Array, "B V"]:
+    """The token constraints in transformers' order, for new token `step` (0-based, also the
+    tokens generated so far) of `last_step + 1`: repeated n-grams (`repeated_BV`, from
+    `decode.ngrams.repeated`, or None), banned ids, end ids before min_new_tokens, the forced
+    first token, the forced last token. A forced token comes last, so it wins over a ban.
+
+        step 0 of 4, forced_bos 5, banned {5}: token 5 is forced (logit 0, the others -inf)
+        step 3 of 4 (last_step 3), forced_eos 2: token 2 is forced
+    """
+    if repeated_BV is not None:
+        logits_BV = ban_tokens(logits_BV, repeated_BV)
+    logits_BV = ban_tokens(logits_BV, c.banned)
+    logits_BV = ban_end_before(logits_BV, c.end, step, c.min_new_tokens)
+    logits_BV = force_token(logits_BV, c.forced_bos, step == 0)
+    return force_token(logits_BV, c.forced_eos, step == last_step)
+
+
 @flax.struct.dataclass
 class SamplingParams:
     """Traced sampling parameters, each a float/int array of shape [B].
@@ -144,10 +249,15 @@ class Strategy:
     penalty: bool = flax.struct.field(pytree_node=False, default=False)
 
 
-def process_logits(logits_BV, seen_BV, params: SamplingParams, strategy: Strategy):
-    """The composition used by `decode.generate`; processors that are off are skipped."""
+def process_logits(logits_BV, seen_BV, params: SamplingParams, strategy: Strategy,
+                   constrain=None):
+    """The composition used by `decode.generate`, in the module docstring's order;
+    processors that are off are skipped. `constrain(logits_BV) -> logits_BV` applies the
+    token constraints (`constrain_logits` with the loop's step), or None for none."""
     if strategy.penalty:
         logits_BV = apply_repetition_penalty(logits_BV, seen_BV, params.repetition_penalty)
+    if constrain is not None:
+        logits_BV = constrain(logits_BV)
     if strategy.sample:
         logits_BV = apply_temperature(logits_BV, params.temperature)
     if strategy.top_k:

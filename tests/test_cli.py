@@ -53,6 +53,8 @@ def test_decode_cli_errors_are_one_line_and_exit_2(capsys):
         capsys, ["--config", "gpt-tiny", "5", "5 999"])
     assert "top_p=0 is outside" in _cli_error(
         capsys, ["--config", "gpt-tiny", "--strategy", "sample", "--top-p", "0", "5"])
+    assert "--repetition-penalty applies to greedy decoding and sampling" in _cli_error(
+        capsys, ["--config", "gpt-tiny", "--strategy", "beam", "--repetition-penalty", "2", "5"])
     assert "--beam-size 600 exceeds the vocabulary (512 tokens)" in _cli_error(
         capsys, ["--config", "gpt-tiny", "--strategy", "beam", "--beam-size", "600", "5"])
     for flag in ("--batch-size", "--max-new-tokens", "--beam-size"):
@@ -149,3 +151,62 @@ def test_train_cli_errors_name_the_problem(tmp_path):
     with pytest.raises(SystemExit, match="config file 'missing.py' does not exist"):
         train_cli.main(["prog", "--config", "missing.py"])
     assert decode_cli.main(["--workdir", str(tmp_path), "hello"]) == 2
+
+
+def _translator(tmp_path, settings: dict) -> str:
+    """A tiny encoder-decoder with random weights and the byte tokenizer (sources end in
+    EOS), saved with `settings` as its generation_config.json."""
+    import jax
+    import numpy as np
+
+    import models
+    from models.pretrained.generation import GenerationDefaults
+    from models.tokenizer import ByteTokenizer
+    from tests.helpers import tiny
+    cfg = tiny("encoder_decoder", vocab_size=260, max_len=32)
+    model = models.build(cfg)
+    dummy = np.full((1, 4), 5, np.int32)
+    params = jax.jit(model.init)(jax.random.key(3), dummy, dummy)["params"]
+    path = str(tmp_path / "translator")
+    models.save(path, cfg, params, ByteTokenizer().with_specials(add_bos=False, add_eos=True),
+                generation=GenerationDefaults.from_dict(settings, cfg.vocab_size))
+    return path
+
+
+def test_decode_cli_honours_a_directorys_generation_config(tmp_path, capsys):
+    """Text in, text out, beam search by default (num_beams 3): every output starts with
+    the forced "X" (banned too: forced wins), holds only the bytes not banned (lower-case
+    letters here), and has at most max_length - 1 = 6 tokens (the forced end token, which
+    the text drops, last).
+    Flags win over the file; settings that are not applied are named in one warning."""
+    letters = {ord(c) + 4 for c in "abcdefghijklmnopqrstuvwxyz"}
+    settings = dict(eos_token_id=1, forced_bos_token_id=ord("X") + 4, forced_eos_token_id=1,
+                    bad_words_ids=[[i] for i in range(4, 260) if i not in letters],
+                    num_beams=3, length_penalty=1.5, max_length=7, no_repeat_ngram_size=2,
+                    do_sample=True, temperature=0.7)
+    path = _translator(tmp_path, settings)
+    assert decode_cli.main(["--model", path, "An English sentence.", "", "Another one."]) == 0
+    captured = capsys.readouterr()
+    lines = captured.out.split("\n")
+    assert len(lines) == 4 and lines[1] == "" and lines[3] == ""
+    for line in (lines[0], lines[2]):
+        assert line.startswith("X") and set(line[1:]) <= {chr(i - 4) for i in letters}, line
+        assert 1 <= len(line) <= 5, line               # 6 tokens, the last one the end
+        assert all(line[i:i + 2] not in line[i + 1:] for i in range(len(line) - 1)), line
+    warnings = [w for w in captured.err.splitlines() if w.startswith("warning:")]
+    assert warnings == ["warning: generation settings not applied: do_sample=True, "
+                        "temperature=0.7"]
+    # Beam search by default, as the file's num_beams: the same as asking for it.
+    assert decode_cli.main(["--model", path, "--strategy", "beam", "An English sentence."]) == 0
+    assert capsys.readouterr().out.split("\n")[0] == lines[0]
+    # Flags win: greedy, "D" forced, nothing banned, at most 3 new tokens.
+    assert decode_cli.main(["--model", path, "--strategy", "greedy", "--forced-bos-id",
+                            str(ord("D") + 4), "--forced-eos-id", "none", "--banned-ids",
+                            "--max-new-tokens", "3", "--no-repeat-ngram-size", "0",
+                            "An English sentence."]) == 0
+    out = capsys.readouterr()
+    assert out.out.startswith("D") and len(out.out.rstrip("\n")) <= 3, out.out
+    assert "warning: generation settings not applied: do_sample=True" in out.err
+    assert "num_beams 300 exceeds the vocabulary (260 tokens)" in _cli_error(
+        capsys, ["--model", _translator(tmp_path / "wide", {"num_beams": 300,
+                                                              "max_new_tokens": 4}), "hi"])

@@ -132,7 +132,7 @@ def test_generate_arguments_give_the_compilation_key_and_a_strategy_shares_it():
     _, b = decode.generate_arguments(model, params, prompts, lengths,
                                      temperature=[0.1, 2.0, 0.0], **kw)
     assert a == b == dict(max_new_tokens=4, cache_len=12, eos_ids=(1,),
-                          strategy=decode.Strategy(sample=True), loop="scan")
+                          strategy=decode.Strategy(sample=True), loop="scan", no_repeat=False)
     # Given a strategy, greedy and sampled calls share one compilation, and a processor
     # that is on but set to "off" values changes nothing.
     strategy = decode.Strategy(sample=True, top_k=True, penalty=True)
@@ -228,6 +228,20 @@ BAD = [
     (dict(eos_id=()), r"eos_id must be None, an int or a non-empty sequence"),
     (dict(loop="for"), r"loop='for' must be one of"),
     (dict(temperature=1.0, rng=None), r"rng is required when temperature > 0"),
+    (dict(forced_bos_id=61), r"forced_bos_id=61 is outside \[0, vocab_size=61\)"),
+    (dict(forced_eos_id=-1), r"forced_eos_id=-1 is outside \[0, vocab_size=61\)"),
+    (dict(forced_bos_id=[3, 4]), r"forced_bos_id must be None or one int token id"),
+    (dict(banned_ids=(3, 70)), r"banned_ids hold token id 70 outside \[0, vocab_size=61\)"),
+    (dict(banned_ids=5), r"banned_ids must be a sequence of int token ids, got 5"),
+    (dict(banned_ids=("a",)), r"banned_ids must be a sequence of int token ids"),
+    (dict(banned_ids=range(61)), r"banned_ids must be a sequence"),
+    (dict(banned_ids=list(range(61))), r"banned_ids ban every token of the vocabulary"),
+    (dict(banned_ids=list(range(60)), eos_id=60, min_new_tokens=2),
+     r"banned_ids and the end ids together are the whole vocabulary"),
+    (dict(min_new_tokens=-1), r"min_new_tokens=-1 is outside \[0, inf\]"),
+    (dict(min_new_tokens=[1, 2]), r"min_new_tokens must be a scalar or have shape \(1,\)"),
+    (dict(no_repeat_ngram_size=-2), r"no_repeat_ngram_size=-2 is outside \[0, inf\]"),
+    (dict(no_repeat_ngram_size=2.0), r"no_repeat_ngram_size must be an int, got 2.0"),
 ]
 
 
@@ -271,3 +285,83 @@ def test_bad_sources_for_encoder_decoder():
     model, params = setup("encoder_decoder")
     with pytest.raises(ValueError, match=r"1 \(start token\) \+ max_new_tokens 32 = 33 is beyond"):
         decode.generate(model, params, np.array([[5]]), np.array([1]), max_new_tokens=32)
+
+
+def naive_constrained(model, params, prompt, n, eos, *, forced_bos=None, forced_eos=None,
+                      banned=(), min_new=0, ngram=0):
+    """Oracle: `naive_greedy` with transformers' constraints written out on its logits."""
+    cfg = model.config
+    forward = jax.jit(lambda p, *a: model.apply({"params": p}, *a))
+    if cfg.is_encoder_decoder:
+        src, seq = jnp.array([prompt]), [cfg.bos_id]
+    else:
+        seq = list(prompt)
+    start = len(seq)
+    for i in range(n):
+        padded = jnp.array([seq + [0] * (cfg.max_len - len(seq))])
+        logits = np.array(forward(params, *((src, padded) if cfg.is_encoder_decoder
+                                            else (padded,)))[0, len(seq) - 1])
+        if ngram:                          # every earlier window against the last n - 1
+            for j in range(len(seq) - ngram + 1):
+                if seq[j:j + ngram - 1] == seq[len(seq) - ngram + 1:]:
+                    logits[seq[j + ngram - 1]] = -np.inf
+        logits[list(banned)] = -np.inf
+        if i < min_new:
+            logits[eos] = -np.inf
+        for forced, at in ((forced_bos, 0), (forced_eos, n - 1)):
+            if forced is not None and i == at:
+                logits[:] = -np.inf
+                logits[forced] = 0.0
+        seq.append(int(np.argmax(logits)))
+        if seq[-1] == eos:
+            break
+    return seq[start:]
+
+
+@pytest.mark.parametrize("arch", ["decoder_only", "encoder_decoder"])
+def test_constraints_equal_the_naive_oracle_and_are_traced(arch):
+    """Forced first and last tokens, banned ids, an end id banned before 4 new tokens and no
+    repeated bigram: each changes what greedy decoding gives here (the free decode shows
+    it), and new values never recompile."""
+    model, params = setup(arch)
+    prompts, lengths = decode.pad_prompts(PROMPTS)
+    n = 8
+    free = decode.generate(model, params, prompts, lengths, max_new_tokens=n, eos_id=None)
+    eos = int(free.tokens[0, 1])                        # row 0 would end at token 2
+    banned = (int(free.tokens[1, 0]), int(free.tokens[2, 2]))
+    kw = dict(forced_bos=7, forced_eos=9, banned=banned, min_new=4, ngram=2)
+    out = decode.generate(model, params, prompts, lengths, max_new_tokens=n, eos_id=eos,
+                          forced_bos_id=7, forced_eos_id=9, banned_ids=banned,
+                          min_new_tokens=4, no_repeat_ngram_size=2)
+    for b, prompt in enumerate(PROMPTS):
+        expected = naive_constrained(model, params, prompt, n, eos, **kw)
+        got = out.tokens[b, : out.lengths[b]].tolist()
+        assert got == expected, f"row {b}"
+        assert got[0] == 7 and not set(banned) & set(got)
+        assert eos not in got[:4] and (got[-1] in (eos, 9))
+    # A repeated bigram was there to ban: without the ban the decode differs.
+    no_ngram = decode.generate(model, params, prompts, lengths, max_new_tokens=n, eos_id=eos,
+                               forced_bos_id=7, forced_eos_id=9, banned_ids=banned,
+                               min_new_tokens=4, no_repeat_ngram_size=0)
+    assert not np.array_equal(no_ngram.tokens, out.tokens)
+    # Traced: other ids, another minimum and n-gram size, per-row minimums, no recompilation.
+    size = _generate._cache_size()
+    for other in (dict(forced_bos_id=None, forced_eos_id=3, banned_ids=(4, 5, 6),
+                       min_new_tokens=[0, 1, 7], no_repeat_ngram_size=3),
+                  dict(forced_bos_id=11, banned_ids=(), no_repeat_ngram_size=1)):
+        decode.generate(model, params, prompts, lengths, max_new_tokens=n, eos_id=eos, **other)
+    assert _generate._cache_size() == size
+
+
+def test_constraints_inside_a_user_jit_equal_the_eager_call():
+    """Traced ids: banned_ids as an int array (-1 entries ban nothing) and a forced id."""
+    model, params = setup("decoder_only")
+    prompts, lengths = decode.pad_prompts(PROMPTS)
+    kw = dict(max_new_tokens=5, eos_id=None, no_repeat_ngram_size=2)
+    eager = decode.generate(model, params, prompts, lengths, banned_ids=(3, 9),
+                            forced_bos_id=12, **kw)
+    traced = jax.jit(lambda ids, bos: decode.generate(
+        model, params, prompts, lengths, banned_ids=ids, forced_bos_id=bos, **kw))(
+        jnp.array([3, -1, 9]), jnp.int32(12))
+    np.testing.assert_array_equal(traced.tokens, eager.tokens)
+    assert (np.asarray(eager.tokens[:, 0]) == 12).all()

@@ -134,3 +134,124 @@ def test_bisection_filters_equal_sorting_oracles(seed):
 def test_processors_run_under_jit(fn, arg):
     logits = jax.random.normal(jax.random.key(0), (3, 11))
     np.testing.assert_array_equal(jax.jit(fn)(logits, arg), fn(logits, arg))
+
+
+# The token constraints: forced, banned and end ids before a minimum length, no repeats.
+
+def test_force_ban_and_min_length_give_their_docstring_examples():
+    logits = jnp.array([[1.0, 3.0, 2.0], [1.0, 3.0, 2.0]])
+    np.testing.assert_array_equal(decode.force_token(logits, 0, jnp.array([True, False])),
+                                  [[0.0, -INF, -INF], [1.0, 3.0, 2.0]])
+    np.testing.assert_array_equal(decode.force_token(logits, -1, True), logits)   # -1: none
+    np.testing.assert_array_equal(decode.force_token(logits, jnp.array([2, 1]), True),
+                                  [[-INF, -INF, 0.0], [-INF, 0.0, -INF]])
+    np.testing.assert_array_equal(decode.ban_tokens(logits, jnp.array([False, True, False])),
+                                  [[1.0, -INF, 2.0], [1.0, -INF, 2.0]])
+    end = jnp.array([False, True, False])
+    np.testing.assert_array_equal(
+        decode.ban_end_before(jnp.zeros((2, 3)), end, 2, jnp.array([3, 2])),
+        [[0.0, -INF, 0.0], [0.0, 0.0, 0.0]])
+
+
+def test_constrain_logits_applies_in_transformers_order_so_a_forced_token_wins():
+    c = decode.Constraints.none(4, 1).replace(
+        banned=jnp.array([False, True, False, False]), forced_bos=jnp.int32(1),
+        forced_eos=jnp.int32(3), min_new_tokens=jnp.array([9]),
+        end=jnp.array([False, False, False, True]))
+    logits = jnp.array([[0.5, 2.0, 1.0, 3.0]])
+    # Step 0: 1 is banned but forced; step 1: 1 banned, the end id 3 too (min length);
+    # the last step (3): 3 is forced although min length bans it.
+    np.testing.assert_array_equal(decode.constrain_logits(logits, c, 0, 3),
+                                  [[-INF, 0.0, -INF, -INF]])
+    np.testing.assert_array_equal(decode.constrain_logits(logits, c, 1, 3),
+                                  [[0.5, -INF, 1.0, -INF]])
+    np.testing.assert_array_equal(decode.constrain_logits(logits, c, 3, 3),
+                                  [[-INF, -INF, -INF, 0.0]])
+
+
+def naive_repeated(seq, n, V):
+    """Oracle: the tokens that complete an n-gram already in seq (every window compared)."""
+    banned = np.zeros(V, bool)
+    if n == 0 or len(seq) < n:
+        return banned
+    prefix = tuple(seq[len(seq) - n + 1:]) if n > 1 else ()
+    for i in range(len(seq) - n + 1):
+        if tuple(seq[i:i + n - 1]) == prefix:
+            banned[seq[i + n - 1]] = True
+    return banned
+
+
+def test_ngram_history_equals_comparing_every_window():
+    """Sequences over 3 symbols repeat often; rows of different lengths, extended token by
+    token, are checked after every token for n = 0 (off) to 5."""
+    from decode import ngrams
+    rng = np.random.default_rng(0)
+    V, B, P, N = 5, 4, 6, 10
+    seqs = rng.integers(0, 3, (B, P + N)).astype(np.int32)
+    lengths = np.array([1, 3, 6, 4], np.int32)
+    h = ngrams.start(jnp.asarray(seqs[:, :P]), jnp.asarray(lengths), P + N)
+    append = jax.jit(ngrams.append)
+    for step in range(N + 1):
+        for n in range(6):
+            got = np.asarray(ngrams.repeated(h, n, V))
+            for b in range(B):
+                seq = list(seqs[b, :lengths[b]]) + list(seqs[b, P:P + step])
+                np.testing.assert_array_equal(got[b], naive_repeated(seq, n, V),
+                                              err_msg=f"row {b}, step {step}, n {n}")
+        if step < N:
+            h = append(h, jnp.asarray(seqs[:, P + step]))
+
+
+def test_constraints_equal_transformers_logits_processors_on_random_logits():
+    """Each constraint against transformers' own processor on random logits, and the five
+    composed in the order transformers' generate builds them, at every step of a decode
+    whose decoder input starts with one token (an encoder-decoder's start token)."""
+    torch = pytest.importorskip("torch")
+    lp = pytest.importorskip("transformers.generation.logits_process")
+    from decode import ngrams
+    rng = np.random.default_rng(0)
+    B, V, N, eos = 3, 11, 6, [2, 5]
+    # The forced first token is banned and the forced last one is an end id still banned
+    # by the minimum length: the order decides, and the forced ones win.
+    banned, bos, forced_eos, min_new, n = [4, 7], 4, 2, N, 2
+    max_length = 1 + N                                   # the start token and N new tokens
+    inputs = np.concatenate([np.zeros((B, 1), np.int64),
+                             rng.integers(0, 4, (B, N))], 1)    # repeats of 0..3
+    theirs = {
+        "banned": lp.NoBadWordsLogitsProcessor([[i] for i in banned] + [[eos[0]]], eos),
+        "suppress": lp.SuppressTokensLogitsProcessor(banned),
+        "bos": lp.ForcedBOSTokenLogitsProcessor(bos),
+        "eos": lp.ForcedEOSTokenLogitsProcessor(max_length, forced_eos),
+        "min_length": lp.MinLengthLogitsProcessor(1 + min_new, eos),
+        "min_new": lp.MinNewTokensLengthLogitsProcessor(1, min_new, eos),
+        "ngram": lp.NoRepeatNGramLogitsProcessor(n),
+    }
+    composed = lp.LogitsProcessorList([theirs[k] for k in ("ngram", "banned", "min_length",
+                                                           "bos", "eos")])
+    end = np.isin(np.arange(V), eos)
+    c = decode.Constraints.none(V, B).replace(
+        banned=jnp.asarray(np.isin(np.arange(V), banned)), forced_bos=jnp.int32(bos),
+        forced_eos=jnp.int32(forced_eos), min_new_tokens=jnp.full((B,), min_new),
+        end=jnp.asarray(end), no_repeat_ngram_size=jnp.int32(n))
+    h = ngrams.start(jnp.asarray(inputs[:, :1], jnp.int32), jnp.ones((B,), jnp.int32), 1 + N)
+    for step in range(N):
+        ids = torch.as_tensor(inputs[:, :1 + step])
+        logits = rng.normal(size=(B, V)).astype(np.float32)
+        def hf(p, x=logits, ids=ids):
+            return p(ids, torch.as_tensor(x)).numpy()
+        x = jnp.asarray(logits)
+        ours = {
+            "banned": decode.ban_tokens(x, c.banned),
+            "bos": decode.force_token(x, bos, step == 0),
+            "eos": decode.force_token(x, forced_eos, step == N - 1),
+            "min_length": decode.ban_end_before(x, c.end, step, min_new),
+            "ngram": decode.ban_tokens(x, ngrams.repeated(h, n, V)),
+        }
+        ours["suppress"], ours["min_new"] = ours["banned"], ours["min_length"]
+        for name, p in theirs.items():
+            np.testing.assert_array_equal(np.asarray(ours[name]), hf(p),
+                                          err_msg=f"{name}, step {step}")
+        np.testing.assert_array_equal(
+            np.asarray(decode.constrain_logits(x, c, step, N - 1, ngrams.repeated(h, n, V))),
+            hf(composed), err_msg=f"composed, step {step}")
+        h = ngrams.append(h, jnp.asarray(inputs[:, 1 + step], jnp.int32))

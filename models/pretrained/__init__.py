@@ -28,6 +28,12 @@ from models.pretrained.files import (
     write_json,
     write_weights,
 )
+from models.pretrained.generation import (
+    GenerationDefaults,
+    generation_defaults,
+    with_generation,
+    write_generation,
+)
 from models.tokenizer import Tokenizer, load_tokenizer
 from models.transformer import build
 
@@ -43,19 +49,6 @@ MANIFEST = "zoo_integrity.json"
 # Fields a loaded config may be given: how to run it, not what it computes.
 RUNTIME_FIELDS = frozenset({"dtype", "param_dtype", "scan_layers", "remat", "dropout_rate",
                             "attention_dropout_rate"})
-
-
-@dataclasses.dataclass(frozen=True)
-class GenerationDefaults:
-    """What `generation_config.json` (or config.json) says decoding should default to.
-
-    Attributes:
-        eos_ids: the end token(s), or None when the model names none.
-        raw: the file's fields as read (for the settings decoding does not use yet).
-    """
-
-    eos_ids: tuple[int, ...] | None = None
-    raw: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,7 +85,9 @@ def family_of(hf: dict, path: str) -> Family:
 
 def read_config(path: str, **runtime) -> tuple[Family, TransformerConfig, dict]:
     """A model directory's model type, its `TransformerConfig` (with the `runtime` fields
-    of `load` applied) and config.json as read; no weights are read."""
+    of `load` applied) and config.json as read. No weights are read, except where the
+    family settles part of the config from them (`Family.config_from_weights`: T5's tied
+    or untied head)."""
     unknown = set(runtime) - RUNTIME_FIELDS
     if unknown:
         raise ValueError(f"a loaded model takes only {sorted(RUNTIME_FIELDS)} as overrides, "
@@ -106,12 +101,10 @@ def read_config(path: str, **runtime) -> tuple[Family, TransformerConfig, dict]:
     hf = read_json(config_path)
     family = family_of(hf, path)
     cfg = family.config_from_hf(hf)
+    if family.config_from_weights is not None:
+        with Weights(path) as weights:
+            cfg = family.config_from_weights(cfg, weights)
     return family, (cfg.replace(**runtime) if runtime else cfg), hf
-
-
-def generation_defaults(path: str, config: TransformerConfig) -> GenerationDefaults:
-    """generation_config.json's decoding defaults (the config's eos when it has none)."""
-    return _generation_defaults(path, read_json(os.path.join(path, "config.json")), config)
 
 
 def load(path: str, **runtime) -> Pretrained:
@@ -135,24 +128,10 @@ def load(path: str, **runtime) -> Pretrained:
             raise ValueError(f"{path} has changed since it was saved: {wrong}")
     with Weights(path) as weights:
         params = read_params(weights, family, cfg)
+    cfg, generation = with_generation(path, hf, cfg)     # an encoder-decoder's start id
     return Pretrained(model=build(cfg), config=cfg, params=params,
                       tokenizer=load_tokenizer(path, missing_ok=True),
-                      generation=_generation_defaults(path, hf, cfg),
-                      model_type=family.model_type)
-
-
-def _generation_defaults(path: str, hf: dict, cfg: TransformerConfig) -> GenerationDefaults:
-    file = os.path.join(path, "generation_config.json")
-    raw = read_json(file) if os.path.exists(file) else {}
-    eos = raw.get("eos_token_id")
-    if eos is None:                        # absent, or an explicit null: the model's own
-        eos = hf.get("eos_token_id", cfg.eos_id)
-    eos_ids = None if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
-    for i in eos_ids or ():
-        if not isinstance(i, int) or not 0 <= i < cfg.vocab_size:
-            raise ValueError(f"{path}: eos_token_id {i!r} is outside [0, vocab_size="
-                             f"{cfg.vocab_size})")
-    return GenerationDefaults(eos_ids=eos_ids or None, raw=raw)
+                      generation=generation, model_type=family.model_type)
 
 
 def save(path: str, config: TransformerConfig, params, tokenizer: Tokenizer | None = None, *,
@@ -180,12 +159,7 @@ def save(path: str, config: TransformerConfig, params, tokenizer: Tokenizer | No
     with atomic.replaced_dir(path) as tmp:
         write_json(os.path.join(tmp, "config.json"), hf)
         write_weights(tmp, theirs_tensors(family, config, params), max_shard_bytes)
-        if generation is not None and (generation.raw or generation.eos_ids):
-            gen = dict(generation.raw)
-            if generation.eos_ids:
-                eos = list(generation.eos_ids)
-                gen["eos_token_id"] = eos[0] if len(eos) == 1 else eos
-            write_json(os.path.join(tmp, "generation_config.json"), gen)
+        write_generation(tmp, generation)
         if tokenizer is not None:
             tokenizer.save(tmp)
         atomic.write_manifest(tmp, MANIFEST)
