@@ -234,9 +234,16 @@ CONFIG_CLASSES.update(bart="BartConfig", marian="MarianConfig", t5="T5Config",
 
 
 def randomize_seq2seq(model, seed: int):
-    """`randomize`, and the logits bias buffer of BART and Marian (zeros as made)."""
+    """`randomize`, and the logits bias buffer of BART and Marian (zeros as made). Frozen
+    parameters (Marian's sinusoidal position tables, which transformers neither saves nor
+    loads but regenerates) keep their values: randomised, the model would compute with
+    tables that its saved files do not hold."""
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
     randomize(model, seed)
     with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name in frozen:
+                p.copy_(frozen[name])
         for name, buf in model.named_buffers():
             if name.endswith("final_logits_bias"):
                 buf.copy_(torch.randn_like(buf) * 0.5)
@@ -269,8 +276,12 @@ class Seq2SeqCheckpoint:
         hf_cfg = getattr(transformers, CONFIG_CLASSES[model_type])(
             **copy.deepcopy(fields), attn_implementation="eager")
         torch.manual_seed(seed)
-        self.model = randomize_seq2seq(
-            transformers.AutoModelForSeq2SeqLM.from_config(hf_cfg), seed)
+        model = transformers.AutoModelForSeq2SeqLM.from_config(hf_cfg)
+        if fields.get("tie_word_embeddings") is False and model_type in ("t5", "mt5"):
+            # transformers v5 builds every T5 tied (the flag only drops the head's input
+            # scale); published v1.1 / mT5 checkpoints hold a head of their own: so this.
+            model.lm_head.weight = torch.nn.Parameter(model.shared.weight.detach().clone())
+        self.model = randomize_seq2seq(model, seed)
         assert self.model.config._attn_implementation == "eager"
         self.path = os.path.join(root, name)
         self.model.save_pretrained(self.path, safe_serialization=True)

@@ -2,11 +2,12 @@
 
 Reading checks the whole file against the table before converting anything: every tensor
 the rules need must be there (missing ones are named), every tensor there must be needed,
-ignorable, or the tied head (unexpected ones are named), and every converted array must have
-the shape the model expects (named with both shapes). Tensors are read, converted and cast
-one at a time on the host and each parameter is put on the device as soon as it is whole
-(stacked, scanned parameters when their rule is done), so the host holds the parameters
-once, plus at most one rule's arrays.
+ignorable, a tied copy or the tied head (unexpected ones are named), tied copies must equal
+the tensor read and stored tensors the config determines must equal it (both named
+otherwise), and every converted array must have the shape the model expects (named with
+both shapes). Tensors are read, converted and cast one at a time on the host and each
+parameter is put on the device as soon as it is whole (stacked, scanned parameters when
+their rule is done), so the host holds the parameters once, plus at most one rule's arrays.
 """
 
 from __future__ import annotations
@@ -66,11 +67,18 @@ def read_params(weights: Weights, family: Family, cfg: TransformerConfig) -> dic
     needed = {k for _, theirs, _ in entries for k in theirs}
     present = weights.keys()
     resolve = _key_resolver(family, present, needed)
-    missing = {k for k in needed if resolve(k) not in present}
+    # Where each needed tensor is read from: its own key, or else a tied copy's.
+    stored = {k: [resolve(c) for c in (k, *family.copies.get(k, ())) if resolve(c) in present]
+              for k in needed}
+    missing = {k for k in needed if not stored[k]}
     if missing:
         raise ValueError(f"{family.model_type} checkpoint {weights.directory} lacks "
                          f"{len(missing)} tensor(s) the config needs: {_show(missing)}")
-    used = {resolve(k) for k in needed}
+    source = {k: keys[0] for k, keys in stored.items()}
+    _check_copies(weights, family, stored)
+    fixed = {resolve(k): a for k, a in (family.fixed(cfg) if family.fixed else {}).items()}
+    _check_fixed(weights, family, {k: a for k, a in fixed.items() if k in present})
+    used = {c for keys in stored.values() for c in keys} | set(fixed)
     extra = {k for k in present - used if not family.is_ignored(k)
              and not (k == resolve(TIED_HEAD) and cfg.tie_embeddings)}
     if extra:
@@ -85,7 +93,7 @@ def read_params(weights: Weights, family: Family, cfg: TransformerConfig) -> dic
     tree: dict = {}
     stacks: dict[tuple, dict[int, jax.Array]] = {}
     for rule, theirs, ours in entries:
-        read = [weights.read(resolve(k)) for k in theirs]
+        read = [weights.read(source[k]) for k in theirs]
         for k, a in zip(theirs, read, strict=True):
             if not jnp.issubdtype(a.dtype, jnp.floating):      # bfloat16 included
                 raise ValueError(f"{family.model_type} checkpoint tensor {k} holds "
@@ -113,6 +121,36 @@ def read_params(weights: Weights, family: Family, cfg: TransformerConfig) -> dic
             layers = stacks.pop(slot)
             _put(tree, slot, jax.device_put(np.stack([layers[i] for i in range(len(layers))])))
     return tree
+
+
+def _check_copies(weights: Weights, family: Family, stored: dict[str, list[str]]) -> None:
+    """Tied copies in the file (`Family.copies`) equal the tensor read, bit for bit."""
+    for keys in stored.values():
+        if len(keys) < 2:
+            continue
+        first = weights.read(keys[0])
+        for other in keys[1:]:
+            a = weights.read(other)
+            if a.shape != first.shape or a.dtype != first.dtype or not np.array_equal(a, first):
+                raise ValueError(
+                    f"{family.model_type} checkpoint {weights.directory}: {other} and "
+                    f"{keys[0]} differ, but the config ties them (transformers would use them "
+                    "as separate weights, which this model type cannot express)")
+
+
+def _check_fixed(weights: Weights, family: Family, fixed: dict[str, np.ndarray]) -> None:
+    """Stored copies of tensors the config determines (`Family.fixed`) equal ours, rounded
+    to the file's dtype (within one unit in its last place)."""
+    for key, want in fixed.items():
+        got = weights.read(key)
+        rounded = np.asarray(want).astype(got.dtype)
+        tol = 2 * float(jnp.finfo(got.dtype).eps) if jnp.issubdtype(got.dtype, jnp.floating) else 0
+        if got.shape != want.shape or not np.allclose(
+                got.astype(np.float64), rounded.astype(np.float64), rtol=0, atol=tol):
+            raise ValueError(
+                f"{family.model_type} checkpoint {weights.directory}: {key} (shape "
+                f"{got.shape}) is not the table the config determines (shape {want.shape}); "
+                "this project regenerates it and cannot load a different one")
 
 
 def theirs_tensors(family: Family, cfg: TransformerConfig,

@@ -9,6 +9,8 @@ import re
 from collections.abc import Callable
 
 from models.config import TransformerConfig
+from models.pretrained.files import Weights
+from models.pretrained.generation import FIELDS as GENERATION_FIELDS
 from models.pretrained.mapping import Rule
 
 
@@ -27,6 +29,19 @@ class Family:
         prefix: the base model's key prefix ("model.", "transformer."); files saved from
             the base model alone lack it, and are read all the same.
         ignored: regexes of file keys that are not weights (buffers) and are skipped.
+        copies: tied tensors: a key of the rules -> the other keys transformers ties to it
+            (BART's shared embedding is also each stack's `embed_tokens` and the head). A
+            file may hold any of them; the rule reads the first there, and every other
+            copy there must equal it bit for bit (transformers unties copies that differ,
+            which a tied config cannot compute). Saving writes the rule's key only.
+        fixed: tensors a file may hold that are functions of the config (Marian's
+            sinusoids, which transformers regenerates when they are absent): config ->
+            {key: array}. One that is there must equal the array (to its dtype's rounding)
+            or the checkpoint is refused; they are never written.
+        config_from_weights: None, or (config, the checkpoint's `Weights`) -> config, for
+            what transformers settles from the tensors rather than config.json (T5: the
+            head is tied unless the file holds a different `lm_head.weight`). Applied by
+            `read_config`, so `load` and a fine-tuning run see the same config.
     """
 
     model_type: str
@@ -36,6 +51,9 @@ class Family:
     rules: Callable[[TransformerConfig], list[Rule]]
     prefix: str = ""
     ignored: tuple[str, ...] = ()
+    copies: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    fixed: Callable[[TransformerConfig], dict] | None = None
+    config_from_weights: Callable[[TransformerConfig, Weights], TransformerConfig] | None = None
 
     def is_ignored(self, key: str) -> bool:
         return any(re.fullmatch(p, key) for p in self.ignored)
@@ -47,7 +65,7 @@ class Inexpressible(ValueError):
 
 # Fields of Hugging Face's base config class (and of older config.json files) that do not
 # change what the model computes from its weights: bookkeeping, outputs, and generation
-# defaults (those are read from generation_config.json; see `models.pretrained.load`).
+# defaults (read by `models.pretrained.generation`; the special ids each family reads).
 HARMLESS = frozenset({
     "architectures", "model_type", "transformers_version", "dtype", "torch_dtype",
     "use_cache", "initializer_range", "_name_or_path", "name_or_path", "output_attentions",
@@ -65,7 +83,7 @@ HARMLESS = frozenset({
     "forced_bos_token_id", "forced_eos_token_id", "remove_invalid_values",
     "exponential_decay_length_penalty", "suppress_tokens", "begin_suppress_tokens",
     "gradient_checkpointing", "is_decoder",
-})
+}) | (GENERATION_FIELDS - {"pad_token_id", "bos_token_id", "eos_token_id"})
 
 
 class ConfigReader:

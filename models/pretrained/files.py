@@ -32,7 +32,7 @@ class Weights(contextlib.AbstractContextManager):
 
         with Weights(directory) as w:
             w.keys()                 # every tensor name, across shards
-            w.shape(name), w.read(name)
+            w.shape(name), w.read(name), w.read_rows(name, 1)
     """
 
     def __init__(self, directory: str):
@@ -98,6 +98,10 @@ class Weights(contextlib.AbstractContextManager):
 
     def read(self, key: str) -> np.ndarray:
         return self._files[self._where[key]].get_tensor(key)
+
+    def read_rows(self, key: str, stop: int) -> np.ndarray:
+        """The first `stop` rows of a tensor, reading only those."""
+        return self._files[self._where[key]].get_slice(key)[:stop]
 
     def __exit__(self, *exc):
         self._stack.close()

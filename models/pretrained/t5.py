@@ -1,20 +1,256 @@
-"""`t5`: being written (issue 15)."""
+"""`t5` (v1.0, v1.1 and FLAN-T5) and `mt5`: an encoder-decoder with T5's bucketed relative
+position bias (one [buckets, N] table per stack, stored in its first block and shared by
+all its layers; bidirectional buckets in the encoder, causal in the decoder), attention
+logits not scaled by 1/sqrt(H), pre-norm RMSNorm without bias plus a final norm per stack,
+no biases anywhere, head_dim `d_kv` (free of d_model / num_heads), one embedding table for
+both stacks, and an MLP given by `feed_forward_proj`: "relu" (v1.0), "gated-gelu" (tanh
+GELU, GeGLU: v1.1, FLAN-T5, mT5), "gated-silu" (SwiGLU), "gelu" (exact), "silu".
+
+The head, following transformers v5:
+- Tied or not is settled by the tensors (`config_from_weights`), not by config.json: the
+  head is the embedding unless the file holds an `lm_head.weight` that differs from it
+  (v5 writes `tie_word_embeddings: true` for every T5 and drops a tied head when saving;
+  v4 files of v1.1 and mT5 hold their own head and say false).
+- Its input is scaled by d_model ** -0.5 (our `scale_head_input`) as t5's
+  `scale_decoder_outputs` says; a config.json without that field (written by transformers
+  v4) scales unless `tie_word_embeddings` is false. mt5 never scales in v5.
+
+Effective activation: transformers derives `dense_act_fn` and `is_gated_act` from
+`feed_forward_proj`, but values stored in config.json override the derived ones, so they
+are what we read too. Special ids: the decoder start token (`decoder_start_token_id`,
+default the pad id) is our `bos_id`; pad 0 and eos 1 by default. T5 has no maximum length;
+`max_len` is `n_positions` (512 when absent), written back as such.
+
+Files may also hold `encoder.embed_tokens.weight` / `decoder.embed_tokens.weight` (copies
+of `shared.weight`, which they stand in for when it is absent) and old checkpoints an unused
+cross-attention position table in decoder block 0 (skipped, as transformers does).
+Refused by name: any other activation, a gated exact GELU, an encoder-only config, umT5
+(its own model_type, a bias table in every layer) and config fields this module does not
+know.
+"""
 
 from __future__ import annotations
 
+import numpy as np
+
 from models.config import TransformerConfig
-from models.pretrained.family import Family, Inexpressible
+from models.pretrained.family import ConfigReader, Family, Inexpressible, require
+from models.pretrained.files import Weights
+from models.pretrained.mapping import (
+    LINEAR_FROM_HEADS,
+    TRANSPOSE,
+    Rule,
+    linear_to_heads,
+    untied_head,
+)
+
+# (dense_act_fn, is_gated_act) -> our activation; everything else is refused.
+ACTIVATIONS = {("relu", False): "relu", ("gelu", False): "gelu_exact",
+               ("gelu_new", False): "gelu", ("gelu_pytorch_tanh", False): "gelu",
+               ("silu", False): "silu", ("swish", False): "silu",
+               ("gelu_new", True): "geglu", ("gelu_pytorch_tanh", True): "geglu",
+               ("silu", True): "swiglu", ("swish", True): "swiglu"}
+# Ours -> (feed_forward_proj, dense_act_fn, is_gated_act) as transformers writes them.
+HF_ACTIVATIONS = {"relu": ("relu", "relu", False), "gelu_exact": ("gelu", "gelu", False),
+                  "gelu": ("gelu_new", "gelu_new", False), "silu": ("silu", "silu", False),
+                  "geglu": ("gated-gelu", "gelu_new", True),
+                  "swiglu": ("gated-silu", "silu", True)}
+# The class defaults of the fields a config.json may leave out.
+DEFAULTS = {
+    "t5": dict(vocab_size=32128, d_model=512, d_kv=64, d_ff=2048, num_layers=6, num_heads=8,
+               feed_forward_proj="relu"),
+    "mt5": dict(vocab_size=250112, d_model=512, d_kv=64, d_ff=1024, num_layers=8,
+                num_heads=6, feed_forward_proj="gated-gelu"),
+}
+MAX_LEN = 512                        # T5's training length, when n_positions is absent
+EMBEDDING = "shared.weight"
+STACK_EMBEDDINGS = ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight")
+HEAD = "lm_head.weight"
 
 
-def config_from_hf(hf: dict) -> TransformerConfig:
-    raise ValueError("t5 checkpoints are not supported yet")
+def derived_activation(proj: str) -> tuple[str, bool] | None:
+    """(dense_act_fn, is_gated_act) as transformers derives them from feed_forward_proj,
+    or None for a value it rejects ("ACT" or "gated-ACT" only)."""
+    parts = proj.split("-")
+    if len(parts) > 2 or (len(parts) == 2 and parts[0] != "gated"):
+        return None
+    if proj == "gated-gelu":                 # kept for old checkpoints: tanh GELU
+        return "gelu_new", True
+    return parts[-1], len(parts) == 2
 
 
-def config_to_hf(cfg: TransformerConfig) -> dict:
-    raise Inexpressible("t5 is not written yet")
+def read_activation(r: ConfigReader, default: str) -> str:
+    proj = r.take("feed_forward_proj", default)
+    derived = derived_activation(proj) if isinstance(proj, str) else None
+    if derived is None:
+        r.refuse("feed_forward_proj", proj, "'ACT' or 'gated-ACT'")
+    act, gated = r.take("dense_act_fn", derived[0]), r.take("is_gated_act", derived[1])
+    if (act, gated) not in ACTIVATIONS:
+        known = ", ".join(sorted({hf[0] for hf in HF_ACTIVATIONS.values()}))
+        if (act, gated) == derived:
+            r.refuse("feed_forward_proj", proj, f"supported: {known}")
+        r.refuse("dense_act_fn", act, f"with is_gated_act={gated} (feed_forward_proj="
+                 f"{proj!r}); supported: the activations of {known}")
+    return ACTIVATIONS[act, gated]
 
 
-FAMILY = Family(model_type="t5", architectures=(), config_from_hf=config_from_hf,
-                config_to_hf=config_to_hf, rules=lambda cfg: [])
-MT5_FAMILY = Family(model_type="mt5", architectures=(), config_from_hf=config_from_hf,
-                    config_to_hf=config_to_hf, rules=lambda cfg: [])
+def scales_head_input(r: ConfigReader, model_type: str) -> bool:
+    tie = r.take("tie_word_embeddings", True)
+    if model_type == "mt5":
+        r.expect("scale_decoder_outputs", False)
+        return False
+    if "scale_decoder_outputs" in r.hf:     # written by v5 (null: not scaled either)
+        return bool(r.take("scale_decoder_outputs", False))
+    return tie is not False                   # v4: tied meant scaled
+
+
+def reader(model_type: str):
+    def config_from_hf(hf: dict) -> TransformerConfig:
+        r = ConfigReader(hf, model_type)
+        defaults = DEFAULTS[model_type]
+        activation = read_activation(r, defaults["feed_forward_proj"])
+        scale = scales_head_input(r, model_type)
+        r.expect("is_encoder_decoder", True)
+        for key in ("initializer_factor", "classifier_dropout", "output_past", "bos_token_id"):
+            r.take(key, None)      # initialisation, heads we do not build, T5 has no <s>
+        layers = r.take("num_layers", defaults["num_layers"])
+        # The class defaults for absent ids; an explicit null stays None.
+        eos = r.take("eos_token_id", None) if "eos_token_id" in hf else 1
+        if isinstance(eos, list):
+            eos = eos[0] if eos else None
+        pad = r.take("pad_token_id", None) if "pad_token_id" in hf else 0
+        start = r.take("decoder_start_token_id", None) if "decoder_start_token_id" in hf else pad
+        if start is None:
+            r.refuse("decoder_start_token_id", None, "the decoder needs a start token; "
+                     "config.json names none, nor a pad token to start from")
+        dropout = float(r.take("dropout_rate", 0.1))
+        cfg = TransformerConfig(
+            architecture="encoder_decoder",
+            vocab_size=r.take("vocab_size", defaults["vocab_size"]),
+            d_model=r.take("d_model", defaults["d_model"]),
+            num_heads=r.take("num_heads", defaults["num_heads"]),
+            head_dim=r.take("d_kv", defaults["d_kv"]),
+            mlp_dim=r.take("d_ff", defaults["d_ff"]),
+            num_encoder_layers=layers,
+            num_decoder_layers=r.take("num_decoder_layers", layers),
+            max_len=r.take("n_positions", MAX_LEN), positions="relative",
+            relative_buckets=r.take("relative_attention_num_buckets", 32),
+            relative_max_distance=r.take("relative_attention_max_distance", 128),
+            norm="rmsnorm", norm_position="pre", norm_eps=r.take("layer_norm_epsilon", 1e-6),
+            activation=activation, use_bias=False, share_embeddings=True,
+            # The tensors settle this (`config_from_weights`); config.json's guess first.
+            tie_embeddings=r.hf.get("tie_word_embeddings") is not False,
+            scale_embeddings=False, scale_attention=False, scale_head_input=scale,
+            dropout_rate=dropout, attention_dropout_rate=dropout, mlp_dropout_rate=dropout,
+            pad_id=pad, eos_id=eos, bos_id=start)
+        r.finish()
+        return cfg
+
+    return config_from_hf
+
+
+def writer(model_type: str):
+    def config_to_hf(cfg: TransformerConfig) -> dict:
+        require(cfg, model_type, architecture="encoder_decoder", positions="relative",
+                norm="rmsnorm", norm_position="pre", use_bias=False, qkv_bias=False,
+                sliding_window=None, num_kv_heads=cfg.num_heads, share_embeddings=True,
+                scale_embeddings=False, scale_attention=False,
+                scale_head_input=cfg.scale_head_input if model_type == "t5" else False,
+                mlp_dropout_rate=cfg.dropout_rate, attention_dropout_rate=cfg.dropout_rate)
+        if cfg.activation not in HF_ACTIVATIONS:
+            raise Inexpressible(f"{model_type} cannot express activation={cfg.activation!r}")
+        proj, act, gated = HF_ACTIVATIONS[cfg.activation]
+        hf = {
+            "vocab_size": cfg.vocab_size, "d_model": cfg.d_model, "d_kv": cfg.head_dim,
+            "d_ff": cfg.mlp_dim, "num_layers": cfg.num_encoder_layers,
+            "num_decoder_layers": cfg.num_decoder_layers, "num_heads": cfg.num_heads,
+            "relative_attention_num_buckets": cfg.relative_buckets,
+            "relative_attention_max_distance": cfg.relative_max_distance,
+            "dropout_rate": cfg.dropout_rate, "layer_norm_epsilon": cfg.norm_eps,
+            "feed_forward_proj": proj, "dense_act_fn": act, "is_gated_act": gated,
+            "is_encoder_decoder": True, "n_positions": cfg.max_len,
+            # What transformers v4 reads as "tied and scaled" (v5 settles tying from the
+            # tensors: a head is written only when untied).
+            "tie_word_embeddings": cfg.tie_embeddings,
+            "decoder_start_token_id": cfg.bos_id, "pad_token_id": cfg.pad_id,
+            "eos_token_id": cfg.eos_id,
+        }
+        if model_type == "t5":
+            hf["scale_decoder_outputs"] = cfg.scale_head_input
+        return hf
+
+    return config_to_hf
+
+
+def _equal(a: np.ndarray, b: np.ndarray) -> bool:
+    """Equal as transformers compares tied parameters (values in float32)."""
+    return a.shape == b.shape and np.array_equal(a.astype(np.float32), b.astype(np.float32))
+
+
+def config_from_weights(cfg: TransformerConfig, weights: Weights) -> TransformerConfig:
+    """Tied unless the file holds an `lm_head.weight` that differs from the embedding (as
+    transformers v5 decides when loading). The first rows are compared first, so a head
+    of its own is told apart without reading both tables whole."""
+    keys = weights.keys()
+    embedding = next((k for k in (EMBEDDING, *STACK_EMBEDDINGS) if k in keys), None)
+    if HEAD not in keys:
+        tied = True
+    elif embedding is None or weights.shape(HEAD) != weights.shape(embedding):
+        tied = False       # a missing or misshapen embedding is named when reading
+    else:
+        tied = (_equal(weights.read_rows(HEAD, 1), weights.read_rows(embedding, 1))
+                and _equal(weights.read(HEAD), weights.read(embedding)))
+    return cfg.replace(tie_embeddings=tied)
+
+
+def rules(cfg: TransformerConfig) -> list[Rule]:
+    def block(stack: str, theirs: str, ours: str, layout=None) -> Rule:
+        return Rule(f"{stack}.block.{{i}}.layer.{theirs}", f"{stack}/layer_{{i}}/{ours}",
+                    layout, stack=stack)
+
+    def attention(stack: str, sub: str, name: str, ours: str) -> list[Rule]:
+        table = [block(stack, f"{sub}.{name}.q.weight", f"{ours}/query/kernel",
+                       linear_to_heads("q"))]
+        if ours == "cross_attention":        # keys/values: slices of the stacked kernels
+            table += [Rule(f"{stack}.block.{{i}}.layer.{sub}.{name}.{p}.weight",
+                           f"cross_kv/{kv}_kernel[{{i}}]", linear_to_heads("kv"), stack=stack)
+                      for p, kv in (("k", "key"), ("v", "value"))]
+        else:
+            table += [block(stack, f"{sub}.{name}.{p}.weight", f"{ours}/{kv}/kernel",
+                            linear_to_heads("kv")) for p, kv in (("k", "key"), ("v", "value"))]
+        return table + [
+            block(stack, f"{sub}.{name}.o.weight", f"{ours}/out/kernel", LINEAR_FROM_HEADS),
+            block(stack, f"{sub}.layer_norm.weight", f"{ours}_norm/scale")]
+
+    def mlp(stack: str, sub: int) -> list[Rule]:
+        ff = f"{sub}.DenseReluDense"
+        gated = cfg.activation in ("geglu", "swiglu")
+        table = ([block(stack, f"{ff}.wi_0.weight", "mlp/gate/kernel", TRANSPOSE),
+                  block(stack, f"{ff}.wi_1.weight", "mlp/up/kernel", TRANSPOSE)] if gated
+                 else [block(stack, f"{ff}.wi.weight", "mlp/up/kernel", TRANSPOSE)])
+        return table + [block(stack, f"{ff}.wo.weight", "mlp/down/kernel", TRANSPOSE),
+                        block(stack, f"{sub}.layer_norm.weight", "mlp_norm/scale")]
+
+    table = [Rule(EMBEDDING, "src_tokens/embedding")]
+    for stack in ("encoder", "decoder"):
+        # torch Embedding [buckets, N], as ours; only the first block holds it.
+        table += [Rule(f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight",
+                       f"{stack}/relative_bias/embedding"),
+                  *attention(stack, "0", "SelfAttention", "self_attention"),
+                  Rule(f"{stack}.final_layer_norm.weight", f"{stack}/final_norm/scale")]
+    table += [*mlp("encoder", 1), *attention("decoder", "1", "EncDecAttention", "cross_attention"),
+              *mlp("decoder", 2)]
+    return table + untied_head(cfg)
+
+
+def family(model_type: str, architecture: str) -> Family:
+    return Family(
+        model_type=model_type, architectures=(architecture,),
+        config_from_hf=reader(model_type), config_to_hf=writer(model_type), rules=rules,
+        copies={EMBEDDING: STACK_EMBEDDINGS}, config_from_weights=config_from_weights,
+        # Old checkpoints: a cross-attention position table nothing reads.
+        ignored=(r"decoder\.block\.0\.layer\.1\.EncDecAttention\.relative_attention_bias\.weight",))
+
+
+FAMILY = family("t5", "T5ForConditionalGeneration")
+MT5_FAMILY = family("mt5", "MT5ForConditionalGeneration")
