@@ -12,6 +12,17 @@ Llama a leading BOS, Marian and T5 a trailing EOS). The project's tokenizers car
 in `add_bos` / `add_eos`, set when a model is exported with them: a decoder-only model's
 prompts start with BOS (its training inputs did), an encoder-decoder's sources end in EOS.
 
+Two sides. An encoder-decoder's targets may have a tokenizer of their own: Marian keeps
+`source.spm` for what the encoder reads and `target.spm` for what the decoder writes (one
+`vocab.json` maps both models' pieces to ids). `encode(text, target=True)` and
+`encode_batch(texts, target=True)` encode target-side text (Hugging Face's `text_target=`),
+and `decode` reads model outputs, which are target-side text. Every other tokenizer (ours,
+GPT-2's, BART's, T5's) has one model, and `target` changes nothing:
+
+    tok.encode("the cat")               # Marian: source.spm's pieces, mapped by vocab.json
+    tok.encode("die Katze", target=True)   # target.spm's pieces
+    tok.decode(output_ids)              # target.spm's pieces back to text
+
 `tok.save(dir)` and `load_tokenizer(dir)` use a model directory's files: the project's
 `zoo_tokenizer.json` (+ `spm.model`), or Hugging Face's.
 """
@@ -19,6 +30,7 @@ prompts start with BOS (its training inputs did), an encoder-decoder's sources e
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -45,16 +57,19 @@ class Tokenizer(Protocol):
     bos_id: int | None
     unk_id: int | None
 
-    def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]: ...
-    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]: ...   # pieces only
-    def decode(self, ids: Iterable[int]) -> str: ...   # up to the first EOS, no specials
+    def encode(self, text: str, *, add_special_tokens: bool = False,
+               target: bool = False) -> list[int]: ...
+    def encode_batch(self, texts: Sequence[str], *,
+                     target: bool = False) -> list[list[int]]: ...   # pieces only
+    def decode(self, ids: Iterable[int]) -> str: ...   # target side, up to the first EOS,
+                                                       # no specials
     def id_to_piece(self, ids: Iterable[int]) -> list[str]: ...
     def save(self, directory: str) -> None: ...
 
     @property
     def identity(self) -> str:
-        """Equal for two tokenizers exactly when they map text to the same pieces (caches
-        are keyed by it)."""
+        """Equal for two tokenizers exactly when they map text to the same pieces, on both
+        sides (caches are keyed by it)."""
 
 
 def _checked_ids(ids: Iterable[int], vocab_size: int) -> list[int]:
@@ -74,7 +89,9 @@ class _OwnTokenizer:
     pad_id, eos_id, bos_id, unk_id = PAD_ID, EOS_ID, BOS_ID, UNK_ID
     kind = "?"
 
-    def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
+    def encode(self, text: str, *, add_special_tokens: bool = False,
+               target: bool = False) -> list[int]:
+        del target                            # one model for both sides
         ids = self._pieces(text)
         if add_special_tokens:
             ids = [BOS_ID] * self.add_bos + ids + [EOS_ID] * self.add_eos
@@ -115,7 +132,7 @@ class ByteTokenizer(_OwnTokenizer):
     def _pieces(self, text: str) -> list[int]:
         return [b + self.offset for b in text.encode("utf-8")]
 
-    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+    def encode_batch(self, texts: Sequence[str], *, target: bool = False) -> list[list[int]]:
         return [self._pieces(t) for t in texts]
 
     def decode(self, ids: Iterable[int]) -> str:
@@ -167,7 +184,7 @@ class SentencePieceTokenizer(_OwnTokenizer):
     def _pieces(self, text: str) -> list[int]:
         return self._sp.encode(text)
 
-    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+    def encode_batch(self, texts: Sequence[str], *, target: bool = False) -> list[list[int]]:
         return self._sp.encode(list(texts))
 
     def decode(self, ids: Iterable[int]) -> str:
@@ -185,15 +202,25 @@ class SentencePieceTokenizer(_OwnTokenizer):
 
 class HFTokenizer:
     """A Hugging Face tokenizer behind the protocol. Loaded with `local_files_only` and
-    never with `trust_remote_code`."""
+    never with `trust_remote_code`.
+
+    `target=True` encodes as `tokenizer(text_target=...)` does (Marian's target.spm; the
+    same pieces for tokenizers with one model), and `decode` as the target side too."""
 
     kind = "huggingface"
+    # Where transformers' sentencepiece-based tokenizers without a `tokenizers` backend keep
+    # their models (Marian: one per side); `identity` hashes them with the vocabulary.
+    SENTENCEPIECE_ATTRIBUTES = ("sp_model", "spm_source", "spm_target")
 
     def __init__(self, tokenizer):
         self.hf = tokenizer
         self.vocab_size = len(tokenizer)
         self.pad_id, self.eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
         self.bos_id, self.unk_id = tokenizer.bos_token_id, tokenizer.unk_token_id
+        # Marian's tokenizer with one vocab.json decodes with source.spm unless told
+        # otherwise; the others take no such argument (some refuse unknown ones).
+        self._decode_target = ({"use_source_tokenizer": False}
+                               if hasattr(tokenizer, "spm_target") else {})
 
     @classmethod
     def from_directory(cls, directory: str) -> HFTokenizer:
@@ -209,17 +236,22 @@ class HFTokenizer:
         return cls(AutoTokenizer.from_pretrained(directory, local_files_only=True,
                                                  trust_remote_code=False))
 
-    def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
+    def encode(self, text: str, *, add_special_tokens: bool = False,
+               target: bool = False) -> list[int]:
+        if target:
+            return self.hf(text_target=text, add_special_tokens=add_special_tokens)["input_ids"]
         return self.hf.encode(text, add_special_tokens=add_special_tokens)
 
-    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        return self.hf(list(texts), add_special_tokens=False)["input_ids"]
+    def encode_batch(self, texts: Sequence[str], *, target: bool = False) -> list[list[int]]:
+        side = "text_target" if target else "text"
+        return self.hf(**{side: list(texts)}, add_special_tokens=False)["input_ids"]
 
     def decode(self, ids: Iterable[int]) -> str:
+        """Target-side text (what a model generates; Marian: target.spm's pieces)."""
         ids = [int(i) for i in ids]
         if self.eos_id is not None and self.eos_id in ids:
             ids = ids[:ids.index(self.eos_id)]
-        return self.hf.decode(ids, skip_special_tokens=True)
+        return self.hf.decode(ids, skip_special_tokens=True, **self._decode_target)
 
     def id_to_piece(self, ids: Iterable[int]) -> list[str]:
         return self.hf.convert_ids_to_tokens(_checked_ids(ids, self.vocab_size))
@@ -227,11 +259,20 @@ class HFTokenizer:
     def save(self, directory: str) -> None:
         self.hf.save_pretrained(directory)
 
-    @property
+    @functools.cached_property
     def identity(self) -> str:
         backend = getattr(self.hf, "backend_tokenizer", None)
-        spec = (backend.to_str() if backend is not None
-                else json.dumps(self.hf.get_vocab(), sort_keys=True))
+        if backend is not None:
+            spec = backend.to_str()
+        else:          # the vocabulary, and each sentencepiece model by its role
+            spec = json.dumps(self.hf.get_vocab(), sort_keys=True)
+            spms = {name: hashlib.sha256(sp.serialized_model_proto()).hexdigest()
+                    for name in self.SENTENCEPIECE_ATTRIBUTES
+                    if (sp := getattr(self.hf, name, None)) is not None}
+            if spms:
+                spec += json.dumps(spms, sort_keys=True)
+            if getattr(self.hf, "separate_vocabs", False):      # Marian's target_vocab.json
+                spec += json.dumps(self.hf.get_tgt_vocab(), sort_keys=True)
         return f"{self.kind}:{type(self.hf).__name__}:{hashlib.sha256(spec.encode()).hexdigest()}"
 
 

@@ -337,8 +337,23 @@ def config_item(experiment: dict, choice: ModelChoice, data: dict | None = None)
     return {"experiment": experiment, "model": choice.config.to_dict(),
             "model_type": choice.model_type,
             "generation": None if generation is None else {
-                "eos_ids": generation.eos_ids, "raw": generation.raw},
+                "eos_ids": generation.eos_ids, "start_id": generation.start_id,
+                "raw": generation.raw},
             "data": data}
+
+
+def _generation(saved: dict | None, config: TransformerConfig) -> GenerationDefaults | None:
+    """The decoding defaults a checkpoint's config item kept (`config_item`), parsed again
+    from the directory's fields as `models.load` parsed them; its end and start ids stand
+    for config.json's (checkpoints before start_id was kept have none)."""
+    if not saved:
+        return None
+    eos = saved.get("eos_ids")
+    return GenerationDefaults.from_dict(
+        saved["raw"], config.vocab_size,
+        model_config={"eos_token_id": list(eos) if eos else None,
+                      "decoder_start_token_id": saved.get("start_id")},
+        where="the checkpoint's generation defaults")
 
 
 def restore_model(workdir: str, step: int | None = None) -> SavedModel:
@@ -381,10 +396,8 @@ def restore_model(workdir: str, step: int | None = None) -> SavedModel:
             from train.model_config import model_config
             item = config_item(item, ModelChoice(
                 model_config(ml_collections.ConfigDict(item), tok.vocab_size)))
-        generation = item["generation"] and GenerationDefaults(
-            eos_ids=tuple(item["generation"]["eos_ids"] or ()) or None,
-            raw=item["generation"]["raw"])
-        return SavedModel(got.params, TransformerConfig.from_dict(item["model"]), tok, s,
-                          item["model_type"], generation, item["experiment"])
+        config = TransformerConfig.from_dict(item["model"])
+        return SavedModel(got.params, config, tok, s, item["model_type"],
+                          _generation(item["generation"], config), item["experiment"])
     raise FileNotFoundError(f"no readable checkpoint in {path}: "
                             + "; ".join(f"step {s}: {reason}" for s, reason in unusable))

@@ -341,7 +341,7 @@ def _check_model(c: dict) -> None:
 
     from models.config import check_keys
     from models.tokenizer import ByteTokenizer
-    from train.model_config import model_config
+    from train.model_config import check_trainable, model_config
     overrides = dict(c["model_overrides"])
     try:
         check_keys(overrides)
@@ -355,6 +355,11 @@ def _check_model(c: dict) -> None:
             | {"model_overrides": overrides}), vocab)
     except (ValueError, TypeError) as e:
         raise _fail("model_overrides", overrides, f"{e} (model={c['model']!r})", ": ") from None
+    if cfg.architecture == "encoder_only":
+        try:
+            check_trainable(cfg, c["model"])
+        except ValueError as e:
+            raise _fail("model", c["model"], f"({e})") from None
     kind = _dataset_kind(c["dataset"])
     if cfg.is_encoder_decoder != (kind == "translation"):
         raise _fail("model", c["model"], f"({cfg.architecture}) does not fit dataset="

@@ -1,5 +1,13 @@
 """Evaluation: validation loss/accuracy/perplexity, and decoded samples scored by exact match
-and BLEU (sacrebleu), with a few source / reference / hypothesis triples to print."""
+and BLEU (sacrebleu), with a few source / reference / hypothesis triples to print.
+
+How samples are decoded (`decode_settings`): from scratch, greedy and beam search with the
+config's `beam_size` and `length_penalty`. A fine-tuned model (`init_from`) decodes as its
+directory says it should (generation_config.json, through `GenerationDefaults`): its end
+ids, forced first and last tokens, banned ids, minimum length, and its beam count and
+length penalty with transformers' length normalisation, so the scores are those its users
+would see; `config.beam_size` only where the directory names no beam count.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +17,7 @@ import sacrebleu
 import decode
 from train import step as step_lib
 from train.data import Dataset, Tokenizer
+from train.model_config import ModelChoice
 
 
 def loss_metrics(dp, params, batches) -> dict:
@@ -25,13 +34,49 @@ def loss_metrics(dp, params, batches) -> dict:
     return step_lib.summarise(total)
 
 
+def decode_settings(config, choice: ModelChoice, *, beam: bool) -> tuple[int, dict]:
+    """(beam size, keyword arguments of `translate`) for an evaluation's greedy (`beam`
+    False: beam size 1) or beam-search decoding; see the module docstring.
+
+        from scratch, beam:  (config.beam_size, {"length_penalty": config.length_penalty})
+        opus-mt, beam:       (its num_beams, {"length_penalty": 1.0,
+                              "length_normalization": "hf", "eos_id": (0,),
+                              "forced_eos_id": 0, "banned_ids": (58100,)})
+        opus-mt, greedy:     (1, {"eos_id": (0,), "forced_eos_id": 0, "banned_ids": (58100,)})
+
+    A directory that names no beam count gets `config.beam_size` (transformers' default of
+    1 would leave no beam search to score), with its length penalty (transformers' 1.0
+    when it names none). The number of new tokens is always `config.max_decode_length`: a
+    directory's `max_length` is for its users' inputs, not for this run's data.
+    """
+    generation = choice.generation
+    if generation is None:
+        return ((config.beam_size, {"length_penalty": config.length_penalty}) if beam
+                else (1, {}))
+    options = dict(generation.beam_options(choice.config) if beam
+                   else generation.generate_options(choice.config))
+    options.pop("max_new_tokens", None)
+    beam_size = options.pop("beam_size", 1)
+    if beam and generation.num_beams is None:
+        beam_size = config.beam_size
+    return beam_size, options
+
+
 def translate(model, params, tok: Tokenizer, sources: list[str], *, max_source_length: int,
               max_new_tokens: int, beam_size: int = 1, length_penalty: float = 0.6,
-              batch_size: int = 64) -> list[str]:
+              batch_size: int = 64, **options) -> list[str]:
     """Greedy (beam_size 1) or beam-search translations, in fixed-shape batches.
+
+    Sources are encoded as the source side with the tokenizer's EOS appended (as in
+    training); outputs are decoded as the target side.
 
     `params` are host arrays, so each call runs on this process's first local device: no
     collective, and processes may decode different numbers of batches.
+
+    Args:
+        options: further keyword arguments of `decode.generate` or `decode.beam_search`
+            (end ids, forced and banned ids, `length_normalization`, ...), as
+            `decode_settings` gives them.
     """
     out = []
     for start in range(0, len(sources), batch_size):
@@ -46,10 +91,11 @@ def translate(model, params, tok: Tokenizer, sources: list[str], *, max_source_l
         if beam_size > 1:
             tokens = decode.beam_search(model, params, prompts, lengths, beam_size=beam_size,
                                         max_new_tokens=max_new_tokens,
-                                        length_penalty=length_penalty).tokens[:, 0]
+                                        length_penalty=length_penalty, **options).tokens[:, 0]
         else:
             tokens = decode.generate(model, params, prompts, lengths,
-                                     max_new_tokens=max_new_tokens, temperature=0.0).tokens
+                                     max_new_tokens=max_new_tokens, temperature=0.0,
+                                     **options).tokens
         out += [tok.decode(row) for row in np.asarray(tokens)[:len(chunk)]]
     return out
 
@@ -66,14 +112,17 @@ def scores(hypotheses: list[str], references: list[str], metric: str) -> dict:
 
 
 def decoded_metrics(model, params, tok, ds: Dataset, split: str, n: int, config,
-                    beam_size: int) -> tuple[dict, list[tuple[str, str, str]]]:
-    """Decodes the first `n` examples of `split`; scores and (source, reference, hypothesis)."""
+                    beam_size: int, **options) -> tuple[dict, list[tuple[str, str, str]]]:
+    """Decodes the first `n` examples of `split`; scores and (source, reference, hypothesis).
+
+    `options` are `translate`'s (`decode_settings` gives them); the length penalty defaults
+    to `config.length_penalty`."""
     n = min(n, len(ds.split(split)))
     pairs = ds.examples(split, range(n))
     hyps = translate(model, params, tok, [s for s, _ in pairs],
                      max_source_length=config.max_source_length,
                      max_new_tokens=config.max_decode_length, beam_size=beam_size,
-                     length_penalty=config.length_penalty)
+                     **{"length_penalty": config.length_penalty, **options})
     refs = [t for _, t in pairs]
     triples = [(s, r, h) for (s, r), h in zip(pairs, hyps, strict=True)]
     return scores(hyps, refs, config.metric), triples

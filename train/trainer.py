@@ -135,15 +135,15 @@ def _evaluate(run: Run, state, step: int, *, test: bool) -> dict:
     if decodes or tests:
         host_params = run.dp.host_state(state).params
 
-        def decoded(split: str, n: int, beam_size: int):
+        def decoded(split: str, n: int, beam: bool):
+            beam_size, options = evaluate.decode_settings(config, run.choice, beam=beam)
             return evaluate.decoded_metrics(run.model, host_params, run.tokenizer, ds, split,
-                                            n, config, beam_size=beam_size)
+                                            n, config, beam_size, **options)
     if decodes:
-        greedy, triples = decoded(config.eval_split, config.num_eval_decode, 1)
+        greedy, triples = decoded(config.eval_split, config.num_eval_decode, False)
         val.update(greedy)
-        if config.beam_size > 1:
-            beam, _ = decoded(config.eval_split, min(config.num_eval_decode, 100),
-                              config.beam_size)
+        if evaluate.decode_settings(config, run.choice, beam=True)[0] > 1:
+            beam, _ = decoded(config.eval_split, min(config.num_eval_decode, 100), True)
             val.update({f"beam_{k}": v for k, v in beam.items()})
         if lead:
             for s, r, h in triples[:config.show_examples]:
@@ -153,6 +153,6 @@ def _evaluate(run: Run, state, step: int, *, test: bool) -> dict:
         print(f"step {step} {config.eval_split}: "
               + ", ".join(f"{k} {v:.4g}" for k, v in val.items()), flush=True)
     if tests:
-        out["test"], _ = decoded(config.test_split, config.num_test_decode, 1)
+        out["test"], _ = decoded(config.test_split, config.num_test_decode, False)
         run.writer.write(step, "test", out["test"])
     return out

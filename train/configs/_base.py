@@ -55,8 +55,11 @@ def base_config() -> ml_collections.ConfigDict:
     c.num_eval_decode = 200                # validation examples decoded at each evaluation
     c.num_test_decode = 1000               # test examples decoded at the end (0 = none)
     c.eval_per_device_batch_size = 64
+    # Fine-tuning (init_from), decoded evaluations follow the directory's
+    # generation_config.json (beams, length penalty, forced and banned ids, end ids);
+    # beam_size is used only when it names no beam count, length_penalty never.
     c.beam_size = 4
-    c.length_penalty = 0.6
+    c.length_penalty = 0.6                 # GNMT's alpha: ((5 + length) / 6) ** alpha
     c.max_decode_length = 64
     c.show_examples = 3
     c.metric = "exact_match"               # exact_match | bleu | both (decoded evaluation)

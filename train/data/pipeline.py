@@ -16,8 +16,13 @@ device, with the Flax WMT example's names:
     inputs, inputs_segmentation, inputs_position      (translation only)
     targets, targets_segmentation, targets_position
 
-Each example ends in EOS. A packed row holds several examples, numbered 1, 2, ... in its
-segmentation (0 is padding), with positions restarting at 0 for each:
+A translation example's source is encoded as the source side of the tokenizer and its
+target as the target side (`tokenizer.encode_batch(texts, target=True)`: Marian's
+target.spm), each as its pieces with the tokenizer's EOS appended: what transformers'
+`tokenizer(source, text_target=target)` gives as `input_ids` and `labels`. So every example
+ends in EOS. A packed row holds several examples, numbered 1, 2, ... in its segmentation
+(0 is padding; masks come from it, never from a pad id), with positions restarting at 0
+for each:
 
     targets               [a1 a2 EOS b1 EOS  0]
     targets_segmentation  [ 1  1   1  2   2  0]
@@ -117,7 +122,13 @@ def shard_indices(num_examples: int, shard_index: int, shard_count: int) -> np.n
     return np.arange(shard_index, num_examples, shard_count, dtype=np.int64)
 
 
-CACHE_FORMAT = 2          # in every token cache key: bump it when the cached files change
+CACHE_FORMAT = 3          # in every token cache key: bump it when the cached files change
+
+
+def side_roles(dataset: Dataset) -> tuple[str, ...]:
+    """How each side of an example is encoded: ("source", "target") for translation (the
+    target with `target=True`), ("text",) for text."""
+    return ("source", "target") if dataset.kind == "translation" else ("text",)
 
 
 def tokenize_split(dataset: Dataset, split: str, tokenizer: Tokenizer, *, shard_index: int = 0,
@@ -125,8 +136,10 @@ def tokenize_split(dataset: Dataset, split: str, tokenizer: Tokenizer, *, shard_
                    chunk: int = 4096) -> TokenizedSplit:
     """Tokenises this process's shard of a split (or loads it from `cache_dir`).
 
-    The cache is keyed by the dataset's content `digest` and the tokenizer's `identity`, so
-    edited data or another tokenizer never reads old tokens. It is written whole or not at
+    Targets are encoded as the target side (`encode_batch(..., target=True)`), sources and
+    text as the source side. The cache is keyed by the dataset's content `digest`, the
+    tokenizer's `identity` (both sides' models) and these roles, so edited data or another
+    tokenizer never reads old tokens. It is written whole or not at
     all, and read only when whole (see `train.data.cache`). A dataset without a digest (made
     by hand) is not cached.
 
@@ -138,14 +151,15 @@ def tokenize_split(dataset: Dataset, split: str, tokenizer: Tokenizer, *, shard_
                          "(eos_id None); the pipeline ends every example with one")
     source = dataset.split(split)
     ids = shard_indices(len(source), shard_index, shard_count)
-    sides = len(dataset.keys)
+    roles = side_roles(dataset)
+    sides = len(roles)
     cache = key = None
     if cache_dir and not dataset.digest:
         log.warning("dataset %r has no content digest: its tokens are not cached",
                     dataset.name)
     elif cache_dir:
         key = hashlib.sha256(repr((CACHE_FORMAT, data_digest(dataset, tokenizer),
-                                   dataset.keys, split, len(source), shard_index,
+                                   dataset.keys, roles, split, len(source), shard_index,
                                    shard_count)).encode()).hexdigest()
         cache = os.path.join(cache_dir, f"{dataset.name.replace('/', '_')}-{split}-{key[:16]}")
         cached = _from_arrays(cache_lib.load(cache, key), sides, tokenizer.eos_id)
@@ -157,7 +171,8 @@ def tokenize_split(dataset: Dataset, split: str, tokenizer: Tokenizer, *, shard_
     for start in range(0, len(ids), chunk):
         texts = dataset.examples(split, ids[start:start + chunk])
         for s in range(sides):
-            encoded = tokenizer.encode_batch([t[s] for t in texts])
+            encoded = tokenizer.encode_batch([t[s] for t in texts],
+                                             target=roles[s] == "target")
             lengths[s].append(np.fromiter((len(e) + 1 for e in encoded), np.int64,
                                           len(encoded)))
             flat = [tok for e in encoded for tok in (*e, tokenizer.eos_id)]
