@@ -146,3 +146,11 @@ def test_presets_have_the_published_parameter_counts(name, published):
     mlm = models.get_config(name)
     D, V = mlm.d_model, mlm.vocab_size
     assert _count(mlm) == published - (D * D + D) + (D * D + D) + 2 * D + V
+
+
+def test_decoding_an_encoder_only_model_says_why_not():
+    import decode
+    model, params = _model()
+    with pytest.raises(ValueError, match=r"encoder-only model does not generate"):
+        decode.generate(model, params, np.ones((1, 3), np.int32), np.array([3]),
+                        max_new_tokens=2)
