@@ -67,8 +67,8 @@ NONE = "none"
 
 
 def _id_or_none(text: str):
-    """A token id, or "none" (-1 internally: turn a directory's default off)."""
-    return -1 if text == NONE else int(text)
+    """A token id >= 0, or "none" (-1 internally: turn a directory's default off)."""
+    return -1 if text == NONE else _non_negative_int(text)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -240,13 +240,13 @@ class TransformerConfig:
         if self.position_offset and self.positions != "learned":
             raise ValueError(f"TransformerConfig.position_offset={self.position_offset} needs "
                              f"positions='learned', not {self.positions!r}")
-        if self.positions == "relative" and self.relative_buckets < (
-                4 if self.is_encoder_decoder else 2):
+        fewest = 2 if self.architecture == "decoder_only" else 4
+        if self.positions == "relative" and self.relative_buckets < fewest:
             # An encoder halves the buckets per direction, and each half keeps half its
             # buckets for exact distances: at least 1 of each.
             raise ValueError(
                 f"TransformerConfig.relative_buckets={self.relative_buckets} is too few "
-                f"(at least {4 if self.is_encoder_decoder else 2})")
+                f"(at least {fewest} with a bidirectional stack)")
         if self.positions == "relative" and (
                 self.relative_max_distance <= self.relative_buckets // 2):
             raise ValueError(

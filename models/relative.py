@@ -17,32 +17,48 @@ step (query position against cache slot positions) compute it the same way.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import flax.linen as nn
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float, Int
 
 from models.config import TransformerConfig
 
 
-def relative_buckets(relative_BTS: Int[Array, "B T S"], *, bidirectional: bool,
-                     num_buckets: int, max_distance: int) -> Int[Array, "B T S"]:
-    """The bucket of each key position minus query position (see the module docstring)."""
+@functools.lru_cache(maxsize=16)
+def bucket_table(*, bidirectional: bool, num_buckets: int, max_distance: int) -> np.ndarray:
+    """int32[2 * max_distance + 1]: the bucket of each relative position in
+    [-max_distance, max_distance] (entry r + max_distance); every position beyond shares
+    the bucket of the nearer end. Computed once on the host in float32 as the reference
+    computes it, so the bucket edges (some fall exactly on a float32 rounding) do not
+    depend on the accelerator's `log`."""
+    relative = np.arange(-max_distance, max_distance + 1)
     if bidirectional:
         num_buckets //= 2
-        offset = jnp.where(relative_BTS > 0, num_buckets, 0)
-        distance = jnp.abs(relative_BTS)
+        offset = np.where(relative > 0, num_buckets, 0)
+        distance = np.abs(relative)
     else:
         offset = 0
-        distance = jnp.maximum(-relative_BTS, 0)
+        distance = np.maximum(-relative, 0)
     exact = num_buckets // 2
-    # In float32, as the reference computes it (the bucket edges depend on the rounding).
-    log_ratio = (jnp.log(jnp.maximum(distance, 1).astype(jnp.float32) / exact)
-                 / math.log(max_distance / exact))
-    far = exact + (log_ratio * (num_buckets - exact)).astype(jnp.int32)
-    far = jnp.minimum(far, num_buckets - 1)
-    return offset + jnp.where(distance < exact, distance, far)
+    # (distance 0 is an exact bucket: its log is never used, so take it at 1.)
+    log_ratio = (np.log(np.maximum(distance, 1).astype(np.float32) / np.float32(exact))
+                 / np.float32(math.log(max_distance / exact)))
+    far = exact + (log_ratio * np.float32(num_buckets - exact)).astype(np.int64)
+    far = np.minimum(far, num_buckets - 1)
+    return (offset + np.where(distance < exact, distance, far)).astype(np.int32)
+
+
+def relative_buckets(relative_BTS: Int[Array, "B T S"], *, bidirectional: bool,
+                     num_buckets: int, max_distance: int) -> Int[Array, "B T S"]:
+    """The bucket of each key position minus query position (see the module docstring),
+    looked up in `bucket_table`."""
+    table = jnp.asarray(bucket_table(bidirectional=bidirectional, num_buckets=num_buckets,
+                                     max_distance=max_distance))
+    return table[jnp.clip(relative_BTS, -max_distance, max_distance) + max_distance]
 
 
 class RelativePositionBias(nn.Module):

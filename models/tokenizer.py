@@ -242,9 +242,12 @@ class HFTokenizer:
             return self.hf(text_target=text, add_special_tokens=add_special_tokens)["input_ids"]
         return self.hf.encode(text, add_special_tokens=add_special_tokens)
 
-    def encode_batch(self, texts: Sequence[str], *, target: bool = False) -> list[list[int]]:
+    def encode_batch(self, texts: Sequence[str], *, target: bool = False,
+                     add_special_tokens: bool = False) -> list[list[int]]:
+        """Pieces only, or with `add_special_tokens` the tokenizer's own template (BART's
+        `<s> x </s>`, Marian's and T5's `x </s>`)."""
         side = "text_target" if target else "text"
-        return self.hf(**{side: list(texts)}, add_special_tokens=False)["input_ids"]
+        return self.hf(**{side: list(texts)}, add_special_tokens=add_special_tokens)["input_ids"]
 
     def decode(self, ids: Iterable[int]) -> str:
         """Target-side text (what a model generates; Marian: target.spm's pieces)."""

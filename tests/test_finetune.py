@@ -287,3 +287,32 @@ def test_finetuning_a_marian_lowers_the_loss_scores_bleu_and_its_export_decodes(
     lines = capsys.readouterr().out.split("\n")
     assert lines == [*hf_tok.batch_decode(hf_out, skip_special_tokens=True), ""]
     assert any(lines) and all(set(line) <= set("".join(TARGET_WORDS) + " ") for line in lines)
+
+
+def test_a_tokenizer_with_a_start_template_is_used_as_transformers_fine_tunes():
+    """BART's tokenizer wraps both sides as `<s> x </s>`: the training data (and the
+    sources evaluation decodes) are exactly `tokenizer(source, text_target=target)`, no
+    second end token; text for a decoder-only model stays pieces then EOS."""
+    from tokenizers import (
+        Tokenizer as RawTokenizer,
+        models as tok_models,
+        pre_tokenizers,
+        processors,
+    )
+
+    from models.tokenizer import HFTokenizer
+    from train.data.pipeline import encode_side
+    vocab = {w: i for i, w in enumerate(["<s>", "<pad>", "</s>", "<unk>", "a", "b", "c"])}
+    raw = RawTokenizer(tok_models.WordLevel(vocab, unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    raw.post_processor = processors.TemplateProcessing(
+        single="<s> $A </s>", special_tokens=[("<s>", 0), ("</s>", 2)])
+    hf = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=raw, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+        unk_token="<unk>")
+    tok = HFTokenizer(hf)
+    sources, targets = ["a b", "c"], ["b c a", "a"]
+    want = hf(sources, text_target=targets)
+    assert encode_side(tok, sources, "source") == want["input_ids"] == [[0, 4, 5, 2], [0, 6, 2]]
+    assert encode_side(tok, targets, "target") == want["labels"]
+    assert encode_side(tok, sources, "text") == [[4, 5, 2], [6, 2]]

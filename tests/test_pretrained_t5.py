@@ -342,3 +342,13 @@ def test_configs_t5_cannot_express_fall_through_and_one_it_can_saves_as_t5(tmp_p
                       src_lengths=jnp.asarray(SRC_LENS))
     np.testing.assert_allclose(np.asarray(got), want, atol=ATOL, rtol=0)
     assert models.load(out).config == ours
+
+
+def test_a_t5_whose_dropout_a_run_changed_still_saves_as_t5(tmp_path):
+    """Dropout is how a run trains: loading with other rates (as a fine-tune's
+    model_overrides do) leaves the model saveable as t5, with its one rate written."""
+    seq2seq_ckpt = ph.seq2seq_checkpoint("t5-v1.0", str(tmp_path / "src"))
+    pre = models.load(seq2seq_ckpt.path, dropout_rate=0.0, mlp_dropout_rate=0.2)
+    assert (pre.config.dropout_rate, pre.config.mlp_dropout_rate) == (0.0, 0.2)
+    assert models.save(str(tmp_path / "out"), pre.config, pre.params) == "t5"
+    assert models.load(str(tmp_path / "out")).config.dropout_rate == 0.0

@@ -17,6 +17,7 @@ import sacrebleu
 import decode
 from train import step as step_lib
 from train.data import Dataset, Tokenizer
+from train.data.pipeline import encode_side
 from train.model_config import ModelChoice
 
 
@@ -67,8 +68,9 @@ def translate(model, params, tok: Tokenizer, sources: list[str], *, max_source_l
               batch_size: int = 64, **options) -> list[str]:
     """Greedy (beam_size 1) or beam-search translations, in fixed-shape batches.
 
-    Sources are encoded as the source side with the tokenizer's EOS appended (as in
-    training); outputs are decoded as the target side.
+    Sources are encoded as in training (`encode_side`: a Hugging Face tokenizer's template,
+    ending in EOS), cut to `max_source_length` keeping the EOS; outputs are decoded as the
+    target side.
 
     `params` are host arrays, so each call runs on this process's first local device: no
     collective, and processes may decode different numbers of batches.
@@ -84,8 +86,9 @@ def translate(model, params, tok: Tokenizer, sources: list[str], *, max_source_l
         prompts = np.zeros((batch_size, max_source_length), np.int32)
         lengths = np.ones(batch_size, np.int32)
         prompts[:, 0] = tok.eos_id                   # padding rows: a lone EOS
-        for i, text in enumerate(chunk):
-            ids = tok.encode(text)[:max_source_length - 1] + [tok.eos_id]   # as in training
+        for i, ids in enumerate(encode_side(tok, chunk, "source")):       # as in training
+            if len(ids) > max_source_length:                                 # cut, keep EOS
+                ids = ids[:max_source_length - 1] + ids[-1:]
             prompts[i, :len(ids)] = ids
             lengths[i] = len(ids)
         if beam_size > 1:

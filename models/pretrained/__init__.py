@@ -48,7 +48,7 @@ SAVE_ORDER = ("gpt2", "llama", "mistral", "qwen2", "bart", "marian", "t5", zoo.M
 MANIFEST = "zoo_integrity.json"
 # Fields a loaded config may be given: how to run it, not what it computes.
 RUNTIME_FIELDS = frozenset({"dtype", "param_dtype", "scan_layers", "remat", "dropout_rate",
-                            "attention_dropout_rate"})
+                            "attention_dropout_rate", "mlp_dropout_rate"})
 
 
 @dataclasses.dataclass(frozen=True)

@@ -55,7 +55,7 @@ def _row(b, cfg):
 LOGITS_BIAS = Layout(lambda xs, cfg: [_row(xs[0], cfg)], lambda xs, cfg: [xs[0][None, :]])
 
 
-def read_common(r: ConfigReader, *, default_act: str) -> dict:
+def read_common(r: ConfigReader, *, default_act: str, default_eos: int) -> dict:
     """The TransformerConfig fields BART and Marian read alike: sizes, one head count and
     FFN width for both stacks, post-norm LayerNorm layers with biases, the activation,
     dropout rates, no layer drop, a tied head, and the special ids."""
@@ -83,7 +83,7 @@ def read_common(r: ConfigReader, *, default_act: str) -> dict:
     for key in ("normalize_before", "add_final_layer_norm", "add_bias_logits",
                 "do_blenderbot_90_layernorm"):
         r.expect(key, False)
-    eos = r.take("eos_token_id", None)
+    eos = r.take("eos_token_id", default_eos)
     if isinstance(eos, list):
         eos = eos[0] if eos else None
     return dict(
@@ -133,7 +133,7 @@ def config_from_hf(hf: dict) -> TransformerConfig:
     r.expect("static_position_embeddings", False)
     r.expect("extra_pos_embeddings", 2)
     r.take("bos_token_id", None)               # the source's <s>: see the module docstring
-    fields = read_common(r, default_act="gelu")
+    fields = read_common(r, default_act="gelu", default_eos=2)       # BartConfig's defaults
     cfg = TransformerConfig(
         **fields, positions="learned", position_offset=2, embedding_norm=True,
         share_embeddings=True, pad_id=r.take("pad_token_id", 1),

@@ -250,6 +250,8 @@ class GenerationDefaults:
         forced_eos = raw.get("forced_eos_token_id")
         if isinstance(forced_eos, list) and len(forced_eos) > 1:
             names.append("forced_eos_token_id")
+        if any(isinstance(w, list) and len(w) > 1 for w in raw.get("bad_words_ids") or ()):
+            names.append("bad_words_ids")           # its single-token entries do apply
         if beam:
             if self.repetition_penalty not in (None, 1.0):
                 names.append("repetition_penalty")
@@ -394,14 +396,12 @@ class _Fields:
             raise self._error(name, "a list of lists of token ids")
         out = []
         for word in value:
-            if len(word) != 1:
-                raise ValueError(
-                    f"{self.where}: {name} entry {word!r} has {len(word)} tokens; only "
-                    "single-token entries (banned ids) are supported")
-            if not _is_int(word[0]):
+            if not word or not all(_is_int(t) for t in word):
                 raise self._error(name, "a list of lists of token ids")
-            self._check_id(name, word[0])
-            out.append(word[0])
+            for t in word:
+                self._check_id(name, t)
+            if len(word) == 1:          # several tokens: a sequence ban, named by unapplied()
+                out.append(word[0])
         return out
 
     def int(self, name: str, lowest: int) -> int | None:

@@ -46,7 +46,7 @@ def config_from_hf(hf: dict) -> TransformerConfig:
     r.expect("static_position_embeddings", True)
     r.take("extra_pos_embeddings", None)
     r.take("bos_token_id", None)               # no source start token: see the docstring
-    fields = bart.read_common(r, default_act="gelu")
+    fields = bart.read_common(r, default_act="gelu", default_eos=0)  # MarianConfig's defaults
     vocab = fields["vocab_size"]
     decoder_vocab = r.take("decoder_vocab_size", vocab)
     if decoder_vocab != vocab:
@@ -56,7 +56,7 @@ def config_from_hf(hf: dict) -> TransformerConfig:
     cfg = TransformerConfig(
         **fields, positions="sinusoidal_paper",
         share_embeddings=bool(r.take("share_encoder_decoder_embeddings", True)), pad_id=pad,
-        bos_id=r.take("decoder_start_token_id", pad))
+        bos_id=r.take("decoder_start_token_id", 58100))
     r.finish()
     return cfg
 

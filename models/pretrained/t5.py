@@ -156,7 +156,9 @@ def writer(model_type: str):
                 sliding_window=None, num_kv_heads=cfg.num_heads, share_embeddings=True,
                 scale_embeddings=False, scale_attention=False,
                 scale_head_input=cfg.scale_head_input if model_type == "t5" else False,
-                mlp_dropout_rate=cfg.dropout_rate, attention_dropout_rate=cfg.dropout_rate)
+                # T5 has one dropout rate; the others are how a run trains, not what the
+                # model computes, so a fine-tune that changed one still saves.
+                mlp_dropout_rate=cfg.mlp_dropout_rate)
         if cfg.activation not in HF_ACTIVATIONS:
             raise Inexpressible(f"{model_type} cannot express activation={cfg.activation!r}")
         proj, act, gated = HF_ACTIVATIONS[cfg.activation]

@@ -8,7 +8,8 @@ your own parallel text, with the model's own tokenizer and special ids.
 The run starts from the directory's weights and config (its pad, end and decoder start
 ids: Marian starts the decoder with its pad id), trains no tokenizer, and encodes each
 source with the source side of the directory's tokenizer and each target with its target
-side (Marian's source.spm and target.spm), each followed by the end token, as transformers'
+side (Marian's source.spm and target.spm), each in the tokenizer's own template and ending
+in the end token (BART's `<s> x </s>`, Marian's and T5's `x </s>`), exactly as transformers'
 `tokenizer(source, text_target=target)` does. Examples are packed, the loss is label
 smoothed, and a stopped run resumes exactly like any other. Decoded evaluations (BLEU)
 use the directory's decoding defaults from generation_config.json: its beam count, length

@@ -18,9 +18,13 @@ device, with the Flax WMT example's names:
 
 A translation example's source is encoded as the source side of the tokenizer and its
 target as the target side (`tokenizer.encode_batch(texts, target=True)`: Marian's
-target.spm), each as its pieces with the tokenizer's EOS appended: what transformers'
-`tokenizer(source, text_target=target)` gives as `input_ids` and `labels`. So every example
-ends in EOS. A packed row holds several examples, numbered 1, 2, ... in its segmentation
+target.spm). A Hugging Face tokenizer applies its own template (`add_special_tokens`:
+BART's `<s> x </s>`, Marian's and T5's `x </s>`), which is what transformers'
+`tokenizer(source, text_target=target)` gives as `input_ids` and `labels`; the project's
+tokenizers give pieces. The tokenizer's EOS is appended where the template did not end
+with it, so every example ends in EOS (text examples: pieces, then EOS).
+
+A packed row holds several examples, numbered 1, 2, ... in its segmentation
 (0 is padding; masks come from it, never from a pad id), with positions restarting at 0
 for each:
 
@@ -37,6 +41,7 @@ import logging
 import os
 import sys
 import threading
+from collections.abc import Sequence
 
 import grain
 import numpy as np
@@ -122,13 +127,27 @@ def shard_indices(num_examples: int, shard_index: int, shard_count: int) -> np.n
     return np.arange(shard_index, num_examples, shard_count, dtype=np.int64)
 
 
-CACHE_FORMAT = 3          # in every token cache key: bump it when the cached files change
+CACHE_FORMAT = 4          # in every token cache key: bump it when the cached files change
 
 
 def side_roles(dataset: Dataset) -> tuple[str, ...]:
     """How each side of an example is encoded: ("source", "target") for translation (the
     target with `target=True`), ("text",) for text."""
     return ("source", "target") if dataset.kind == "translation" else ("text",)
+
+
+def encode_side(tokenizer: Tokenizer, texts: Sequence[str], role: str) -> list[list[int]]:
+    """One side of some examples as the model trains on them (see the module docstring):
+    each ends with the tokenizer's EOS, after a Hugging Face tokenizer's own template for
+    translation sides ("source", "target"), after the pieces otherwise ("text")."""
+    template = role != "text" and getattr(tokenizer, "kind", None) == "huggingface"
+    if template:
+        encoded = tokenizer.encode_batch(texts, target=role == "target",
+                                         add_special_tokens=True)
+    else:
+        encoded = tokenizer.encode_batch(texts, target=role == "target")
+    eos = tokenizer.eos_id
+    return [list(e) if e and e[-1] == eos and template else [*e, eos] for e in encoded]
 
 
 def tokenize_split(dataset: Dataset, split: str, tokenizer: Tokenizer, *, shard_index: int = 0,
@@ -171,11 +190,9 @@ def tokenize_split(dataset: Dataset, split: str, tokenizer: Tokenizer, *, shard_
     for start in range(0, len(ids), chunk):
         texts = dataset.examples(split, ids[start:start + chunk])
         for s in range(sides):
-            encoded = tokenizer.encode_batch([t[s] for t in texts],
-                                             target=roles[s] == "target")
-            lengths[s].append(np.fromiter((len(e) + 1 for e in encoded), np.int64,
-                                          len(encoded)))
-            flat = [tok for e in encoded for tok in (*e, tokenizer.eos_id)]
+            encoded = encode_side(tokenizer, [t[s] for t in texts], roles[s])
+            lengths[s].append(np.fromiter((len(e) for e in encoded), np.int64, len(encoded)))
+            flat = [tok for e in encoded for tok in e]
             pieces[s].append(np.asarray(flat, dtype))
     tokens, offsets = [], []
     for s in range(sides):
