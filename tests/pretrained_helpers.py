@@ -305,3 +305,100 @@ def seq2seq_ckpt(tmp_path_factory):
     """seq2seq_ckpt(name): the encoder-decoder case's checkpoint, built once."""
     root = str(tmp_path_factory.getbasetemp() / "hf_seq2seq_checkpoints")
     return lambda name: seq2seq_checkpoint(name, root)
+
+
+# ---------------------------------------------------------------------------------------------
+# Encoder-only checkpoints (BERT, RoBERTa): a masked-LM model or a sequence classifier, on a
+# ragged batch (real tokens never a special id, the pad id after ENCODER_LENS, masked by
+# transformers' attention_mask) with token types (sentence B from position 3) where the
+# checkpoint has two.
+
+ENCODER_LENS = np.array([10, 6])   # row 1 is padded
+_ENCODER = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                intermediate_size=48, max_position_embeddings=40)
+
+# name -> (model_type, transformers class, its config's fields, what the loaded config says)
+ENCODER_CASES = {
+    "bert-mlm": ("bert", "BertForMaskedLM", dict(_ENCODER, type_vocab_size=2), dict(
+        num_labels=0, num_token_types=2, positions="learned", position_offset=0,
+        embedding_norm=True, norm_position="post", activation="gelu_exact", norm_eps=1e-12,
+        max_len=40, pad_id=0, eos_id=None, bos_id=None, dropout_rate=0.1)),
+    "bert-classifier-gelu-new": ("bert", "BertForSequenceClassification", dict(
+        _ENCODER, type_vocab_size=2, num_labels=3, hidden_act="gelu_new",
+        layer_norm_eps=1e-7, pad_token_id=5), dict(
+        num_labels=3, activation="gelu", norm_eps=1e-7, pad_id=5)),
+    "roberta-mlm": ("roberta", "RobertaForMaskedLM", dict(
+        _ENCODER, type_vocab_size=1, layer_norm_eps=1e-5), dict(
+        num_labels=0, num_token_types=1, position_offset=2, max_len=38, norm_eps=1e-5,
+        activation="gelu_exact", pad_id=1, bos_id=0, eos_id=2)),
+    "roberta-classifier-3-layers-relu": ("roberta", "RobertaForSequenceClassification", dict(
+        _ENCODER, num_hidden_layers=3, type_vocab_size=1, num_labels=2, hidden_act="relu",
+        pad_token_id=3), dict(
+        num_labels=2, num_layers=3, activation="relu", position_offset=4, max_len=36, pad_id=3)),
+}
+CONFIG_CLASSES.update(bert="BertConfig", roberta="RobertaConfig")
+
+
+def randomize_encoder(model, seed: int):
+    """`randomize`, with BERT's "LayerNorm" scales (which its name test misses) near 1."""
+    randomize(model, seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("LayerNorm.weight"):
+                p.add_(1.0)
+    return model
+
+
+def hf_encoder_logits(model, tokens, lengths, token_types=None) -> np.ndarray:
+    mask = np.arange(tokens.shape[1])[None, :] < np.asarray(lengths)[:, None]
+    with torch.no_grad():
+        return model(input_ids=torch.as_tensor(tokens, dtype=torch.long),
+                     attention_mask=torch.as_tensor(mask, dtype=torch.long),
+                     token_type_ids=None if token_types is None else torch.as_tensor(
+                         token_types, dtype=torch.long)).logits.float().numpy()
+
+
+def hf_encoder_load(path: str, class_name: str):
+    model, info = getattr(transformers, class_name).from_pretrained(
+        path, attn_implementation="eager", output_loading_info=True)
+    assert not any(info.values()), info
+    return model.eval()
+
+
+class EncoderCheckpoint:
+    """One tiny transformers encoder-only model, saved: `path`, `model`, `class_name`,
+    `tokens` (ragged: the pad id past `lengths`), `token_types` (None for one type),
+    `logits` (per token for a masked-LM model, per row for a classifier), `state`."""
+
+    def __init__(self, name: str, root: str, seed: int):
+        model_type, self.class_name, fields, self.expect = ENCODER_CASES[name]
+        self.model_type = model_type
+        hf_cfg = getattr(transformers, CONFIG_CLASSES[model_type])(
+            **copy.deepcopy(fields), attn_implementation="eager")
+        torch.manual_seed(seed)
+        self.model = randomize_encoder(getattr(transformers, self.class_name)(hf_cfg), seed)
+        assert self.model.config._attn_implementation == "eager"
+        self.path = os.path.join(root, name)
+        self.model.save_pretrained(self.path, safe_serialization=True)
+        rng = np.random.default_rng(seed)
+        self.lengths = ENCODER_LENS.astype(np.int32)
+        # Real tokens above every special id; the pad id after each row's length.
+        self.tokens = rng.integers(6, hf_cfg.vocab_size, (B, T)).astype(np.int32)
+        self.tokens[np.arange(T)[None, :] >= self.lengths[:, None]] = hf_cfg.pad_token_id
+        self.token_types = None
+        if hf_cfg.type_vocab_size > 1:
+            self.token_types = (np.arange(T)[None, :] >= 3).astype(np.int32).repeat(B, 0)
+        self.logits = hf_encoder_logits(self.model, self.tokens, self.lengths, self.token_types)
+        self.state = state_of(self.model)
+
+
+@functools.cache
+def encoder_checkpoint(name: str, root: str) -> EncoderCheckpoint:
+    return EncoderCheckpoint(name, root, seed=200 + list(ENCODER_CASES).index(name))
+
+
+@pytest.fixture(scope="session")
+def encoder_ckpt(tmp_path_factory):
+    """encoder_ckpt(name): the encoder-only case's checkpoint, built once."""
+    root = str(tmp_path_factory.getbasetemp() / "hf_encoder_checkpoints")
+    return lambda name: encoder_checkpoint(name, root)

@@ -19,7 +19,7 @@ import flax.linen as nn
 
 from models import atomic
 from models.config import TransformerConfig
-from models.pretrained import bart, gpt2, llama, marian, mistral, qwen2, t5, zoo
+from models.pretrained import bart, bert, gpt2, llama, marian, mistral, qwen2, roberta, t5, zoo
 from models.pretrained.convert import read_params, theirs_tensors
 from models.pretrained.family import Family, Inexpressible
 from models.pretrained.files import (
@@ -40,10 +40,11 @@ from models.transformer import build
 FAMILIES: dict[str, Family] = {
     f.model_type: f for f in (gpt2.FAMILY, llama.FAMILY, mistral.FAMILY, qwen2.FAMILY,
                               bart.FAMILY, marian.FAMILY, t5.FAMILY, t5.MT5_FAMILY,
-                              zoo.FAMILY)}
+                              bert.FAMILY, roberta.FAMILY, zoo.FAMILY)}
 # Tried in this order when saving a config without a model_type; the first that expresses
 # it wins (the project's own type expresses everything).
-SAVE_ORDER = ("gpt2", "llama", "mistral", "qwen2", "bart", "marian", "t5", zoo.MODEL_TYPE)
+SAVE_ORDER = ("gpt2", "llama", "mistral", "qwen2", "bart", "marian", "t5", "bert", "roberta",
+              zoo.MODEL_TYPE)
 # Written last by `save`; `load` checks the files against it when it is there.
 MANIFEST = "zoo_integrity.json"
 # Fields a loaded config may be given: how to run it, not what it computes.
@@ -154,8 +155,10 @@ def save(path: str, config: TransformerConfig, params, tokenizer: Tokenizer | No
     """
     family = _family_for(config, model_type)
     # A Hugging Face config's "dtype" is the weights' (ours keeps its compute dtype there).
-    hf = {"dtype": config.param_dtype.name, **family.config_to_hf(config),
-          "model_type": family.model_type, "architectures": list(family.architectures)}
+    # A family whose class follows the config (BERT's masked-LM or classifier) names it.
+    fields = family.config_to_hf(config)
+    hf = {"dtype": config.param_dtype.name, **fields, "model_type": family.model_type,
+          "architectures": fields.get("architectures", list(family.architectures))}
     with atomic.replaced_dir(path) as tmp:
         write_json(os.path.join(tmp, "config.json"), hf)
         write_weights(tmp, theirs_tensors(family, config, params), max_shard_bytes)

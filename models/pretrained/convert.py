@@ -1,8 +1,11 @@
 """Parameters from a checkpoint's tensors and back, by a family's rules (see `mapping`).
 
-Reading checks the whole file against the table before converting anything: every tensor
-the rules need must be there (missing ones are named), every tensor there must be needed,
-ignorable, a tied copy or the tied head (unexpected ones are named), tied copies must equal
+Reading checks the whole file against the table before converting anything: its keys
+under today's names (`Family.renames`), every tensor the rules need must be there (missing
+ones are named) unless a whole optional head is absent (`Family.optional_heads`: it is
+initialised, with a warning), every tensor there must be needed, ignorable, another head's
+(`Family.skipped`, with a warning), a tied copy or the tied head (unexpected ones are
+named), tied copies must equal
 the tensor read and stored tensors the config determines must equal it (both named
 otherwise), and every converted array must have the shape the model expects (named with
 both shapes). Tensors are read, converted and cast one at a time on the host and each
@@ -12,6 +15,7 @@ their rule is done), so the host holds the parameters once, plus at most one rul
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 
 import jax
@@ -24,8 +28,10 @@ from models.pretrained.files import Weights
 from models.pretrained.mapping import (
     Rule,
     expected_shape,
+    initial_params,
     our_slot,
     parameter_shapes,
+    stack_depth,
     whole_leaf,
 )
 
@@ -63,6 +69,8 @@ def read_params(weights: Weights, family: Family, cfg: TransformerConfig) -> dic
         ValueError: naming missing or unexpected tensors, or a tensor whose converted shape
             differs from the model's, with both shapes.
     """
+    if family.renames:
+        weights = _Renamed(weights, family)
     entries = list(_expanded(family.rules(cfg), cfg))
     needed = {k for _, theirs, _ in entries for k in theirs}
     present = weights.keys()
@@ -71,16 +79,26 @@ def read_params(weights: Weights, family: Family, cfg: TransformerConfig) -> dic
     stored = {k: [resolve(c) for c in (k, *family.copies.get(k, ())) if resolve(c) in present]
               for k in needed}
     missing = {k for k in needed if not stored[k]}
+    fresh, notes = set(), []
+    for prefix, head in family.optional_heads.items():
+        under = {k for k in needed if k.startswith(prefix)}
+        if under and under <= missing:
+            fresh |= under
+            notes.append(f"it has no {resolve(prefix)}* tensors: {head} is newly initialised "
+                         "(train it before use)")
+    missing -= fresh
     if missing:
         raise ValueError(f"{family.model_type} checkpoint {weights.directory} lacks "
                          f"{len(missing)} tensor(s) the config needs: {_show(missing)}")
-    source = {k: keys[0] for k, keys in stored.items()}
+    source = {k: keys[0] for k, keys in stored.items() if keys}
     _check_copies(weights, family, stored)
     fixed = {resolve(k): a for k, a in (family.fixed(cfg) if family.fixed else {}).items()}
     _check_fixed(weights, family, {k: a for k, a in fixed.items() if k in present})
     used = {c for keys in stored.values() for c in keys} | set(fixed)
     extra = {k for k in present - used if not family.is_ignored(k)
              and not (k == resolve(TIED_HEAD) and cfg.tie_embeddings)}
+    skipped = {k for k in extra if family.is_skipped(k)}
+    extra -= skipped
     if extra:
         raise ValueError(f"{family.model_type} checkpoint {weights.directory} has "
                          f"{len(extra)} tensor(s) the config does not use: {_show(extra)}")
@@ -90,9 +108,20 @@ def read_params(weights: Weights, family: Family, cfg: TransformerConfig) -> dic
     if covered != set(leaves):                    # a bug in a rule table, not in the file
         raise AssertionError(f"{family.model_type} rules miss {_show(set(leaves) - covered)}"
                              f" or name unknown {_show(covered - set(leaves))}")
+    if skipped:
+        notes.append(f"{_show(skipped)}, weights of a head this config does not have, "
+                     "are skipped")
+    if notes:
+        warnings.warn(f"{family.model_type} checkpoint {weights.directory}: "
+                      + "; ".join(notes), stacklevel=3)
+    initial = initial_params(cfg, [p for _, theirs, ours in entries if set(theirs) <= fresh
+                                   for p in ours]) if fresh else {}
     tree: dict = {}
     stacks: dict[tuple, dict[int, jax.Array]] = {}
     for rule, theirs, ours in entries:
+        if set(theirs) <= fresh:
+            _place(tree, stacks, cfg, ours, [initial[p] for p in ours])
+            continue
         read = [weights.read(source[k]) for k in theirs]
         for k, a in zip(theirs, read, strict=True):
             if not jnp.issubdtype(a.dtype, jnp.floating):      # bfloat16 included
@@ -110,17 +139,42 @@ def read_params(weights: Weights, family: Family, cfg: TransformerConfig) -> dic
                             f"{tuple(w.shape)}" for k, a, w in zip(theirs, read, want, strict=True))
             raise ValueError(f"{family.model_type} checkpoint {weights.directory}: {bad} (for "
                              f"{', '.join(ours)})")
-        for path, array in zip(ours, arrays, strict=True):
-            slot, index = our_slot(path, cfg)
-            array = np.asarray(array, cfg.param_dtype)
-            if index is None:
-                _put(tree, slot, jax.device_put(array))
-            else:
-                stacks.setdefault(slot, {})[index] = array
-        for slot in [s for s, layers in stacks.items() if len(layers) == _depth(s, cfg)]:
-            layers = stacks.pop(slot)
-            _put(tree, slot, jax.device_put(np.stack([layers[i] for i in range(len(layers))])))
+        _place(tree, stacks, cfg, ours, arrays)
     return tree
+
+
+def _place(tree: dict, stacks: dict, cfg: TransformerConfig, ours: list[str], arrays) -> None:
+    """Puts one rule's converted arrays into `tree`: a whole leaf at once, a layer's slice
+    into `stacks` until every layer of its leaf is there."""
+    for path, array in zip(ours, arrays, strict=True):
+        slot, index = our_slot(path, cfg)
+        array = np.asarray(array, cfg.param_dtype)
+        if index is None:
+            _put(tree, slot, jax.device_put(array))
+        else:
+            stacks.setdefault(slot, {})[index] = array
+    for slot in [s for s, layers in stacks.items() if len(layers) == _depth(s, cfg)]:
+        layers = stacks.pop(slot)
+        _put(tree, slot, jax.device_put(np.stack([layers[i] for i in range(len(layers))])))
+
+
+class _Renamed:
+    """`weights` with its keys under today's names (`Family.renames`)."""
+
+    def __init__(self, weights: Weights, family: Family):
+        self.directory, self._weights, self._names = weights.directory, weights, {}
+        for key in sorted(weights.keys()):
+            new = family.rename(key)
+            if new in self._names:
+                raise ValueError(f"{family.model_type} checkpoint {weights.directory} holds "
+                                 f"both {self._names[new]} and {key}, two names of {new}")
+            self._names[new] = key
+
+    def keys(self) -> set[str]:
+        return set(self._names)
+
+    def read(self, key: str) -> np.ndarray:
+        return self._weights.read(self._names[key])
 
 
 def _check_copies(weights: Weights, family: Family, stored: dict[str, list[str]]) -> None:
@@ -167,9 +221,9 @@ def theirs_tensors(family: Family, cfg: TransformerConfig,
 
 
 def _depth(slot: tuple[str, ...], cfg: TransformerConfig) -> int:
-    """The layers stacked in a leaf: the encoder's, or the decoder's (its own stack and the
-    cross-attention projections)."""
-    return cfg.num_encoder_layers if slot[0] == "encoder" else cfg.decoder_layers
+    """The layers stacked in a leaf: the encoder's (or the encoder-only stack's), or the
+    decoder's (its own stack and the cross-attention projections)."""
+    return stack_depth(cfg, "encoder" if slot[0] == "encoder" else "decoder")
 
 
 def _put(tree: dict, slot: tuple[str, ...], value) -> None:

@@ -20,7 +20,8 @@ class Family:
 
     Attributes:
         model_type: config.json's `model_type`.
-        architectures: config.json's `architectures` when we write one.
+        architectures: config.json's `architectures` when we write one (unless
+            `config_to_hf` gives its own: BERT's class follows the config's head).
         config_from_hf: config.json (a dict) -> TransformerConfig; refuses by name what the
             project cannot compute.
         config_to_hf: TransformerConfig -> config.json fields; raises `Inexpressible` for a
@@ -42,6 +43,18 @@ class Family:
             what transformers settles from the tensors rather than config.json (T5: the
             head is tied unless the file holds a different `lm_head.weight`). Applied by
             `read_config`, so `load` and a fine-tuning run see the same config.
+        renames: (regex, replacement) pairs applied with `re.sub`, in order, to every key
+            of a file before anything else reads it: older spellings of today's names
+            (BERT's "LayerNorm.gamma" / "LayerNorm.beta" for ".weight" / ".bias"). Two
+            keys of one file that rename to the same name are refused.
+        optional_heads: a prefix of the rules' keys -> the head it holds ("cls.predictions."
+            -> "the masked-LM head"). A file with none of the tensors under a prefix (a base
+            model saved alone) loads with that head's parameters as the model initialises
+            them (`mapping.initial_params`, key 0), and a `UserWarning` names what is
+            missing; a file with some but not all of them is refused like any other.
+        skipped: regexes of file keys that are weights of a head the config does not have
+            (BERT's pooler under a masked-LM head, its next-sentence head): skipped when no
+            rule reads them, and named in a `UserWarning` (unlike `ignored` buffers).
     """
 
     model_type: str
@@ -54,9 +67,21 @@ class Family:
     copies: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
     fixed: Callable[[TransformerConfig], dict] | None = None
     config_from_weights: Callable[[TransformerConfig, Weights], TransformerConfig] | None = None
+    renames: tuple[tuple[str, str], ...] = ()
+    optional_heads: dict[str, str] = dataclasses.field(default_factory=dict)
+    skipped: tuple[str, ...] = ()
 
     def is_ignored(self, key: str) -> bool:
         return any(re.fullmatch(p, key) for p in self.ignored)
+
+    def is_skipped(self, key: str) -> bool:
+        return any(re.fullmatch(p, key) for p in self.skipped)
+
+    def rename(self, key: str) -> str:
+        """A file's key under today's name (`renames`)."""
+        for pattern, replacement in self.renames:
+            key = re.sub(pattern, replacement, key)
+        return key
 
 
 class Inexpressible(ValueError):

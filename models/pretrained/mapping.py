@@ -24,6 +24,7 @@ import functools
 from collections.abc import Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from models.config import TransformerConfig
@@ -60,9 +61,15 @@ class Rule:
 
     def layers(self, cfg: TransformerConfig) -> range:
         """The values of `{i}`: the layers of the stack, or one pass for a rule without one."""
-        if self.stack is None:
-            return range(1)
-        return range(cfg.num_encoder_layers if self.stack == "encoder" else cfg.decoder_layers)
+        return range(1) if self.stack is None else range(stack_depth(cfg, self.stack))
+
+
+def stack_depth(cfg: TransformerConfig, stack: str) -> int:
+    """The layers of a stack: "encoder" is the encoder-decoder's encoder or the
+    encoder-only stack (`num_layers`), "decoder" the stack that owns the KV cache."""
+    if stack == "encoder":
+        return cfg.num_encoder_layers if cfg.is_encoder_decoder else cfg.num_layers
+    return cfg.decoder_layers
 
 
 def our_slot(path: str, cfg: TransformerConfig) -> tuple[tuple[str, ...], int | None]:
@@ -96,17 +103,42 @@ def whole_leaf(path: str) -> str:
     return path[:path.index("[")] if path.endswith("]") else path
 
 
-@functools.lru_cache(maxsize=32)
-def parameter_shapes(cfg: TransformerConfig) -> dict[str, tuple[int, ...]]:
-    """Every parameter of the unscanned model: '/'-joined path -> shape."""
+def _unscanned_init(cfg: TransformerConfig):
+    """(the unscanned model's `init` as a function of the key, its token arguments)."""
     tokens = jax.ShapeDtypeStruct((1, 1), "int32")
     args = (tokens, tokens) if cfg.is_encoder_decoder else (tokens,)
     model = build(cfg.replace(scan_layers=False))
     method = "classify" if cfg.num_labels else None           # an encoder-only classifier
-    tree = jax.eval_shape(functools.partial(model.init, method=method), jax.random.key(0),
-                          *args)["params"]
+    return functools.partial(model.init, method=method), args
+
+
+@functools.lru_cache(maxsize=32)
+def parameter_shapes(cfg: TransformerConfig) -> dict[str, tuple[int, ...]]:
+    """Every parameter of the unscanned model: '/'-joined path -> shape."""
+    init, args = _unscanned_init(cfg)
+    tree = jax.eval_shape(init, jax.random.key(0), *args)["params"]
     return {"/".join(k.key for k in path): tuple(leaf.shape)
             for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def initial_params(cfg: TransformerConfig, paths) -> dict[str, np.ndarray]:
+    """The values `model.init` (key 0) gives the unscanned parameter `paths` ("name[i]"
+    for one layer's slice), on the host: a head that a checkpoint lacks. Only those
+    leaves leave the compiled init."""
+    init, args = _unscanned_init(cfg)
+    tokens = [jnp.zeros(a.shape, a.dtype) for a in args]
+
+    def pick(key):
+        tree = init(key, *tokens)["params"]
+        out = {}
+        for path in paths:
+            leaf = tree
+            for part in whole_leaf(path).split("/"):
+                leaf = leaf[part]
+            out[path] = leaf[int(path[path.index("[") + 1:-1])] if path.endswith("]") else leaf
+        return out
+
+    return jax.device_get(jax.jit(pick)(jax.random.key(0)))
 
 
 def untied_head(cfg: TransformerConfig, layout: Layout | None = None) -> list[Rule]:

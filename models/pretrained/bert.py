@@ -1,0 +1,234 @@
+"""`bert`: an encoder-only stack (`models.encoder_only`) with word + learned position +
+token-type embeddings, a LayerNorm on their sum (eps `layer_norm_eps`, as every norm),
+post-norm layers with biases, exact (erf) GELU by default, and one of two heads, as the
+checkpoint's class has it:
+
+    BertForMaskedLM                  cls.predictions: transform.dense, the activation,
+    (BertForPreTraining, BertModel)  transform.LayerNorm, then the tied word embeddings
+                                     plus cls.predictions.bias        -> num_labels 0
+    BertForSequenceClassification    bert.pooler.dense + tanh of the first token, then
+                                     classifier (C rows)              -> num_labels C
+
+`architectures` names the class; the tensors settle the head where they can
+(`config_from_weights`): a file with `classifier.weight` classifies with its rows as labels
+(config.json's id2label is written for every BERT, so it cannot tell). A base model saved
+alone (BertModel: no cls.* tensors) loads as a masked-LM model whose head is newly
+initialised, with a warning naming it; its pooler (and a pre-training file's next-sentence
+head) are skipped with a warning too. `problem_type` picks the training loss only.
+
+Old checkpoints spell LayerNorm's weight and bias "gamma" and "beta" (`Family.renames`),
+keep `position_ids` buffers (ignored) and a copy of the tied embedding and of the bias in
+`cls.predictions.decoder` (`Family.copies`: they must equal the tensors read).
+Special ids: pad `pad_token_id` (0 by default); BERT has no start or end token of its own
+(bos and eos None unless config.json names them). Refused by name: another `hidden_act`,
+`position_embedding_type` other than "absolute", a decoder (`is_decoder`,
+`add_cross_attention`), an untied head, and heads of other classes (token classification,
+question answering, ...). `roberta` (its own module) is this table with other positions.
+"""
+
+from __future__ import annotations
+
+from models.config import TransformerConfig
+from models.pretrained.family import ConfigReader, Family, Inexpressible, require
+from models.pretrained.files import Weights
+from models.pretrained.mapping import (
+    LINEAR_FROM_HEADS,
+    TRANSPOSE,
+    Rule,
+    bias_to_heads,
+    linear_to_heads,
+)
+
+ACTIVATIONS = {"gelu": "gelu_exact", "gelu_new": "gelu", "gelu_pytorch_tanh": "gelu",
+               "relu": "relu"}
+HF_ACTIVATIONS = {"gelu_exact": "gelu", "gelu": "gelu_new", "relu": "relu"}
+# Fields of older config.json files that transformers never reads (the original TF code's
+# pooler description, text direction) or that only train (the classifier's dropout).
+UNREAD_FIELDS = ("directionality", "pooler_fc_size", "pooler_num_attention_heads",
+                 "pooler_num_fc_layers", "pooler_size_per_head", "pooler_type",
+                 "classifier_dropout", "output_past")
+# Old spellings of LayerNorm's parameters (TF-converted checkpoints).
+RENAMES = ((r"(LayerNorm|layer_norm)\.gamma$", r"\1.weight"),
+           (r"(LayerNorm|layer_norm)\.beta$", r"\1.bias"))
+
+
+def heads_of(r: ConfigReader, name: str) -> int:
+    """num_labels as `architectures` says ("Bert" or "Roberta" classes): 0 for the
+    masked-LM model, the pre-training model and the base model, C (id2label's size) for
+    sequence classification; every other class is refused by name."""
+    archs = r.take("architectures", None) or []
+    labels = set()
+    for arch in archs:
+        if arch in (f"{name}ForMaskedLM", f"{name}ForPreTraining", f"{name}Model"):
+            labels.add(0)
+        elif arch == f"{name}ForSequenceClassification":
+            id2label = r.hf.get("id2label")
+            labels.add(len(id2label) if id2label else int(r.hf.get("num_labels", 2)))
+        else:
+            r.refuse("architectures", archs, f"supported: {name}ForMaskedLM, "
+                     f"{name}ForSequenceClassification, {name}ForPreTraining, {name}Model")
+    if len(labels) > 1:
+        r.refuse("architectures", archs, "one head: a masked-LM model or a classifier")
+    return labels.pop() if labels else 0
+
+
+def read_encoder(r: ConfigReader, name: str, default_pad: int | None) -> dict:
+    """The TransformerConfig fields BERT and RoBERTa read alike (all but the positions'
+    offset and max_len): sizes, post-norm LayerNorm layers with biases, an embedding norm,
+    the activation, token types, dropout rates, the head, and the pad id."""
+    act = r.take("hidden_act", "gelu")
+    if act not in ACTIVATIONS:
+        r.refuse("hidden_act", act, f"supported: {sorted(ACTIVATIONS)}")
+    r.expect("position_embedding_type", "absolute")
+    r.expect("is_decoder", False)
+    r.expect("add_cross_attention", False)
+    r.expect("tie_word_embeddings", True)
+    for key in UNREAD_FIELDS:
+        r.take(key, None)
+    return dict(
+        architecture="encoder_only", vocab_size=r.take("vocab_size"),
+        d_model=r.take("hidden_size"), num_heads=r.take("num_attention_heads"),
+        mlp_dim=r.take("intermediate_size"), num_layers=r.take("num_hidden_layers"),
+        positions="learned", norm="layernorm", norm_position="post",
+        norm_eps=r.take("layer_norm_eps", 1e-12), activation=ACTIVATIONS[act], use_bias=True,
+        tie_embeddings=True, scale_embeddings=False, embedding_norm=True,
+        num_token_types=r.take("type_vocab_size", 2), num_labels=heads_of(r, name),
+        dropout_rate=float(r.take("hidden_dropout_prob", 0.1)),
+        attention_dropout_rate=float(r.take("attention_probs_dropout_prob", 0.1)),
+        pad_id=r.take("pad_token_id", None) if "pad_token_id" in r.hf else default_pad)
+
+
+def encoder_to_hf(cfg: TransformerConfig, model_type: str, name: str, **fields) -> dict:
+    """config.json fields BERT and RoBERTa write alike; `fields` are the family's own
+    `require` values (its position offset). `architectures` follows the head."""
+    require(cfg, model_type, architecture="encoder_only", positions="learned",
+            norm="layernorm", norm_position="post", use_bias=True, qkv_bias=False,
+            sliding_window=None, num_kv_heads=cfg.num_heads,
+            head_dim=cfg.d_model // cfg.num_heads, tie_embeddings=True,
+            scale_embeddings=False, embedding_norm=True, **fields)
+    if cfg.activation not in HF_ACTIVATIONS:
+        raise Inexpressible(f"{model_type} cannot express activation={cfg.activation!r}")
+    if cfg.d_model % cfg.num_heads:
+        raise Inexpressible(f"{model_type} needs num_heads={cfg.num_heads} to divide "
+                            f"d_model={cfg.d_model}")
+    if not cfg.num_token_types:
+        raise Inexpressible(f"{model_type} always has token types (num_token_types=0)")
+    hf = {
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
+        "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
+        "intermediate_size": cfg.mlp_dim, "hidden_act": HF_ACTIVATIONS[cfg.activation],
+        "hidden_dropout_prob": cfg.dropout_rate,
+        "attention_probs_dropout_prob": cfg.attention_dropout_rate,
+        "max_position_embeddings": cfg.max_len + cfg.position_offset,
+        "type_vocab_size": cfg.num_token_types, "layer_norm_eps": cfg.norm_eps,
+        "position_embedding_type": "absolute", "is_decoder": False,
+        "add_cross_attention": False, "tie_word_embeddings": True,
+        "pad_token_id": cfg.pad_id, "bos_token_id": cfg.bos_id, "eos_token_id": cfg.eos_id,
+        "architectures": [f"{name}ForMaskedLM"],
+    }
+    if cfg.num_labels:
+        labels = [f"LABEL_{i}" for i in range(cfg.num_labels)]
+        hf.update(architectures=[f"{name}ForSequenceClassification"],
+                  id2label={str(i): label for i, label in enumerate(labels)},
+                  label2id={label: i for i, label in enumerate(labels)})
+    return hf
+
+
+def labels_from_weights(cfg: TransformerConfig, weights: Weights, key: str) -> TransformerConfig:
+    """A classifier when the file holds its output layer `key` (a torch Linear [C, D]), with
+    C labels; otherwise what `architectures` said (a classifier missing from the file is
+    then newly initialised)."""
+    keys = weights.keys()
+    if key not in keys:
+        return cfg
+    rows = weights.shape(key)[0]
+    if cfg.num_labels and rows != cfg.num_labels:
+        raise ValueError(f"checkpoint {weights.directory}: {key} has {rows} rows, but "
+                         f"config.json's id2label names {cfg.num_labels} labels")
+    return cfg.replace(num_labels=rows)
+
+
+def config_from_hf(hf: dict) -> TransformerConfig:
+    r = ConfigReader(hf, "bert")
+    fields = read_encoder(r, "Bert", default_pad=0)
+    cfg = TransformerConfig(**fields, max_len=r.take("max_position_embeddings", 512),
+                            bos_id=r.take("bos_token_id", None),
+                            eos_id=r.take("eos_token_id", None))
+    r.finish()
+    return cfg
+
+
+def config_to_hf(cfg: TransformerConfig) -> dict:
+    return encoder_to_hf(cfg, "bert", "Bert")
+
+
+def encoder_rules(cfg: TransformerConfig, base: str) -> list[Rule]:
+    """The embeddings and layers of BERT and RoBERTa under `base` ("bert", "roberta"):
+    torch `nn.Linear` [out, in] with biases, post-norm LayerNorms after attention
+    (`attention.output.LayerNorm`) and after the MLP (`output.LayerNorm`)."""
+    def layer(theirs: str, ours: str, layout=None) -> Rule:
+        return Rule(f"{base}.encoder.layer.{{i}}.{theirs}", f"encoder/layer_{{i}}/{ours}",
+                    layout, stack="encoder")
+
+    def linear(theirs: str, ours: str) -> list[Rule]:
+        return [layer(f"{theirs}.weight", f"{ours}/kernel", TRANSPOSE),
+                layer(f"{theirs}.bias", f"{ours}/bias")]
+
+    def norm(theirs: str, ours: str) -> list[Rule]:
+        return [layer(f"{theirs}.weight", f"{ours}/scale"), layer(f"{theirs}.bias", f"{ours}/bias")]
+
+    embeddings = f"{base}.embeddings"
+    table = [Rule(f"{embeddings}.word_embeddings.weight", "tokens/embedding"),
+             Rule(f"{embeddings}.position_embeddings.weight", "embed/positions/embedding")]
+    if cfg.num_token_types:
+        table.append(Rule(f"{embeddings}.token_type_embeddings.weight",
+                          "embed/token_types/embedding"))
+    table += [Rule(f"{embeddings}.LayerNorm.weight", "embed/norm/scale"),
+              Rule(f"{embeddings}.LayerNorm.bias", "embed/norm/bias")]
+    for proj in ("query", "key", "value"):
+        heads = "q" if proj == "query" else "kv"
+        table += [layer(f"attention.self.{proj}.weight", f"self_attention/{proj}/kernel",
+                        linear_to_heads(heads)),
+                  layer(f"attention.self.{proj}.bias", f"self_attention/{proj}/bias",
+                        bias_to_heads(heads))]
+    return table + [
+        layer("attention.output.dense.weight", "self_attention/out/kernel", LINEAR_FROM_HEADS),
+        layer("attention.output.dense.bias", "self_attention/out/bias"),
+        *norm("attention.output.LayerNorm", "self_attention_norm"),
+        *linear("intermediate.dense", "mlp/up"), *linear("output.dense", "mlp/down"),
+        *norm("output.LayerNorm", "mlp_norm")]
+
+
+def head_rules(transform: str, norm: str, bias: str, pooler: str, classifier: str):
+    """The rules of either head: (the masked-LM head: its transform, norm and bias keys)
+    and (the classifier: its pooler and output layer), torch Linears and a LayerNorm."""
+    def linear(theirs: str, ours: str) -> list[Rule]:
+        return [Rule(f"{theirs}.weight", f"{ours}/kernel", TRANSPOSE),
+                Rule(f"{theirs}.bias", f"{ours}/bias")]
+
+    mlm = [*linear(transform, "mlm_head/transform"), Rule(f"{norm}.weight", "mlm_head/norm/scale"),
+           Rule(f"{norm}.bias", "mlm_head/norm/bias"), Rule(bias, "mlm_head/bias")]
+    classify = [*linear(pooler, "classifier/pooler"), *linear(classifier, "classifier/classifier")]
+    return mlm, classify
+
+
+MLM_HEAD, CLASSIFIER_HEAD = head_rules(
+    "cls.predictions.transform.dense", "cls.predictions.transform.LayerNorm",
+    "cls.predictions.bias", "bert.pooler.dense", "classifier")
+
+
+def rules(cfg: TransformerConfig) -> list[Rule]:
+    return encoder_rules(cfg, "bert") + (CLASSIFIER_HEAD if cfg.num_labels else MLM_HEAD)
+
+
+FAMILY = Family(
+    model_type="bert", architectures=("BertForMaskedLM",), config_from_hf=config_from_hf,
+    config_to_hf=config_to_hf, rules=rules, prefix="bert.",
+    copies={"bert.embeddings.word_embeddings.weight": ("cls.predictions.decoder.weight",),
+            "cls.predictions.bias": ("cls.predictions.decoder.bias",)},
+    config_from_weights=lambda cfg, w: labels_from_weights(cfg, w, "classifier.weight"),
+    renames=RENAMES,
+    optional_heads={"cls.predictions.": "the masked-LM head", "bert.pooler.": "the pooler",
+                    "classifier.": "the classifier"},
+    skipped=(r"(bert\.)?pooler\.dense\.(weight|bias)", r"cls\..*"),
+    ignored=(r"(bert\.)?embeddings\.(position_ids|token_type_ids)",))
