@@ -1,14 +1,16 @@
 """Parameters from a checkpoint's tensors and back, by a family's rules (see `mapping`).
 
-Reading checks the whole file against the table before converting anything: its keys
-under today's names (`Family.renames`), every tensor the rules need must be there (missing
-ones are named) unless a whole optional head is absent (`Family.optional_heads`: it is
-initialised, with a warning), every tensor there must be needed, ignorable, another head's
-(`Family.skipped`, with a warning), a tied copy or the tied head (unexpected ones are
-named), tied copies must equal
-the tensor read and stored tensors the config determines must equal it (both named
-otherwise), and every converted array must have the shape the model expects (named with
-both shapes). Tensors are read, converted and cast one at a time on the host and each
+Reading checks the whole file against the table before converting anything:
+- its keys are taken under today's names (`Family.renames`);
+- every tensor the rules need must be there (missing ones are named), unless a whole
+  optional head is absent (`Family.optional_heads`: it is initialised, with a warning);
+- every tensor there must be needed, ignorable, another head's (`Family.skipped`, with a
+  warning), a tied copy or the tied head (unexpected ones are named);
+- tied copies must equal the tensor read, and stored tensors the config determines must
+  equal ours (both named otherwise);
+- every converted array must have the shape the model expects (named with both shapes).
+
+Tensors are read, converted and cast one at a time on the host and each
 parameter is put on the device as soon as it is whole (stacked, scanned parameters when
 their rule is done), so the host holds the parameters once, plus at most one rule's arrays.
 """
