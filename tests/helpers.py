@@ -7,6 +7,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import models
 
@@ -53,3 +54,12 @@ def fns(cfg: models.TransformerConfig) -> Fns:
 def random_tokens(seed: int, shape, vocab_size: int) -> jax.Array:
     """Ids in [3, V): never pad, eos or bos."""
     return jnp.asarray(np.random.default_rng(seed).integers(3, vocab_size, shape), jnp.int32)
+
+
+@pytest.fixture
+def highest_precision():
+    """Float32 matmuls at full precision for the test (comparisons with transformers)."""
+    old = jax.config.jax_default_matmul_precision
+    jax.config.update("jax_default_matmul_precision", "highest")
+    yield
+    jax.config.update("jax_default_matmul_precision", old)

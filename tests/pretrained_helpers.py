@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 import models
+from tests import helpers
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -142,12 +143,7 @@ def ckpt(tmp_path_factory):
     return lambda name: checkpoint(name, root)
 
 
-@pytest.fixture
-def highest_precision():
-    old = jax.config.jax_default_matmul_precision
-    jax.config.update("jax_default_matmul_precision", "highest")
-    yield
-    jax.config.update("jax_default_matmul_precision", old)
+highest_precision = helpers.highest_precision      # re-exported: the files that import it
 
 
 def copy_dir(src: str, dst) -> str:
@@ -164,6 +160,19 @@ def edit_config(path: str, edit) -> str:
     with open(file, "w") as f:
         json.dump(hf, f)
     return path
+
+
+def set_fields(**fields):
+    """A config.json edit (for `edit_config`) that sets `fields`."""
+    return lambda hf: hf.update(fields)
+
+
+def assert_refused_by_name(path: str, words) -> None:
+    """Reading the directory's config raises a ValueError whose message holds every word."""
+    with pytest.raises(ValueError) as info:
+        models.pretrained.read_config(path)
+    for word in words:
+        assert word in str(info.value), (word, str(info.value))
 
 
 def stack_layers(tree):

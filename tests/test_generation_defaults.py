@@ -12,6 +12,7 @@ import pytest
 import decode
 import models
 from models.pretrained.generation import GenerationDefaults
+from tests import helpers
 from tests.helpers import tiny
 
 V = 64
@@ -243,12 +244,7 @@ def test_greedy_with_forced_and_banned_tokens_equals_transformers(name, tmp_path
     assert not np.array_equal(plain.tokens, ours.tokens)
 
 
-@pytest.fixture
-def highest_precision():
-    old = jax.config.jax_default_matmul_precision
-    jax.config.update("jax_default_matmul_precision", "highest")
-    yield
-    jax.config.update("jax_default_matmul_precision", old)
+highest_precision = helpers.highest_precision        # the shared fixture
 
 
 @pytest.mark.parametrize("name", ["gpt2-tied", "llama-gqa-tied-llama3-head-dim"])

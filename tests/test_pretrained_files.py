@@ -128,8 +128,7 @@ def test_buffers_old_checkpoints_stored_are_skipped(name, buffers, ckpt, tmp_pat
 # ---------------------------------------------------------------------------------------------
 # 5. Config values that cannot be computed exactly are refused by name.
 
-def _set(**fields):
-    return lambda hf: hf.update(fields)
+_set = ph.set_fields
 
 
 def _v4_rope(rope_scaling, rope_theta=10_000.0):
