@@ -116,6 +116,8 @@ class TransformerConfig:
             to the input; 0 for none.
         num_labels: encoder-only: 0 gives the masked-LM head, C > 0 a classifier of C
             labels instead (see `models.encoder_only`).
+        label_names: a classifier's C label names, class i first (empty: unnamed, shown
+            as LABEL_i); they travel with the model (config.json's id2label).
         share_embeddings: encoder-decoder only: source and target use one embedding table.
         tie_embeddings: the output projection is the transposed target embedding.
         scale_embeddings: multiply embeddings by sqrt(D) (Vaswani et al.); their initial
@@ -169,6 +171,7 @@ class TransformerConfig:
     sliding_window: int | None = None
     num_token_types: int = 0
     num_labels: int = 0
+    label_names: tuple[str, ...] = ()
     share_embeddings: bool = True
     tie_embeddings: bool = True
     scale_embeddings: bool = False
@@ -199,6 +202,8 @@ class TransformerConfig:
                 value = Llama3RopeScaling(**value)
             elif field.name in _POSITIVE and value is not None:
                 value = check_positive_int(value, f"TransformerConfig.{field.name}")
+            elif field.name == "label_names":
+                value = _label_names(value)
             else:
                 value = _typed(field.name, value, _field_types()[field.name])
             object.__setattr__(self, field.name, value)
@@ -234,6 +239,10 @@ class TransformerConfig:
             if getattr(self, name) and self.architecture != "encoder_only":
                 raise ValueError(f"TransformerConfig.{name}={getattr(self, name)} needs "
                                  f"architecture='encoder_only', not {self.architecture!r}")
+        if self.label_names and len(self.label_names) != self.num_labels:
+            raise ValueError(f"TransformerConfig.label_names has {len(self.label_names)} "
+                             f"names {list(self.label_names)[:8]}, but num_labels="
+                             f"{self.num_labels}")
         if self.position_offset < 0:
             raise ValueError(
                 f"TransformerConfig.position_offset={self.position_offset} must be >= 0")
@@ -340,6 +349,20 @@ def _typed(name: str, value, tp):
         return float(value)
     raise ValueError(f"TransformerConfig.{name}={value!r} must be {tp.__name__}, "
                      f"not {type(value).__name__}")
+
+
+def _label_names(value) -> tuple[str, ...]:
+    """A tuple of distinct, non-empty strings (a list or tuple given), or a ValueError."""
+    if isinstance(value, str) or not isinstance(value, (list, tuple)):
+        raise ValueError(f"TransformerConfig.label_names={value!r} must be a list of strings")
+    for name in value:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"TransformerConfig.label_names has {name!r}; each name must be "
+                             "a non-empty string")
+    repeated = sorted({n for n in value if list(value).count(n) > 1})
+    if repeated:
+        raise ValueError(f"TransformerConfig.label_names names {repeated} more than once")
+    return tuple(value)
 
 
 def _float_dtype(name: str, value) -> jnp.dtype:

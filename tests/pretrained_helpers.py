@@ -333,9 +333,11 @@ ENCODER_CASES = {
         embedding_norm=True, norm_position="post", activation="gelu_exact", norm_eps=1e-12,
         max_len=40, pad_id=0, eos_id=None, bos_id=None, dropout_rate=0.1)),
     "bert-classifier-gelu-new": ("bert", "BertForSequenceClassification", dict(
-        _ENCODER, type_vocab_size=2, num_labels=3, hidden_act="gelu_new",
-        layer_norm_eps=1e-7, pad_token_id=5), dict(
-        num_labels=3, activation="gelu", norm_eps=1e-7, pad_id=5)),
+        _ENCODER, type_vocab_size=2, hidden_act="gelu_new", layer_norm_eps=1e-7,
+        pad_token_id=5, id2label={0: "neg", 1: "neutral", 2: "pos"},
+        label2id={"neg": 0, "neutral": 1, "pos": 2}), dict(
+        num_labels=3, label_names=("neg", "neutral", "pos"), activation="gelu",
+        norm_eps=1e-7, pad_id=5)),
     "roberta-mlm": ("roberta", "RobertaForMaskedLM", dict(
         _ENCODER, type_vocab_size=1, layer_norm_eps=1e-5), dict(
         num_labels=0, num_token_types=1, position_offset=2, max_len=38, norm_eps=1e-5,

@@ -107,10 +107,14 @@ def test_load_then_save_gives_files_transformers_loads_to_the_same_tensors(
     with open(os.path.join(same, "config.json")) as f:
         hf = json.load(f)
     assert hf["model_type"] == c.model_type and hf["architectures"] == [c.class_name]
-    if pre.config.num_labels:
-        assert len(hf["id2label"]) == len(hf["label2id"]) == pre.config.num_labels
+    if pre.config.num_labels:        # the names, or transformers' LABEL_i without them
+        names = pre.config.label_names or [f"LABEL_{i}" for i in range(pre.config.num_labels)]
+        assert hf["id2label"] == {str(i): n for i, n in enumerate(names)}
+        assert hf["label2id"] == {n: i for i, n in enumerate(names)}
     again = hf_encoder_load(same, c.class_name)
     assert type(again) is type(c.model)
+    if pre.config.num_labels:
+        assert again.config.id2label == dict(enumerate(names))
     assert_same_tensors(c.state, again)
     np.testing.assert_array_equal(
         hf_encoder_logits(again, c.tokens, c.lengths, c.token_types), c.logits)

@@ -72,6 +72,25 @@ def heads_of(r: ConfigReader, name: str) -> int:
     return labels.pop() if labels else 0
 
 
+def label_names_of(r: ConfigReader, num_labels: int) -> tuple[str, ...]:
+    """A classifier's label names from id2label, class 0 first; () when there is no
+    classifier or the names are transformers' defaults (LABEL_0, LABEL_1, ...)."""
+    id2label = r.hf.get("id2label") or {}
+    if not num_labels or len(id2label) != num_labels:
+        return ()
+    try:
+        names = tuple(str(id2label[key]) for key in sorted(id2label, key=int))
+    except ValueError:
+        r.refuse("id2label", id2label, "keys must be the integers 0 .. num_labels - 1")
+    if sorted(int(k) for k in id2label) != list(range(num_labels)):
+        r.refuse("id2label", id2label, "keys must be the integers 0 .. num_labels - 1")
+    return () if names == default_label_names(num_labels) else names
+
+
+def default_label_names(num_labels: int) -> tuple[str, ...]:
+    return tuple(f"LABEL_{i}" for i in range(num_labels))
+
+
 def read_encoder(r: ConfigReader, name: str, default_pad: int | None) -> dict:
     """The TransformerConfig fields BERT and RoBERTa read alike (all but the positions'
     offset and max_len): sizes, post-norm LayerNorm layers with biases, an embedding norm,
@@ -85,6 +104,7 @@ def read_encoder(r: ConfigReader, name: str, default_pad: int | None) -> dict:
     r.expect("tie_word_embeddings", True)
     for key in UNREAD_FIELDS:
         r.take(key, None)
+    labels = heads_of(r, name)
     return dict(
         architecture="encoder_only", vocab_size=r.take("vocab_size"),
         d_model=r.take("hidden_size"), num_heads=r.take("num_attention_heads"),
@@ -92,7 +112,8 @@ def read_encoder(r: ConfigReader, name: str, default_pad: int | None) -> dict:
         positions="learned", norm="layernorm", norm_position="post",
         norm_eps=r.take("layer_norm_eps", 1e-12), activation=ACTIVATIONS[act], use_bias=True,
         tie_embeddings=True, scale_embeddings=False, embedding_norm=True,
-        num_token_types=r.take("type_vocab_size", 2), num_labels=heads_of(r, name),
+        num_token_types=r.take("type_vocab_size", 2), num_labels=labels,
+        label_names=label_names_of(r, labels),
         dropout_rate=float(r.take("hidden_dropout_prob", 0.1)),
         attention_dropout_rate=float(r.take("attention_probs_dropout_prob", 0.1)),
         pad_id=r.take("pad_token_id", None) if "pad_token_id" in r.hf else default_pad)
@@ -127,7 +148,7 @@ def encoder_to_hf(cfg: TransformerConfig, model_type: str, name: str, **fields) 
         "architectures": [f"{name}ForMaskedLM"],
     }
     if cfg.num_labels:
-        labels = [f"LABEL_{i}" for i in range(cfg.num_labels)]
+        labels = cfg.label_names or default_label_names(cfg.num_labels)
         hf.update(architectures=[f"{name}ForSequenceClassification"],
                   id2label={str(i): label for i, label in enumerate(labels)},
                   label2id={label: i for i, label in enumerate(labels)})
