@@ -56,6 +56,9 @@ class Tokenizer(Protocol):
     eos_id: int | None
     bos_id: int | None
     unk_id: int | None
+    mask_id: int | None            # masked LM's mask token (None: the tokenizer has none)
+    mask_token: str | None         # how it is written in text ("[MASK]", "<mask>")
+    special_ids: frozenset[int]    # every special id: never chosen for masking
 
     def encode(self, text: str, *, add_special_tokens: bool = False,
                target: bool = False) -> list[int]: ...
@@ -87,7 +90,13 @@ class _OwnTokenizer:
     add_bos: bool = False
     add_eos: bool = False
     pad_id, eos_id, bos_id, unk_id = PAD_ID, EOS_ID, BOS_ID, UNK_ID
+    mask_id = mask_token = None           # the byte and sentencepiece ones may have one
     kind = "?"
+
+    @property
+    def special_ids(self) -> frozenset[int]:
+        return frozenset({PAD_ID, EOS_ID, BOS_ID, UNK_ID} | (
+            set() if self.mask_id is None else {self.mask_id}))
 
     def encode(self, text: str, *, add_special_tokens: bool = False,
                target: bool = False) -> list[int]:
@@ -113,35 +122,68 @@ class _OwnTokenizer:
                 out.append(i)
         return out
 
-    def _save_meta(self, directory: str) -> None:
+    def _save_meta(self, directory: str, **extra) -> None:
         os.makedirs(directory, exist_ok=True)
         with open(os.path.join(directory, OWN_FILE), "w") as f:
             json.dump({"kind": self.kind, "vocab_size": self.vocab_size,
-                       "add_bos": self.add_bos, "add_eos": self.add_eos}, f)
+                       "add_bos": self.add_bos, "add_eos": self.add_eos, **extra}, f)
 
 
 @dataclasses.dataclass(frozen=True)
 class ByteTokenizer(_OwnTokenizer):
-    """UTF-8 bytes shifted past the specials: byte b is id b + 4; vocab_size 260."""
+    """UTF-8 bytes shifted past the specials: byte b is id b + 4; vocab_size 260.
 
+    With `mask=True` (for masked LM) one more id, 260, is the mask token, written
+    "[MASK]" in text: `encode("a [MASK] b")` gives the bytes of "a ", 260, the bytes of
+    " b"; vocab_size is then 261.
+    """
+
+    mask: bool = False
     kind = "byte"
     offset = 4
-    vocab_size = 256 + offset
-    identity = kind
+    MASK_TOKEN = "[MASK]"
+
+    @property
+    def vocab_size(self) -> int:
+        return 256 + self.offset + self.mask
+
+    @property
+    def mask_id(self) -> int | None:
+        return 256 + self.offset if self.mask else None
+
+    @property
+    def mask_token(self) -> str | None:
+        return self.MASK_TOKEN if self.mask else None
+
+    @property
+    def identity(self) -> str:
+        return "byte+mask" if self.mask else "byte"
 
     def _pieces(self, text: str) -> list[int]:
-        return [b + self.offset for b in text.encode("utf-8")]
+        if not self.mask:
+            return [b + self.offset for b in text.encode("utf-8")]
+        out = []
+        for k, part in enumerate(text.split(self.MASK_TOKEN)):
+            out += [self.mask_id] * (k > 0) + [b + self.offset for b in part.encode("utf-8")]
+        return out
 
     def encode_batch(self, texts: Sequence[str], *, target: bool = False) -> list[list[int]]:
         return [self._pieces(t) for t in texts]
 
     def decode(self, ids: Iterable[int]) -> str:
-        data = bytes(i - self.offset for i in self._until_eos(ids) if i >= self.offset)
-        return data.decode("utf-8", errors="replace")
+        out, text = bytearray(), []
+        for i in self._until_eos(ids):
+            if i == self.mask_id:
+                text.append(out.decode("utf-8", errors="replace") + self.MASK_TOKEN)
+                out = bytearray()
+            elif i >= self.offset:
+                out.append(i - self.offset)
+        return "".join(text) + out.decode("utf-8", errors="replace")
 
     def id_to_piece(self, ids: Iterable[int]) -> list[str]:
         """One label per id (for plots): printable ASCII as itself, other bytes as <0xNN>."""
-        names = {PAD_ID: "<pad>", EOS_ID: "</s>", BOS_ID: "<s>", UNK_ID: "<unk>"}
+        names = {PAD_ID: "<pad>", EOS_ID: "</s>", BOS_ID: "<s>", UNK_ID: "<unk>",
+                 self.mask_id: self.mask_token}
         out = []
         for i in _checked_ids(ids, self.vocab_size):
             b = i - self.offset
@@ -149,12 +191,16 @@ class ByteTokenizer(_OwnTokenizer):
         return out
 
     def save(self, directory: str) -> None:
-        self._save_meta(directory)
+        self._save_meta(directory, **({"mask": True} if self.mask else {}))
 
 
 @dataclasses.dataclass(frozen=True)
 class SentencePieceTokenizer(_OwnTokenizer):
-    """A sentencepiece model whose special ids are the project's fixed ones."""
+    """A sentencepiece model whose special ids are the project's fixed ones. Its mask
+    token, if any, is the user-defined piece "[MASK]" (`train_sentencepiece(...,
+    mask=True)`), which text can spell out."""
+
+    MASK_TOKEN = "[MASK]"
 
     model_proto: bytes = b""            # the serialised model (what `spm.model` holds)
     kind = "sentencepiece"
@@ -169,6 +215,10 @@ class SentencePieceTokenizer(_OwnTokenizer):
             raise ValueError(f"sentencepiece model has special ids (pad, eos, bos, unk)={got}; "
                              f"this project needs {(PAD_ID, EOS_ID, BOS_ID, UNK_ID)}")
         object.__setattr__(self, "_sp", sp)
+        mask = sp.piece_to_id(self.MASK_TOKEN)
+        if mask != sp.unk_id() and not sp.is_control(mask):
+            object.__setattr__(self, "mask_id", mask)
+            object.__setattr__(self, "mask_token", self.MASK_TOKEN)
 
     def with_specials(self, *, add_bos: bool, add_eos: bool) -> SentencePieceTokenizer:
         return SentencePieceTokenizer(self.model_proto, add_bos=add_bos, add_eos=add_eos)
@@ -217,6 +267,8 @@ class HFTokenizer:
         self.vocab_size = len(tokenizer)
         self.pad_id, self.eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
         self.bos_id, self.unk_id = tokenizer.bos_token_id, tokenizer.unk_token_id
+        self.mask_id, self.mask_token = tokenizer.mask_token_id, tokenizer.mask_token
+        self.special_ids = frozenset(tokenizer.all_special_ids)
         # Marian's tokenizer with one vocab.json decodes with source.spm unless told
         # otherwise; the others take no such argument (some refuse unknown ones).
         self._decode_target = ({"use_source_tokenizer": False}
@@ -297,7 +349,7 @@ def load_tokenizer(directory: str, *, missing_ok: bool = False) -> Tokenizer | N
             raise ValueError(f"{own} names no tokenizer kind")
         flags = {"add_bos": meta.get("add_bos", False), "add_eos": meta.get("add_eos", False)}
         if meta["kind"] == ByteTokenizer.kind:
-            return ByteTokenizer(**flags)
+            return ByteTokenizer(mask=bool(meta.get("mask", False)), **flags)
         if meta["kind"] == SentencePieceTokenizer.kind:
             with open(os.path.join(directory, "spm.model"), "rb") as f:
                 return SentencePieceTokenizer(f.read(), **flags)

@@ -42,6 +42,27 @@ def test_sentencepiece_has_fixed_ids_round_trips_and_reloads(tmp_path):
     assert again.vocab_size == tok.vocab_size and again.encode(texts[3]) == tok.encode(texts[3])
 
 
+def test_our_tokenizers_have_a_mask_token_only_when_asked_and_keep_it_through_save(tmp_path):
+    plain, masked = data.ByteTokenizer(), data.ByteTokenizer(mask=True)
+    assert plain.mask_id is None and plain.special_ids == {0, 1, 2, 3}
+    assert plain.encode("[MASK]") == [b + 4 for b in b"[MASK]"]
+    ids = masked.encode("a [MASK] b[MASK]")
+    assert masked.vocab_size == 261 and ids == [101, 36, 260, 36, 102, 260]
+    assert masked.decode(ids) == "a [MASK] b[MASK]" and masked.id_to_piece([260]) == ["[MASK]"]
+    assert masked.special_ids == {0, 1, 2, 3, 260} and masked.identity != plain.identity
+    masked.save(str(tmp_path / "byte"))
+    assert data.load_tokenizer(str(tmp_path / "byte")) == masked
+
+    texts = [f"the {a} dog sees {n} cats ." for a in ("big", "small", "old") for n in range(50)]
+    assert data.train_sentencepiece(texts, 320).mask_id is None
+    spm_tok = data.train_sentencepiece(texts, 320, mask=True)
+    ids = spm_tok.encode("the [MASK] dog")
+    assert spm_tok.mask_id in ids and spm_tok.mask_token == "[MASK]"
+    assert spm_tok.mask_id in spm_tok.special_ids and spm_tok.decode(ids) == "the [MASK] dog"
+    spm_tok.save(str(tmp_path / "spm"))
+    assert data.load_tokenizer(str(tmp_path / "spm")).mask_id == spm_tok.mask_id
+
+
 def test_tokenizer_errors_name_the_problem(tmp_path):
     with pytest.raises(ValueError, match="vocab_size=100 is below 300"):
         data.train_sentencepiece(["a b c"], 100)

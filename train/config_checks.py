@@ -348,7 +348,7 @@ def _check_model(c: dict) -> None:
         # The tokenizer's size is known only later; the rules it enters (special ids below
         # it) hold for both of ours.
         vocab = (c["vocab_size"] if c["tokenizer"] == "sentencepiece"
-                 else ByteTokenizer.vocab_size)
+                 else ByteTokenizer().vocab_size)
         cfg = model_config(ml_collections.ConfigDict(
             {k: c[k] for k in ("model", "max_source_length", "max_target_length",
                                "max_decode_length", "dtype")}
