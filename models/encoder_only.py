@@ -2,6 +2,9 @@
 
     logits_BTV = model.apply(v, tokens, lengths=lengths)                    # masked LM
     logits_BC  = model.apply(v, tokens, lengths=lengths, method="classify")  # C labels
+    logits_BTC = model.apply(v, tokens, segment_ids=seg, positions=pos,
+                             method="classify_positions")   # packed rows: read each
+                                                            # example's first position
 
 The stack is the encoder-decoder's encoder: the same attention function, layers and
 `LayerStack`, bidirectional, with padding (`lengths`, or segment id 0) and packed segments
@@ -57,14 +60,15 @@ class MaskedLMHead(nn.Module):
 
 
 class ClassificationHead(nn.Module):
-    """The first token's state -> tanh(dense) (the "pooler") -> dropout -> C logits."""
+    """A [CLS] state -> tanh(dense) (the "pooler") -> dropout -> C logits, for every state
+    it is given (`[..., D] -> [..., C]`)."""
 
     config: TransformerConfig
 
     @nn.compact
-    def __call__(self, x_BTD: Float[Array, "B T D"], deterministic: bool) -> Float[Array, "B C"]:
+    def __call__(self, x_BD: Float[Array, "... D"], deterministic: bool) -> Float[Array, "... C"]:
         cfg = self.config
-        pooled_BD = jnp.tanh(_dense(cfg, cfg.d_model, "pooler")(x_BTD[:, 0]))
+        pooled_BD = jnp.tanh(_dense(cfg, cfg.d_model, "pooler")(x_BD))
         pooled_BD = nn.Dropout(cfg.dropout_rate)(pooled_BD, deterministic=deterministic)
         return _dense(cfg, cfg.num_labels, "classifier")(pooled_BD).astype(jnp.float32)
 
@@ -124,8 +128,16 @@ class EncoderOnly(nn.Module):
                  **kwargs) -> Float[Array, "B C"]:
         """Class logits (float32) from each row's first token; keywords as `encode`. One
         example per row: the first token is the [CLS] (<s>) token the tokenizer adds."""
+        return self.classify_positions(tokens, deterministic=deterministic, first_only=True,
+                                       **kwargs)[:, 0]
+
+    def classify_positions(self, tokens: Int[Array, "B T"], *, deterministic: bool = True,
+                           first_only: bool = False, **kwargs) -> Float[Array, "B T C"]:
+        """Class logits (float32) read at every position, for packed rows whose examples
+        start at their segments' first positions (training reads those); keywords as
+        `encode`. With `first_only`, the head reads position 0 alone (`[B, 1, C]`)."""
         if not self.config.num_labels:
             raise ValueError("this model has a masked-LM head (num_labels=0); give the config "
                              "num_labels > 0 for a classifier")
         x_BTD = self.encode(tokens, deterministic=deterministic, **kwargs)
-        return self.classifier(x_BTD, deterministic)
+        return self.classifier(x_BTD[:, :1] if first_only else x_BTD, deterministic)
