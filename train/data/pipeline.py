@@ -13,8 +13,20 @@ processes) and checkpoints the position (`iterator.get_state()` / `set_state()`)
 Batches are dicts of int32 arrays shaped `[R, B, W]` for `R` local devices and `B` rows per
 device, with the Flax WMT example's names:
 
-    inputs, inputs_segmentation, inputs_position      (translation only)
-    targets, targets_segmentation, targets_position
+    inputs, inputs_segmentation, inputs_position      (translation, classification)
+    targets, targets_segmentation, targets_position   (translation, text)
+    labels                                            (classification)
+
+An encoder-only model reads each text as its tokenizer's template makes a model input,
+`encode(text, add_special_tokens=True)` (`text_role="sentence"`: BERT's `[CLS] x [SEP]`,
+RoBERTa's `<s> x </s>`, ours `<s> x </s>` when made with add_bos/add_eos), with nothing
+appended. A classification example's label is its class index in the run's label order
+(`label_names`), written at the first position of its segment (0 elsewhere), so packed
+rows carry one label per example:
+
+    inputs                [CLS a1 a2 SEP CLS b1 SEP  0]
+    inputs_segmentation   [ 1   1  1   1   2  2   2  0]
+    labels                [ 3   0  0   0   1  0   0  0]    (a is class 3, b class 1)
 
 A translation example's source is encoded as the source side of the tokenizer and its
 target as the target side (`tokenizer.encode_batch(texts, target=True)`: Marian's
@@ -70,6 +82,11 @@ class PipelineConfig:
         pack_bins: open rows the first-fit packer tries before closing the fullest.
         num_threads / prefetch: grain read threads and prefetch buffer (batches).
         worker_count: grain worker processes (0: threads only).
+        text_role: how a text example is encoded: "text" (pieces then EOS: language
+            modelling) or "sentence" (the tokenizer's model-input template: encoder-only
+            models). Classification examples are always sentences.
+        label_names: the run's class order for classification data (a model's label
+            names); empty: the dataset's own order. A label not among them is an error.
     """
     per_device_batch_size: int
     max_source_length: int = 64
@@ -82,6 +99,8 @@ class PipelineConfig:
     num_threads: int = 2
     prefetch: int = 4
     worker_count: int = 0
+    text_role: str = "text"
+    label_names: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.per_device_batch_size < 1:
@@ -91,6 +110,8 @@ class PipelineConfig:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 2 (a token and EOS)")
         if self.overlong not in ("drop", "truncate"):
             raise ValueError(f"overlong={self.overlong!r} must be 'drop' or 'truncate'")
+        if self.text_role not in ("text", "sentence"):
+            raise ValueError(f"text_role={self.text_role!r} must be 'text' or 'sentence'")
         if list(self.bucket_boundaries) != sorted(set(self.bucket_boundaries)) or any(
                 b < 2 for b in self.bucket_boundaries):
             raise ValueError(f"bucket_boundaries={self.bucket_boundaries} must be increasing "
@@ -106,12 +127,15 @@ class TokenizedSplit:
     every example.
 
     `tokens[side][offsets[side][i]:offsets[side][i + 1]]` is example i's side (source, target
-    or text). `example_ids[i]` is its index in the full split.
+    or text). `example_ids[i]` is its index in the full split. `eos_id` is the id every
+    example ends with (a sentence: its template's last id, None without one); `labels[i]`
+    is a classification example's class index in the run's label order.
     """
     tokens: tuple[np.ndarray, ...]
     offsets: tuple[np.ndarray, ...]
     example_ids: np.ndarray
-    eos_id: int
+    eos_id: int | None
+    labels: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.example_ids)
@@ -127,19 +151,53 @@ def shard_indices(num_examples: int, shard_index: int, shard_count: int) -> np.n
     return np.arange(shard_index, num_examples, shard_count, dtype=np.int64)
 
 
-CACHE_FORMAT = 4          # in every token cache key: bump it when the cached files change
+CACHE_FORMAT = 5          # in every token cache key: bump it when the cached files change
 
 
-def side_roles(dataset: Dataset) -> tuple[str, ...]:
+def side_roles(dataset: Dataset, text_role: str = "text") -> tuple[str, ...]:
     """How each side of an example is encoded: ("source", "target") for translation (the
-    target with `target=True`), ("text",) for text."""
-    return ("source", "target") if dataset.kind == "translation" else ("text",)
+    target with `target=True`); (`text_role`,) for text; ("sentence",) for classification."""
+    if dataset.kind == "translation":
+        return ("source", "target")
+    return ("sentence",) if dataset.kind == "classification" else (text_role,)
+
+
+def sentence_end(tokenizer: Tokenizer) -> int | None:
+    """The id a sentence's template ends with (BERT's [SEP], RoBERTa's </s>; None when
+    the template adds nothing at the end): a truncated sentence keeps it last."""
+    template = tokenizer.encode("", add_special_tokens=True)
+    return int(template[-1]) if template else None
+
+
+def label_ids(dataset: Dataset, split: str, ids: np.ndarray,
+              label_names: tuple[str, ...] = ()) -> np.ndarray:
+    """The class index of each example `ids` of a classification split, in the order of
+    `label_names` (the dataset's own when empty).
+
+    Raises:
+        ValueError: a label of the data that `label_names` lacks, naming both.
+    """
+    labels = np.asarray(dataset.label_ids(split, ids), np.int32)
+    if not label_names or tuple(label_names) == tuple(dataset.label_names):
+        return labels
+    order = {name: i for i, name in enumerate(label_names)}
+    unknown = [n for n in dataset.label_names if n not in order]
+    if unknown:
+        raise ValueError(f"dataset {dataset.name!r} has label(s) {unknown} that the model's "
+                         f"labels {list(label_names)} do not name")
+    remap = np.asarray([order[n] for n in dataset.label_names], np.int32)
+    return remap[labels]
 
 
 def encode_side(tokenizer: Tokenizer, texts: Sequence[str], role: str) -> list[list[int]]:
     """One side of some examples as the model trains on them (see the module docstring):
     each ends with the tokenizer's EOS, after a Hugging Face tokenizer's own template for
-    translation sides ("source", "target"), after the pieces otherwise ("text")."""
+    translation sides ("source", "target"), after the pieces for "text"; a "sentence" is
+    the template alone."""
+    if role == "sentence":
+        if getattr(tokenizer, "kind", None) == "huggingface":
+            return tokenizer.encode_batch(texts, add_special_tokens=True)
+        return [tokenizer.encode(t, add_special_tokens=True) for t in texts]
     template = role != "text" and getattr(tokenizer, "kind", None) == "huggingface"
     if template:
         encoded = tokenizer.encode_batch(texts, target=role == "target",
@@ -152,11 +210,13 @@ def encode_side(tokenizer: Tokenizer, texts: Sequence[str], role: str) -> list[l
 
 def tokenize_split(dataset: Dataset, split: str, tokenizer: Tokenizer, *, shard_index: int = 0,
                    shard_count: int = 1, cache_dir: str | None = None,
-                   chunk: int = 4096) -> TokenizedSplit:
+                   chunk: int = 4096, text_role: str = "text",
+                   label_names: tuple[str, ...] = ()) -> TokenizedSplit:
     """Tokenises this process's shard of a split (or loads it from `cache_dir`).
 
     Targets are encoded as the target side (`encode_batch(..., target=True)`), sources and
-    text as the source side. The cache is keyed by the dataset's content `digest`, the
+    text as the source side; text as `text_role` says and classification examples as
+    sentences, with their labels in the order of `label_names` (see `label_ids`). The cache is keyed by the dataset's content `digest`, the
     tokenizer's `identity` (both sides' models) and these roles, so edited data or another
     tokenizer never reads old tokens. It is written whole or not at
     all, and read only when whole (see `train.data.cache`). A dataset without a digest (made
@@ -165,12 +225,15 @@ def tokenize_split(dataset: Dataset, split: str, tokenizer: Tokenizer, *, shard_
     Raises:
         OSError: writing the cache failed; the message names the path.
     """
-    if tokenizer.eos_id is None:
+    roles = side_roles(dataset, text_role)
+    if roles != ("sentence",) and tokenizer.eos_id is None:
         raise ValueError(f"the tokenizer ({tokenizer.identity[:40]}) has no end token "
                          "(eos_id None); the pipeline ends every example with one")
+    end_id = sentence_end(tokenizer) if roles == ("sentence",) else tokenizer.eos_id
     source = dataset.split(split)
     ids = shard_indices(len(source), shard_index, shard_count)
-    roles = side_roles(dataset)
+    labels = (label_ids(dataset, split, ids, label_names) if dataset.kind == "classification"
+              else None)
     sides = len(roles)
     cache = key = None
     if cache_dir and not dataset.digest:
@@ -181,9 +244,9 @@ def tokenize_split(dataset: Dataset, split: str, tokenizer: Tokenizer, *, shard_
                                    dataset.keys, roles, split, len(source), shard_index,
                                    shard_count)).encode()).hexdigest()
         cache = os.path.join(cache_dir, f"{dataset.name.replace('/', '_')}-{split}-{key[:16]}")
-        cached = _from_arrays(cache_lib.load(cache, key), sides, tokenizer.eos_id)
+        cached = _from_arrays(cache_lib.load(cache, key), sides, end_id)
         if cached is not None:
-            return cached
+            return dataclasses.replace(cached, labels=labels)
     dtype = np.uint16 if tokenizer.vocab_size <= np.iinfo(np.uint16).max + 1 else np.int32
     pieces: list[list[np.ndarray]] = [[] for _ in range(sides)]
     lengths: list[list[np.ndarray]] = [[] for _ in range(sides)]
@@ -199,7 +262,7 @@ def tokenize_split(dataset: Dataset, split: str, tokenizer: Tokenizer, *, shard_
         tokens.append(np.concatenate(pieces[s]) if pieces[s] else np.zeros(0, dtype))
         lens = np.concatenate(lengths[s]) if lengths[s] else np.zeros(0, np.int64)
         offsets.append(np.concatenate([[0], np.cumsum(lens)]).astype(np.int64))
-    out = TokenizedSplit(tuple(tokens), tuple(offsets), ids, tokenizer.eos_id)
+    out = TokenizedSplit(tuple(tokens), tuple(offsets), ids, end_id, labels)
     if cache:
         arrays = {**{f"tokens{s}.npy": out.tokens[s] for s in range(sides)},
                   **{f"offsets{s}.npy": out.offsets[s] for s in range(sides)},
@@ -361,11 +424,21 @@ def plan_epoch(items: Items, cfg: PipelineConfig, max_lengths: tuple[int, ...],
 
 
 def assemble(tokens: tuple[np.ndarray, ...], items: Items, rows: list[list[int]],
-             widths: tuple[int, ...], names: tuple[str, ...], end_id: int | None) -> dict:
+             widths: tuple[int, ...], names: tuple[str, ...], end_id: int | None,
+             labels: np.ndarray | None = None) -> dict:
     """Numpy arrays `[rows, width]` for each side: tokens, segmentation and positions.
     With `end_id`, every item's last token is set to it (a truncated translation example
-    still ends in EOS)."""
+    still ends in EOS). With `labels` (one per example), `labels` `[rows, width]` holds each
+    item's label at its first position."""
     out = {}
+    if labels is not None:
+        lab = np.zeros((len(rows), widths[0]), np.int32)
+        for r, row in enumerate(rows):
+            col = 0
+            for item in row:
+                lab[r, col] = labels[items.example[item]]
+                col += int(items.lengths[0][item])
+        out["labels"] = lab
     for s, (name, width) in enumerate(zip(names, widths, strict=True)):
         tok = np.zeros((len(rows), width), np.int32)
         seg = np.zeros((len(rows), width), np.int32)
@@ -420,10 +493,9 @@ class BatchSource:
         self._rows = num_devices * cfg.per_device_batch_size       # this process's rows
         self._shard = shard_index
         self._global_rows = self._rows * shard_count
-        self._names = ("inputs", "targets") if kind == "translation" else ("targets",)
-        self._max = ((cfg.max_source_length, cfg.max_target_length) if kind == "translation"
-                     else (cfg.max_target_length,))
-        self._end_id = data.eos_id if kind == "translation" else None
+        self._names = side_names(kind)
+        self._max = _max_lengths(kind, cfg)
+        self._end_id = None if kind == "text" else data.eos_id
         self._lock = threading.Lock()
         self._starts = [0]            # first step of each epoch computed so far
         self._plans: dict[int, list] = {}
@@ -479,7 +551,7 @@ class BatchSource:
                                    self._cfg.bucket_boundaries, m)
                            for s, m in enumerate(self._max))
         batch = assemble(self._data.tokens, self._items, rows, widths, self._names,
-                         self._end_id)
+                         self._end_id, self._data.labels)
         return {k: v.reshape(self._devices, -1, v.shape[-1]) for k, v in batch.items()}
 
 
@@ -511,8 +583,15 @@ def _shard_defaults(shard_index, shard_count, num_devices):
 
 
 def _max_lengths(kind: str, cfg: PipelineConfig) -> tuple[int, ...]:
-    return ((cfg.max_source_length, cfg.max_target_length) if kind == "translation"
-            else (cfg.max_target_length,))
+    """Each side's row width: a classification sentence is as long as a source."""
+    return {"translation": (cfg.max_source_length, cfg.max_target_length),
+            "classification": (cfg.max_source_length,)}.get(kind, (cfg.max_target_length,))
+
+
+def side_names(kind: str) -> tuple[str, ...]:
+    """The batch names of each side: what the model reads first is `inputs`."""
+    return {"translation": ("inputs", "targets"),
+            "classification": ("inputs",)}.get(kind, ("targets",))
 
 
 def train_source(dataset: Dataset, tokenizer: Tokenizer, cfg: PipelineConfig, *,
@@ -526,7 +605,8 @@ def train_source(dataset: Dataset, tokenizer: Tokenizer, cfg: PipelineConfig, *,
     """
     shard_index, shard_count, num_devices = _shard_defaults(shard_index, shard_count,
                                                             num_devices)
-    data = tokenize_split(dataset, split, tokenizer, cache_dir=cache_dir)
+    data = tokenize_split(dataset, split, tokenizer, cache_dir=cache_dir,
+                          text_role=cfg.text_role, label_names=cfg.label_names)
     items, stats = select_items(data, dataset.kind, _max_lengths(dataset.kind, cfg),
                                 cfg.overlong)
     return BatchSource(data, items, dataset.kind, cfg, num_devices, shard_index,
@@ -600,12 +680,13 @@ def eval_batches(dataset: Dataset, tokenizer: Tokenizer, cfg: PipelineConfig, sp
     shard_index, shard_count, num_devices = _shard_defaults(shard_index, shard_count,
                                                             num_devices)
     data = tokenize_split(dataset, split, tokenizer, shard_index=shard_index,
-                          shard_count=shard_count, cache_dir=cache_dir)
+                          shard_count=shard_count, cache_dir=cache_dir,
+                          text_role=cfg.text_role, label_names=cfg.label_names)
     max_lengths = _max_lengths(dataset.kind, cfg)
     items, stats = select_items(data, dataset.kind, max_lengths, cfg.overlong)
     rows_per_batch = num_devices * cfg.per_device_batch_size
-    # Rows to hold: this shard's chunks (text); the largest shard's examples (translation:
-    # ceil(N / shard_count), the same in every process).
+    # Rows to hold: this shard's chunks (text); the largest shard's examples (translation,
+    # classification: ceil(N / shard_count), the same in every process).
     rows_needed = (len(items) if dataset.kind == "text"
                    else -(-len(dataset.split(split)) // shard_count))
     needed = max(1, -(-rows_needed // rows_per_batch))
@@ -615,7 +696,7 @@ def eval_batches(dataset: Dataset, tokenizer: Tokenizer, cfg: PipelineConfig, sp
         raise ValueError(f"num_batches={num_batches} is fewer than the {needed} batches of "
                          f"{rows_per_batch} rows that shard {shard_index} of {shard_count} "
                          f"needs for its {len(items)} items of split {split!r}")
-    names = ("inputs", "targets") if dataset.kind == "translation" else ("targets",)
+    names = side_names(dataset.kind)
     batches = []
     for b in range(num_batches):
         rows = [[i] for i in range(b * rows_per_batch, min(len(items), (b + 1) * rows_per_batch))]
@@ -623,7 +704,7 @@ def eval_batches(dataset: Dataset, tokenizer: Tokenizer, cfg: PipelineConfig, sp
         index[:len(rows)] = data.example_ids[items.example[[r[0] for r in rows]]] if rows else []
         rows += [[]] * (rows_per_batch - len(rows))
         batch = assemble(data.tokens, items, rows, max_lengths, names,
-                         data.eos_id if dataset.kind == "translation" else None)
+                         None if dataset.kind == "text" else data.eos_id, data.labels)
         batch["example_index"] = index
         batches.append({k: v.reshape(num_devices, -1, *v.shape[1:]) for k, v in batch.items()})
     return batches, stats
