@@ -21,18 +21,18 @@ from train.data.pipeline import encode_side
 from train.model_config import ModelChoice
 
 
-def loss_metrics(dp, params, batches) -> dict:
-    """Token loss, accuracy and perplexity over evaluation batches (all devices).
+def loss_metrics(dp, params, batches, label_names: tuple[str, ...] = ()) -> dict:
+    """Token loss, accuracy and perplexity over evaluation batches (all devices); for a
+    classifier also each class's F1 (named by `label_names`) and their mean.
 
     Each batch is one eval step, a collective over every device of every process: every
     process must pass the same number of batches (`train.data.eval_batches` agrees on it).
     """
     total = None
     for batch in batches:
-        sums = dp.metrics(dp.eval_step(params, {k: v for k, v in batch.items()
-                                                if k != "example_index"}))
+        sums = dp.metrics(dp.eval_step(params, batch))
         total = sums if total is None else {k: total[k] + sums[k] for k in total}
-    return step_lib.summarise(total)
+    return step_lib.summarise(total, label_names)
 
 
 def decode_settings(config, choice: ModelChoice, *, beam: bool) -> tuple[int, dict]:

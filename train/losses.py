@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float, Int
 
 
@@ -50,3 +51,28 @@ def cross_entropy(logits_BTV: Float[Array, "B T V"], targets_BT: Int[Array, "B T
     correct = (jnp.argmax(logits_BTV, axis=-1) == targets_BT).astype(jnp.float32)
     return {"loss": jnp.sum((loss_BT + z_BT) * w), "nll": jnp.sum(nll_BT * w),
             "z_loss": jnp.sum(z_BT * w), "correct": jnp.sum(correct * w), "weight": jnp.sum(w)}
+
+
+def confusion(logits_BTC: Float[Array, "B T C"], labels_BT: Int[Array, "B T"],
+              weights_BT: Float[Array, "B T"]) -> dict[str, jax.Array]:
+    """Per-class counts `[C]` of the argmax predictions at weighted positions:
+    `true_positives`, `false_positives`, `false_negatives` (summable over devices)."""
+    classes = logits_BTC.shape[-1]
+    predicted_BTC = jax.nn.one_hot(jnp.argmax(logits_BTC, axis=-1), classes)
+    gold_BTC = jax.nn.one_hot(labels_BT, classes)
+    w_BT1 = weights_BT.astype(jnp.float32)[..., None]
+    return {"true_positives": jnp.sum(predicted_BTC * gold_BTC * w_BT1, axis=(0, 1)),
+            "false_positives": jnp.sum(predicted_BTC * (1 - gold_BTC) * w_BT1, axis=(0, 1)),
+            "false_negatives": jnp.sum((1 - predicted_BTC) * gold_BTC * w_BT1, axis=(0, 1))}
+
+
+def f1_scores(sums: dict, label_names: tuple[str, ...] = ()) -> dict[str, float]:
+    """Host-side F1 of each class (`f1/NAME`, class index without names) and their mean
+    (`macro_f1`) from `confusion` counts. A class never predicted nor present scores 0."""
+    tp, fp, fn = (np.asarray(sums[k], np.float64) for k in (
+        "true_positives", "false_positives", "false_negatives"))
+    f1 = np.where(2 * tp + fp + fn > 0, 2 * tp / np.maximum(2 * tp + fp + fn, 1e-12), 0.0)
+    names = label_names or tuple(str(c) for c in range(len(f1)))
+    out = {f"f1/{name}": float(v) for name, v in zip(names, f1, strict=True)}
+    out["macro_f1"] = float(np.mean(f1))
+    return out

@@ -2,10 +2,18 @@
 
 Both run inside a mapped axis named "batch" (pmap or shard_map): each device sees its own
 `[B, W]` rows, and sums are combined with `lax.psum` / `lax.pmean` over that axis.
+
+Three objectives (`Objective`), one loss: token cross-entropy at weighted positions,
+normalised by the global weight.
+
+    next_token   decoder-only, encoder-decoder: every real target token, teacher-forced
+    mlm          encoder-only with a masked-LM head: the positions `train.masking` chose
+    classify     encoder-only classifier: each example's label at its first position
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -14,9 +22,55 @@ import optax
 from jax import lax
 
 from train import losses
+from train.masking import Masking, mask_tokens
 from train.state import TrainState
 
 AXIS = "batch"
+# The masking draws' stream: the step key folded with this (dropout folds device indices).
+MASKING_STREAM = 0x7FFF_FFFF
+
+
+@dataclasses.dataclass(frozen=True)
+class Objective:
+    """What a run predicts (see the module docstring) and, for masked LM, with what.
+
+    Attributes:
+        kind: "next_token", "mlm" or "classify".
+        mask_id: the tokenizer's mask token (mlm).
+        special_ids: ids never chosen for masking (the tokenizer's specials).
+        masking: the corruption's probabilities.
+    """
+
+    kind: str = "next_token"
+    mask_id: int | None = None
+    special_ids: tuple[int, ...] = ()
+    masking: Masking = Masking()
+
+    def __post_init__(self):
+        if self.kind not in ("next_token", "mlm", "classify"):
+            raise ValueError(f"objective {self.kind!r} must be 'next_token', 'mlm' or "
+                             "'classify'")
+        if self.kind == "mlm" and self.mask_id is None:
+            raise ValueError("masked LM needs a mask token, and the tokenizer has none "
+                             "(mask_id None)")
+
+
+def objective_for(model_config, tokenizer, masking: Masking = Masking()) -> Objective:
+    """The objective a model's config implies: next-token prediction, or for an encoder-only
+    model masked LM (num_labels 0) or classification.
+
+    Raises:
+        ValueError: masked LM with a tokenizer that has no mask token, naming it.
+    """
+    if model_config.architecture != "encoder_only":
+        return Objective()
+    if model_config.num_labels:
+        return Objective("classify")
+    if tokenizer.mask_id is None:
+        raise ValueError(f"masked LM needs a mask token, and the tokenizer "
+                         f"({tokenizer.identity[:40]}) has none (mask_id None)")
+    return Objective("mlm", int(tokenizer.mask_id),
+                     tuple(sorted(int(i) for i in tokenizer.special_ids)), masking)
 
 
 def shift_right(targets_BT, positions_BT, segmentation_BT, bos_id: int):
@@ -78,9 +132,54 @@ def mix_predictions(decoder_inputs, logits_BTV, positions_BT, segmentation_BT, r
     return jnp.where(replace, shifted, decoder_inputs)
 
 
-def _sums(model, params, batch, rng, config, step, deterministic):
+def prepare(model, objective: Objective, batch, mask_key, row_ids_B) -> dict:
+    """What the loss compares with, and where: `targets` `[B, T]` and `weights` `[B, T]`
+    (float32), plus masked LM's corrupted `inputs`. Rows are masked by their global index
+    `row_ids_B`, so a device split masks exactly as one device does."""
+    if objective.kind == "next_token":
+        return {"targets": batch["targets"],
+                "weights": (batch["targets_segmentation"] > 0).astype(jnp.float32)}
+    if objective.kind == "classify":
+        first_BT = (batch["inputs_position"] == 0) & (batch["inputs_segmentation"] > 0)
+        return {"targets": batch["labels"], "weights": first_BT.astype(jnp.float32)}
+    tokens_BT = batch["targets"]
+    maskable_BT = (batch["targets_segmentation"] > 0) & ~jnp.isin(
+        tokens_BT, jnp.asarray(objective.special_ids, tokens_BT.dtype))
+    inputs_BT, chosen_BT = mask_tokens(mask_key, tokens_BT, maskable_BT, row_ids_B,
+                                       mask_id=objective.mask_id,
+                                       vocab_size=model.config.vocab_size,
+                                       masking=objective.masking)
+    return {"targets": tokens_BT, "weights": chosen_BT.astype(jnp.float32),
+            "inputs": inputs_BT}
+
+
+def _encoder_logits(model, params, batch, task, *, dropout_rng, deterministic: bool):
+    """An encoder-only model's logits: `[B, T, V]` (masked LM) or per-position class
+    logits `[B, T, C]` (classification; read at each example's first position)."""
+    rngs = None if deterministic else {"dropout": dropout_rng}
+    if "inputs" in task:             # masked LM: the corrupted text
+        return model.apply({"params": params}, task["inputs"],
+                           segment_ids=batch["targets_segmentation"],
+                           positions=batch["targets_position"],
+                           deterministic=deterministic, rngs=rngs)
+    return model.apply({"params": params}, batch["inputs"],
+                       segment_ids=batch["inputs_segmentation"],
+                       positions=batch["inputs_position"], deterministic=deterministic,
+                       rngs=rngs, method="classify_positions")
+
+
+def _sums(model, params, batch, task, rng, config, step, deterministic):
     """Loss sums of one device's rows (two passes under scheduled sampling)."""
     dropout_rng, mix_rng = jax.random.split(rng)
+    smoothing = config.label_smoothing if not deterministic else 0.0
+    if model.config.architecture == "encoder_only":
+        logits = _encoder_logits(model, params, batch, task, dropout_rng=dropout_rng,
+                                 deterministic=deterministic)
+        sums = losses.cross_entropy(logits, task["targets"], task["weights"],
+                                    label_smoothing=smoothing, z_loss=config.z_loss)
+        if model.config.num_labels:
+            sums.update(losses.confusion(logits, task["targets"], task["weights"]))
+        return sums
     dec_in = shift_right(batch["targets"], batch["targets_position"],
                          batch["targets_segmentation"], model.config.bos_id)
     if config.scheduled_sampling.enabled and not deterministic:
@@ -91,13 +190,18 @@ def _sums(model, params, batch, rng, config, step, deterministic):
                                  mix_rng)
     logits = forward(model, params, batch, dec_in, dropout_rng=dropout_rng,
                      deterministic=deterministic)
-    weights = (batch["targets_segmentation"] > 0).astype(jnp.float32)
-    return losses.cross_entropy(logits, batch["targets"], weights,
-                                label_smoothing=config.label_smoothing if not deterministic
-                                else 0.0, z_loss=config.z_loss)
+    return losses.cross_entropy(logits, task["targets"], task["weights"],
+                                label_smoothing=smoothing, z_loss=config.z_loss)
 
 
-def train_step(state: TrainState, batch, *, model, config, schedule):
+def _row_ids(batch) -> jax.Array:
+    """This device's rows' global indices: device d of the axis holds rows d*B .. d*B+B-1."""
+    rows = next(iter(batch.values())).shape[0]
+    return lax.axis_index(AXIS) * rows + jnp.arange(rows)
+
+
+def train_step(state: TrainState, batch, *, model, config, schedule,
+               objective: Objective = Objective()):
     """One optimiser update on this device's rows; gradients averaged over the "batch" axis.
 
     Each device's loss is its token-loss sum over the *global* token count times the number
@@ -108,14 +212,16 @@ def train_step(state: TrainState, batch, *, model, config, schedule):
         (new state, metrics): metric sums psum-ed over devices (see `summarise`).
     """
     device = lax.axis_index(AXIS)
-    rng = jax.random.fold_in(jax.random.fold_in(jax.random.wrap_key_data(state.rng),
-                                                state.step), device)
-    global_weight = lax.psum(jnp.sum((batch["targets_segmentation"] > 0).astype(jnp.float32)),
-                             AXIS)
+    step_key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
+    rng = jax.random.fold_in(step_key, device)
+    task = prepare(model, objective, batch, jax.random.fold_in(step_key, MASKING_STREAM),
+                   _row_ids(batch))
+    global_weight = lax.psum(jnp.sum(task["weights"]), AXIS)
     num_devices = lax.psum(1, AXIS)
 
     def loss_fn(params):
-        sums = _sums(model, params, batch, rng, config, state.step, deterministic=False)
+        sums = _sums(model, params, batch, task, rng, config, state.step,
+                     deterministic=False)
         return sums["loss"] * num_devices / jnp.maximum(global_weight, 1.0), sums
 
     # Differentiate per device: under shard_map the replicated params would otherwise get
@@ -133,27 +239,39 @@ def per_device(tree):
     return jax.tree.map(lambda x: lax.pcast(x, AXIS, to="varying"), tree)
 
 
-def eval_step(params, batch, *, model, config):
-    """Loss sums without dropout or smoothing, psum-ed over devices."""
-    sums = _sums(model, params, batch, jax.random.key(0), config, 0, deterministic=True)
+def eval_step(params, batch, *, model, config, objective: Objective = Objective()):
+    """Loss sums without dropout or smoothing, psum-ed over devices. Masked LM masks each
+    row with a fixed key by its example's index (`example_index`, when the batch has it),
+    so every evaluation scores the same masks."""
+    row_ids = batch.get("example_index")
+    batch = {k: v for k, v in batch.items() if k != "example_index"}
+    row_ids = _row_ids(batch) if row_ids is None else row_ids
+    task = prepare(model, objective, batch, jax.random.key(MASKING_STREAM), row_ids)
+    sums = _sums(model, params, batch, task, jax.random.key(0), config, 0, deterministic=True)
     return lax.psum(sums, AXIS)
 
 
-def summarise(sums: dict) -> dict:
-    """Host-side means from summed metrics: loss, accuracy, perplexity per target token."""
+def summarise(sums: dict, label_names: tuple[str, ...] = ()) -> dict:
+    """Host-side means from summed metrics: loss, accuracy, perplexity per target token
+    (per masked token in masked LM, per example in classification, with each class's F1
+    named by `label_names`)."""
     weight = max(float(sums["weight"]), 1.0)
     out = {"loss": float(sums["loss"]) / weight, "nll": float(sums["nll"]) / weight,
            "accuracy": float(sums["correct"]) / weight, "tokens": float(sums["weight"])}
     out["perplexity"] = float(jnp.exp(min(out["nll"], 50.0)))
     if "z_loss" in sums:
         out["z_loss"] = float(sums["z_loss"]) / weight
+    if "true_positives" in sums:
+        out.update(losses.f1_scores(sums, label_names))
     for key in ("grad_norm", "learning_rate"):
         if key in sums:
             out[key] = float(sums[key])
     return out
 
 
-def make_steps(model, config, schedule):
-    """(train_step, eval_step) closed over the model and config, ready for a wrapper."""
-    return (functools.partial(train_step, model=model, config=config, schedule=schedule),
-            functools.partial(eval_step, model=model, config=config))
+def make_steps(model, config, schedule, objective: Objective = Objective()):
+    """(train_step, eval_step) closed over the model, config and objective, ready for a
+    wrapper."""
+    return (functools.partial(train_step, model=model, config=config, schedule=schedule,
+                              objective=objective),
+            functools.partial(eval_step, model=model, config=config, objective=objective))
