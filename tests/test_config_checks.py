@@ -122,7 +122,7 @@ CASES = [
     ("model_overrides", {"use_bias": "no"}, "TransformerConfig.use_bias='no' must be bool"),
     ("model_overrides", {"d_modle": 64}, "unknown TransformerConfig field(s) ['d_modle']"),
     ("model_overrides", {"num_heads": 3}, "is not divisible by num_heads=3"),
-    ("model", "gpt-tiny", "does not fit dataset='toy_translation' (translation)"),
+    ("model", "gpt-tiny", "does not fit dataset 'toy_translation' (translation)"),
     ("reverse_translation", True, "needs a translation dataset"),
     ("scheduled_sampling", "on", "must be a dict of enabled, schedule"),
 ]
@@ -196,11 +196,27 @@ def test_init_from_must_be_a_model_directory(tmp_path):
     assert re.match(r"model_overrides=\{'d_model': 64\}: may only set \[.*'dropout_rate'", message)
 
 
-def test_an_encoder_only_preset_is_refused_until_the_trainer_has_its_objectives():
+def test_an_encoder_only_model_trains_on_text_or_classification_and_nothing_else():
     from train import configs
     from train.config_checks import check_config
     config = configs.get("default")
     config.model = "bert-tiny"
-    with pytest.raises(ValueError, match=r"model='bert-tiny' .*encoder-only: it trains with "
-                                         r"masked LM or classification"):
+    with pytest.raises(ValueError, match=r"model='bert-tiny' .*\(encoder_only\) does not fit "
+                                         r"dataset 'toy_translation' \(translation\)"):
+        check_config(config)
+    config.dataset = "tiny_shakespeare"
+    check_config(config)                                   # masked LM on text
+    config.model_overrides = {"num_labels": 2}
+    with pytest.raises(ValueError, match=r"encoder-only classifier, num_labels=2\) does not "
+                                         r"fit dataset 'tiny_shakespeare' \(text\)"):
+        check_config(config)
+    config.model_overrides = {}
+    config.scheduled_sampling.enabled = True
+    with pytest.raises(ValueError, match=r"scheduled_sampling.enabled=True needs a model that "
+                                         r"predicts the next token; 'bert-tiny' is encoder-only"):
+        check_config(config)
+    config.scheduled_sampling.enabled = False
+    config.mlm_random_fraction = 0.3
+    with pytest.raises(ValueError, match=r"mlm_mask_fraction=0.8 plus mlm_random_fraction=0.3 "
+                                         r"is 1.1, above 1"):
         check_config(config)

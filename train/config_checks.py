@@ -157,6 +157,9 @@ RULES: dict[str, _Rule] = {
     "grad_accum_steps": _int(1),
     "label_smoothing": _number("in [0, 1)", lambda v: 0 <= v < 1),
     "z_loss": _number(">= 0", lambda v: v >= 0),
+    "mlm_rate": _number("in (0, 1]", lambda v: 0 < v <= 1),
+    "mlm_mask_fraction": _number("in [0, 1]", lambda v: 0 <= v <= 1),
+    "mlm_random_fraction": _number("in [0, 1]", lambda v: 0 <= v <= 1),
     "parallel": _choice("pmap", "shard_map"),
     "seed": _int(0),
     "scheduled_sampling": _Rule("a dict of enabled, schedule, max_rate, ramp_steps, k",
@@ -233,9 +236,18 @@ def check_config(config) -> None:
     if missing:
         raise ValueError(f"the config has no key {missing[0]!r} (every config starts from "
                          "train.configs._base.base_config())")
-    for check in (_check_processes, _check_schedule, _check_tokenizer, _check_files,
-                  _check_data_dir, _check_reverse, _check_init_from, _check_model):
+    for check in (_check_processes, _check_schedule, _check_masking, _check_tokenizer,
+                  _check_files, _check_data_dir, _check_reverse, _check_init_from,
+                  _check_model):
         check(values)
+
+
+def _check_masking(c: dict) -> None:
+    total = c["mlm_mask_fraction"] + c["mlm_random_fraction"]
+    if total > 1:
+        raise _fail("mlm_mask_fraction", c["mlm_mask_fraction"],
+                    f"plus mlm_random_fraction={c['mlm_random_fraction']} is {total:g}, "
+                    "above 1")
 
 
 def _check_processes(c: dict) -> None:
@@ -341,7 +353,7 @@ def _check_model(c: dict) -> None:
 
     from models.config import check_keys
     from models.tokenizer import ByteTokenizer
-    from train.model_config import check_trainable, model_config
+    from train.model_config import check_fits, model_config
     overrides = dict(c["model_overrides"])
     try:
         check_keys(overrides)
@@ -355,13 +367,10 @@ def _check_model(c: dict) -> None:
             | {"model_overrides": overrides}), vocab)
     except (ValueError, TypeError) as e:
         raise _fail("model_overrides", overrides, f"{e} (model={c['model']!r})", ": ") from None
-    if cfg.architecture == "encoder_only":
-        try:
-            check_trainable(cfg, c["model"])
-        except ValueError as e:
-            raise _fail("model", c["model"], f"({e})") from None
-    kind = _dataset_kind(c["dataset"])
-    if cfg.is_encoder_decoder != (kind == "translation"):
-        raise _fail("model", c["model"], f"({cfg.architecture}) does not fit dataset="
-                    f"{c['dataset']!r} ({kind}): translation needs an encoder-decoder preset, "
-                    "text a decoder-only one")
+    try:
+        check_fits(cfg, c["model"], c["dataset"], _dataset_kind(c["dataset"]))
+    except ValueError as e:
+        raise _fail("model", c["model"], f"({e})") from None
+    if cfg.architecture == "encoder_only" and c["scheduled_sampling.enabled"]:
+        raise _fail("scheduled_sampling.enabled", True, f"needs a model that predicts the "
+                    f"next token; {c['model']!r} is encoder-only")

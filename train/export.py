@@ -25,12 +25,14 @@ def write_model(path: str, config: models.TransformerConfig, params, tokenizer: 
 
     The project's own tokenizers get the convention the model was trained with for
     `encode(text, add_special_tokens=True)`: a decoder-only model's inputs start with BOS,
-    an encoder-decoder's sources end in EOS. Without decoding defaults, the model's eos is
-    written as the end token.
+    an encoder-decoder's sources end in EOS, an encoder-only model's texts have both. Without
+    decoding defaults, the model's eos is written as the end token.
     """
     if hasattr(tokenizer, "with_specials"):
-        tokenizer = tokenizer.with_specials(add_bos=not config.is_encoder_decoder,
-                                            add_eos=config.is_encoder_decoder)
+        encoder_only = config.architecture == "encoder_only"
+        tokenizer = tokenizer.with_specials(
+            add_bos=not config.is_encoder_decoder,
+            add_eos=config.is_encoder_decoder or encoder_only)
     if generation is None and config.eos_id is not None:
         generation = GenerationDefaults(eos_ids=(config.eos_id,))
     return models.save(path, config, params, tokenizer, model_type=model_type,

@@ -35,6 +35,7 @@ from train import (
 )
 from train.config_checks import check_config
 from train.export import write_model
+from train.masking import Masking
 from train.metrics import MetricWriter
 from train.model_config import ModelChoice, choose_model
 
@@ -154,8 +155,11 @@ def get_tokenizer(config, ds: data_lib.Dataset, workdir: str) -> data_lib.Tokeni
     """The run's tokenizer: reloaded from `workdir/tokenizer`, or made and saved there (by
     the lead process; the others load that one, so all encode with the same pieces). Made
     means: `init_from`'s own tokenizer, or a byte tokenizer, or sentencepiece trained on the
-    training split."""
+    training split. For an encoder-only preset ours get a mask token and wrap each text in
+    `<s> ... </s>` (`add_special_tokens`), as BERT's [CLS] ... [SEP]."""
     path = os.path.join(workdir, "tokenizer")
+    encoder = (not config.init_from
+               and models.get_config(config.model).architecture == "encoder_only")
 
     def load_or_build() -> data_lib.Tokenizer:
         # Written whole (a temporary directory renamed into place), so a kill never leaves
@@ -169,12 +173,15 @@ def get_tokenizer(config, ds: data_lib.Dataset, workdir: str) -> data_lib.Tokeni
                 raise ValueError(f"init_from={config.init_from!r} has no tokenizer files; "
                                  "fine-tuning on text needs the model's own tokenizer")
         elif config.tokenizer == "byte":
-            tok = data_lib.ByteTokenizer()
+            tok = data_lib.ByteTokenizer(mask=encoder, add_bos=encoder, add_eos=encoder)
         elif config.tokenizer == "sentencepiece":
             n = min(len(ds.split("train")), 500_000)
-            texts = (t for ex in ds.examples("train", range(n)) for t in ex)
+            sides = 1 if ds.kind == "classification" else len(ds.keys)   # not labels
+            texts = (t for ex in ds.examples("train", range(n)) for t in ex[:sides])
             tok = data_lib.train_sentencepiece(texts, config.vocab_size,
-                                               model_type=config.spm_model_type)
+                                               model_type=config.spm_model_type, mask=encoder)
+            if encoder:
+                tok = tok.with_specials(add_bos=True, add_eos=True)
         else:
             raise ValueError(
                 f"tokenizer={config.tokenizer!r} must be 'sentencepiece' or 'byte'")
@@ -184,8 +191,14 @@ def get_tokenizer(config, ds: data_lib.Dataset, workdir: str) -> data_lib.Tokeni
     return lead_first(load_or_build, "tokenizer saved")
 
 
-def pipeline_config(config, eval_: bool = False) -> data_lib.PipelineConfig:
+def pipeline_config(config, eval_: bool = False,
+                    model: models.TransformerConfig | None = None) -> data_lib.PipelineConfig:
+    """How the run batches its data; an encoder-only `model` reads sentences (its
+    tokenizer's template) and fixes the class order (its label names)."""
+    encoder = model is not None and model.architecture == "encoder_only"
     return data_lib.PipelineConfig(
+        text_role="sentence" if encoder else "text",
+        label_names=model.label_names if encoder else (),
         per_device_batch_size=(config.eval_per_device_batch_size if eval_
                                else config.per_device_batch_size),
         max_source_length=config.max_source_length, max_target_length=config.max_target_length,
@@ -219,20 +232,17 @@ def _start_run(config, workdir: str, lock: workdir_lib.Lock) -> tuple[Run, Start
     lead = jax.process_index() == 0
     ds = load_dataset(config)
     tok = get_tokenizer(config, ds, workdir)
-    choice = choose_model(config, tok.vocab_size)
+    choice = choose_model(config, tok.vocab_size, ds.kind, getattr(ds, "label_names", ()))
     mcfg = choice.config
-    if mcfg.is_encoder_decoder != (ds.kind == "translation"):
-        model_name = config.init_from or config.model
-        raise ValueError(f"model {model_name!r} ({mcfg.architecture}) does not fit dataset "
-                         f"{config.dataset!r} ({ds.kind})")
-    if mcfg.bos_id is None:
+    objective = step_lib.objective_for(mcfg, tok, masking_of(config))
+    if objective.kind == "next_token" and mcfg.bos_id is None:
         raise ValueError(f"model {config.init_from or config.model!r} has no start token "
                          "(bos_id), which teacher forcing puts first in every sequence")
     model = models.build(mcfg)
-    pcfg = pipeline_config(config)
+    pcfg = pipeline_config(config, model=mcfg)
     source, stats = data_lib.train_source(ds, tok, pcfg, cache_dir=os.path.join(workdir, "cache"))
     eval_batches, eval_stats = data_lib.eval_batches(
-        ds, tok, pipeline_config(config, eval_=True), config.eval_split)
+        ds, tok, pipeline_config(config, eval_=True, model=mcfg), config.eval_split)
     if lead:
         bad = f"; {ds.bad_lines.summary()}" if ds.bad_lines.total else ""
         print(f"data: {config.dataset} train {stats.summary()}; {config.eval_split} "
@@ -241,12 +251,20 @@ def _start_run(config, workdir: str, lock: workdir_lib.Lock) -> tuple[Run, Start
     tx, schedule = state_lib.make_optimizer(config)
     first = jax.tree.map(lambda x: x[0], source[0])
     init_args = ((first["inputs"], first["targets"]) if mcfg.is_encoder_decoder
+                 else (first["inputs"],) if objective.kind == "classify"
                  else (first["targets"],))
+    init_method = "classify" if objective.kind == "classify" else None
+
+    def init():
+        return model.init(jax.random.key(config.seed), *init_args, method=init_method)["params"]
+
+    heads = set(jax.eval_shape(init))
 
     def fresh_state(init_params=None):
-        if init_params is None:
-            init_params = model.init(jax.random.key(config.seed), *init_args)["params"]
-        return state_lib.TrainState.create(init_params, tx, config.seed)
+        params = init_params
+        if params is None or set(params) != heads:      # a head of its own (see _head_change)
+            params = {**init(), **{k: v for k, v in (params or {}).items() if k in heads}}
+        return state_lib.TrainState.create(params, tx, config.seed)
 
     mngr = checkpoint.manager(workdir, config.keep_checkpoints)
     iterator = data_lib.train_iterator(source, pcfg)
@@ -264,13 +282,19 @@ def _start_run(config, workdir: str, lock: workdir_lib.Lock) -> tuple[Run, Start
         if lead:
             print(f"resumed from step {resumed_from}", flush=True)
     elif config.init_from:
-        state = jax.jit(fresh_state)(models.load(config.init_from, **_runtime(mcfg)).params)
+        loaded = models.load(config.init_from, **_runtime(mcfg)).params
+        state = jax.jit(fresh_state)(loaded)
         if lead:
             print(f"initialised from {config.init_from} ({choice.model_type})", flush=True)
+            new, unused = _head_change(heads, loaded)
+            if new or unused:
+                print(f"warning: {config.init_from}'s {', '.join(unused) or 'model'} is not "
+                      f"used; {', '.join(new)} newly initialised for {mcfg.num_labels} "
+                      f"labels {list(mcfg.label_names)[:10]}", flush=True)
     else:
         state = jax.jit(fresh_state)()
 
-    train_fn, eval_fn = step_lib.make_steps(model, config, schedule)
+    train_fn, eval_fn = step_lib.make_steps(model, config, schedule, objective)
     dp = parallel.DataParallel(config.parallel, train_fn, eval_fn)
     step = int(resumed_from or 0)
     state = dp.put_state(state)
@@ -281,6 +305,18 @@ def _start_run(config, workdir: str, lock: workdir_lib.Lock) -> tuple[Run, Start
               choice=choice, data_record=record, eval_batches=eval_batches, dp=dp, writer=writer,
               checkpoints=mngr, lock=lock)
     return run, Start(state, iterator, step, resumed_from)
+
+
+def masking_of(config) -> Masking:
+    """The masked-LM corruption the config asks for (`mlm_rate`, `mlm_mask_fraction`,
+    `mlm_random_fraction`)."""
+    return Masking(config.mlm_rate, config.mlm_mask_fraction, config.mlm_random_fraction)
+
+
+def _head_change(heads: set[str], loaded: dict) -> tuple[list[str], list[str]]:
+    """(parts the run initialises anew, loaded parts it drops): a masked-LM checkpoint
+    fine-tuned to classify trades `mlm_head` for `classifier`."""
+    return sorted(heads - set(loaded)), sorted(set(loaded) - heads)
 
 
 def _runtime(config: models.TransformerConfig) -> dict:

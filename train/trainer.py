@@ -24,9 +24,9 @@ import time
 
 import jax
 
-from train import evaluate
+from train import data as data_lib, evaluate
 from train.metrics import StepLog
-from train.setup import Run, start_run
+from train.setup import Run, pipeline_config, start_run
 from train.workdir import write_text
 
 
@@ -125,9 +125,11 @@ def _train(run: Run, start, config, workdir: str, hooks) -> dict:
 
 
 def _evaluate(run: Run, state, step: int, *, test: bool) -> dict:
-    """Validation loss metrics and decoded scores; at the end (`test`) the test split too."""
+    """Validation loss metrics and decoded scores; at the end (`test`) the test split too
+    (decoded for translation; loss, accuracy and F1 for classification)."""
     config, ds, lead = run.config, run.dataset, run.lead
-    val = evaluate.loss_metrics(run.dp, state.params, run.eval_batches)
+    names = run.choice.config.label_names
+    val = evaluate.loss_metrics(run.dp, state.params, run.eval_batches, names)
     out = {"validation": val}
     decodes = ds.kind == "translation" and config.num_eval_decode
     tests = test and ds.kind == "translation" and config.num_test_decode \
@@ -155,4 +157,13 @@ def _evaluate(run: Run, state, step: int, *, test: bool) -> dict:
     if tests:
         out["test"], _ = decoded(config.test_split, config.num_test_decode, False)
         run.writer.write(step, "test", out["test"])
+    elif test and ds.kind == "classification" and config.test_split in ds.splits:
+        batches, _ = data_lib.eval_batches(
+            ds, run.tokenizer, pipeline_config(config, eval_=True, model=run.choice.config),
+            config.test_split)
+        out["test"] = evaluate.loss_metrics(run.dp, state.params, batches, names)
+        run.writer.write(step, "test", out["test"])
+        if lead:
+            print(f"step {step} {config.test_split}: "
+                  + ", ".join(f"{k} {v:.4g}" for k, v in out["test"].items()), flush=True)
     return out

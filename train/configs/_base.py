@@ -43,6 +43,12 @@ def base_config() -> ml_collections.ConfigDict:
     c.grad_accum_steps = 1
     c.label_smoothing = 0.1
     c.z_loss = 0.0
+    # Masked LM (encoder-only models on text): of the real, non-special tokens, mlm_rate
+    # are chosen; of those mlm_mask_fraction become the mask token, mlm_random_fraction a
+    # random token, the rest stay (BERT's 15% and 80/10/10).
+    c.mlm_rate = 0.15
+    c.mlm_mask_fraction = 0.8
+    c.mlm_random_fraction = 0.1
     c.parallel = "pmap"                    # pmap | shard_map
     c.seed = 0
     c.scheduled_sampling = ml_collections.ConfigDict(dict(
