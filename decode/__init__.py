@@ -13,7 +13,9 @@ lowered computation (`.compile()`, `.cost_analysis()`, `.as_text()`).
 Modules: `generate` and `beam` (the public calls), `sampling` and `checks` (their
 arguments), `loop` (the sampling loop, model-free), `beam_steps` (beam search's steps),
 `processors` (logits processors, the token constraints among them), `ngrams` (the history
-that bans repeated n-grams), `model_fns` (the model as the loops see it).
+that bans repeated n-grams), `model_fns` (the model as the loops see it), `encoder`
+(encoder-only models, which do not generate: `fill_mask` and `classify` on arrays,
+`fill_mask_text` and `classify_text` on text).
 
 A model directory's generation_config.json gives defaults for these calls:
 `pre = models.load(path)`, then `decode.beam_search(..., **pre.generation.beam_options(
@@ -22,6 +24,14 @@ pre.config))` (see `models.pretrained.generation`).
 
 from decode.beam import BeamOutput, beam_search, beam_search_arguments
 from decode.beam_steps import gnmt_penalty, hf_penalty, length_penalty
+from decode.encoder import (
+    Classified,
+    FillMaskOutput,
+    classify,
+    classify_text,
+    fill_mask,
+    fill_mask_text,
+)
 from decode.generate import DecodeOutput, bucket_width, generate, generate_arguments, pad_prompts
 from decode.loop import LoopState, decode_loop
 from decode.processors import (
@@ -40,7 +50,8 @@ from decode.processors import (
 
 __all__ = [
     "BeamOutput", "beam_search", "beam_search_arguments", "gnmt_penalty", "hf_penalty",
-    "length_penalty", "DecodeOutput", "LoopState", "Constraints", "Strategy",
+    "length_penalty", "Classified", "FillMaskOutput", "classify", "classify_text", "fill_mask",
+    "fill_mask_text", "DecodeOutput", "LoopState", "Constraints", "Strategy",
     "apply_repetition_penalty", "apply_temperature", "ban_end_before", "ban_tokens",
     "bucket_width", "constrain_logits", "decode_loop", "force_token", "generate",
     "generate_arguments", "min_p_filter", "pad_prompts", "top_k_filter", "top_p_filter",

@@ -1,8 +1,9 @@
 """python -m decode --model DIR | --workdir RUN | --config PRESET [options] [TEXT ...]
 
-Decodes each TEXT (or each line of stdin when no TEXT is given) and prints exactly one
-output line per input line, in order: a blank input gives a blank output, and a line break
-inside an output is written as \\n.
+Decodes (for an encoder-only model: fills in masks, or classifies) each TEXT (or each line
+of stdin when no TEXT is given) and prints exactly one output line per input line, in
+order: a blank input gives a blank output, and a line break inside an output is written
+as \\n.
 
 --model reads a model directory (a Hugging Face one, or a training run's export): text in,
 text out with its tokenizer, which adds its own special tokens (GPT-2 none, Llama a leading
@@ -22,6 +23,33 @@ transformers' output and that are not applied here are named in one warning on s
     python -m decode --model path/to/opus-mt-en-de "An English sentence."   # beam 4 (file)
     echo "5 6 7" | python -m decode --config transformer-tiny --strategy beam --beam-size 4
 
+Encoder-only models (BERT, RoBERTa) do not generate; one of two flags says what to do
+with them (and a model without the one it needs is refused, naming the flag that fits):
+
+--fill-mask: a masked-LM model (num_labels=0) predicts each mask token of the input (the
+tokenizer's own: [MASK] for BERT and the project's tokenizers, <mask> for RoBERTa). One
+line per input: for each mask in order, MASKi: then its --top-k best fillers (default 5)
+with their probabilities, best first, "|" between fillers and "; " between masks. A filler
+that is empty or holds whitespace, "|" or ";" is quoted ('...'), a special token or a lone
+byte shows as its piece ([SEP], <0xC3>).
+
+    python -m decode --model path/to/bert --fill-mask "The cat sat on the [MASK] ."
+    [MASK]1: mat 0.4120 | floor 0.2010 | bed 0.0830 | rug 0.0410 | couch 0.0270
+    python -m decode --model path/to/roberta --fill-mask --top-k 2 "<mask> and <mask> ."
+    <mask>1: Salt 0.3100 | Bread 0.1200; <mask>2: pepper 0.5500 | butter 0.0900
+
+--classify: a classifier (num_labels=C > 0) prints label<TAB>probability of the likeliest
+label (config.json's id2label names, else LABEL_i); a directory without tokenizer files
+takes space-separated token ids.
+
+    python -m decode --model path/to/sst2-bert --classify "a fine film" "dull"
+    pos\t0.9312
+    neg\t0.8107
+
+Both read stdin lines when no TEXT is given, with the tokenizer's special tokens added
+([CLS] x [SEP], <s> x </s>), and refuse an input longer than the model's max_len (no
+--truncate) and the flags only generation reads (--strategy, --max-new-tokens, ...).
+
 Exit status: 0 when every input was decoded; 2 for a bad argument or input (one `error:`
 line on stderr; --verbose shows the traceback).
 """
@@ -38,6 +66,7 @@ import numpy as np
 
 import decode
 import models
+from decode import encoder
 from models.pretrained.generation import GenerationDefaults
 
 
@@ -47,6 +76,7 @@ class UsageError(ValueError):
 
 DEFAULT_NEW_TOKENS = 32        # when neither the command line nor the directory gives one
 DEFAULT_BEAM_SIZE = 4
+DEFAULT_FILLERS = 5            # --fill-mask's fillers per mask when --top-k is not given
 
 
 def _positive_int(text: str) -> int:
@@ -82,13 +112,21 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--config",
                         help=f"a preset with random weights: {', '.join(models.list_configs())}")
     p.add_argument("--seed", type=int, default=0, help="weights and sampling seed")
+    task = p.add_mutually_exclusive_group()
+    task.add_argument("--fill-mask", action="store_true",
+                      help="encoder-only masked-LM model: the --top-k best fillers (default "
+                           f"{DEFAULT_FILLERS}) of each mask token")
+    task.add_argument("--classify", action="store_true",
+                      help="encoder-only classifier: label<TAB>probability of each input")
     p.add_argument("--strategy", choices=("greedy", "sample", "beam"), default=None,
                    help="default: beam when the directory's num_beams > 1, else greedy")
     p.add_argument("--max-new-tokens", type=_positive_int, default=None,
                    help=f"default: the directory's max_new_tokens or max_length, else "
                         f"{DEFAULT_NEW_TOKENS}")
     p.add_argument("--temperature", type=float, default=1.0, help="sample only")
-    p.add_argument("--top-k", type=int, default=0, help="sample only; 0 is off")
+    p.add_argument("--top-k", type=int, default=None,
+                   help="sample: keep the k best tokens (default 0, off); --fill-mask: the "
+                        f"fillers shown per mask (default {DEFAULT_FILLERS})")
     p.add_argument("--top-p", type=float, default=1.0, help="sample only; 1 is off")
     p.add_argument("--min-p", type=float, default=0.0, help="sample only; 0 is off")
     p.add_argument("--repetition-penalty", type=float, default=None,
@@ -222,7 +260,7 @@ def decoding_options(args, gen: GenerationDefaults, cfg, strategy: str,
         return options
     sample = strategy == "sample"
     options.update(temperature=args.temperature if sample else 0.0,
-                   top_k=args.top_k if sample else 0, top_p=args.top_p if sample else 1.0,
+                   top_k=(args.top_k or 0) if sample else 0, top_p=args.top_p if sample else 1.0,
                    min_p=args.min_p if sample else 0.0)
     if args.repetition_penalty is not None:
         options["repetition_penalty"] = args.repetition_penalty
@@ -300,10 +338,140 @@ def _decode_batch(model, params, batch: list[list[int]], limit: int, options_for
     return [row[:length].tolist() for row, length in zip(tokens, n, strict=True)]
 
 
+# --------------------------------------------------------------------------------------------
+# Encoder-only models: --fill-mask and --classify.
+
+# What only generation reads: refused with --fill-mask / --classify (--top-k with --classify).
+_GENERATION_FLAGS = ("strategy", "max_new_tokens", "temperature", "top_p", "min_p",
+                     "repetition_penalty", "beam_size", "length_penalty",
+                     "length_normalization", "eos_id", "forced_bos_id", "forced_eos_id",
+                     "banned_ids", "min_new_tokens", "no_repeat_ngram_size", "truncate")
+
+
+def _task_flag(args) -> str | None:
+    return "--fill-mask" if args.fill_mask else "--classify" if args.classify else None
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def _source(args) -> str:
+    if args.config:
+        return f"the preset {args.config}"
+    return args.model or f"{args.workdir.rstrip('/')}/model"
+
+
+def _check_encoder_flags(args) -> None:
+    """--fill-mask / --classify with a flag they do not read is a usage error, raised
+    before any input is read or any model loaded."""
+    task = _task_flag(args)
+    if task is None:
+        return
+    defaults = build_parser()
+    given = [d for d in _GENERATION_FLAGS if getattr(args, d) != defaults.get_default(d)]
+    if given:
+        flags = ", ".join(map(_flag, given))
+        raise UsageError(f"{flags} appl{'ies' if len(given) == 1 else 'y'} to generation, "
+                         f"not {task}")
+    if args.classify and args.top_k is not None:
+        raise UsageError("--top-k applies to sampling and --fill-mask, not --classify")
+
+
+def _check_model_fits_flags(args, cfg) -> None:
+    """An encoder-only model needs --fill-mask (masked-LM head) or --classify (classifier);
+    any other model needs neither."""
+    task, source = _task_flag(args), _source(args)
+    if cfg.architecture != "encoder_only":
+        if task:
+            raise UsageError(f"{task} needs an encoder-only model (BERT, RoBERTa); {source} "
+                             f"is {cfg.architecture}: without {task} it generates")
+        return
+    if cfg.num_labels:
+        kind = (f"an encoder-only classifier (num_labels={cfg.num_labels}: "
+                f"{', '.join(encoder.label_names(cfg))})")
+        fits = "--classify"
+    else:
+        kind, fits = "an encoder-only masked-LM model (num_labels=0)", "--fill-mask"
+    if task is None:
+        raise UsageError(f"{source} is {kind}: it does not generate; pass {fits}")
+    if task != fits:
+        need = ("a masked-LM model (num_labels=0)" if task == "--fill-mask"
+                else "a classifier (num_labels > 0)")
+        raise UsageError(f"{task} needs {need}; {source} is {kind}: pass {fits}")
+
+
+def _shown_token(token: str) -> str:
+    """A filler as one unambiguous word of the output line: quoted (Python's repr) when it
+    is empty or holds whitespace, "|", ";" or an unprintable character."""
+    plain = token and token.isprintable() and not any(
+        c.isspace() or c in "|;" for c in token)
+    return token if plain else repr(token)
+
+
+def fillers_line(mask_token: str, fillers: list[list[tuple[str, float]]]) -> str:
+    """One output line: each mask's (token, probability) fillers, in order.
+
+        "[MASK]", [[("mat", 0.412), ("floor", 0.201)], [(".", 0.9), ("!", 0.05)]]
+        -> "[MASK]1: mat 0.4120 | floor 0.2010; [MASK]2: . 0.9000 | ! 0.0500"
+    """
+    return "; ".join(f"{mask_token}{m}: " + " | ".join(
+        f"{_shown_token(token)} {p:.4f}" for token, p in found)
+        for m, found in enumerate(fillers, start=1))
+
+
+def _encoder_inputs(args, lines: list[str], tok, cfg) -> list[list[int] | None]:
+    """Token ids of every line (None for a blank one), special tokens added and checked
+    against max_len (and, for --fill-mask, for a mask token) before anything runs."""
+    out = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            out.append(None)
+        elif tok is None:                  # --classify on a directory without a tokenizer
+            ids = _encode(line, number, None, cfg)
+            if len(ids) > cfg.max_len:
+                raise UsageError(f"input {number} is {len(ids)} tokens long; the model takes "
+                                 f"at most {cfg.max_len} (max_len)")
+            out.append(ids)
+        else:
+            out.append(encoder.encode_text(tok, cfg, line, name=f"input {number}",
+                                           need_mask=args.fill_mask))
+    return out
+
+
+def _run_encoder(args, model, params, tok, lines: list[str]) -> None:
+    cfg = model.config
+    if args.fill_mask:
+        mask_id, mask_token = encoder.mask_token_of(tok, _source(args))
+        k = DEFAULT_FILLERS if args.top_k is None else args.top_k
+        if not 1 <= k <= cfg.vocab_size:
+            raise UsageError(f"--top-k {k} must be in [1, vocab_size={cfg.vocab_size}] (the "
+                             "fillers shown per mask)")
+    inputs = _encoder_inputs(args, lines, tok, cfg)
+    todo = [ids for ids in inputs if ids is not None]
+    if args.fill_mask:
+        found = encoder.fill_mask_lists(model, params, todo, mask_id=mask_id, top_k=k,
+                                        batch_size=args.batch_size)
+        results = iter([fillers_line(mask_token, [list(zip(
+            encoder.token_strings(tok, [i for i, _ in pairs]), [p for _, p in pairs],
+            strict=True)) for pairs in masks]) for masks in found])
+    else:
+        probs = encoder.classify_lists(model, params, todo, batch_size=args.batch_size)
+        results = iter([f"{c.label}\t{c.probability:.4f}"
+                        for c in encoder.classified(cfg, probs)])
+    for ids in inputs:
+        print("" if ids is None else _one_line(next(results)), flush=True)
+
+
 def run(args) -> None:
+    _check_encoder_flags(args)
     lines = args.text or sys.stdin.read().splitlines()
     model, params, tok, gen = _load(args)
     cfg = model.config
+    _check_model_fits_flags(args, cfg)
+    if args.fill_mask or args.classify:
+        _run_encoder(args, model, params, tok, lines)
+        return
     strategy = _strategy(args, gen)
     if strategy == "beam" and args.repetition_penalty is not None:
         raise UsageError("--repetition-penalty applies to greedy decoding and sampling; beam "
