@@ -7,6 +7,10 @@ Local files are read line by line. Malformed lines (no tab, more than one tab, a
 invalid UTF-8) are skipped and counted, and the count with the first file:line locations is
 kept in the prepared dataset's metadata (`bad_lines(builder)`), so it is reported every time
 the data is used, not only on the run that prepared it.
+
+Classification datasets (`toy_classification`, `local_classification`) hold (`text`,
+`label`) strings; their label names, in class order, are fixed when they are prepared and
+kept in the same metadata (`label_names(builder)`).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import collections
 import dataclasses
 import hashlib
 import os
+import re
 
 import tensorflow_datasets as tfds
 from etils import epath
@@ -22,6 +27,7 @@ from etils import epath
 from train.data import grammar
 
 MAX_REPORTED_LINES = 20
+MAX_INTEGER_LABEL = 100_000     # integer labels name classes 0..max: at most this many + 1
 LOCAL_SPLIT_PERCENT = {"train": 90, "validation": 5, "test": 5}
 
 
@@ -86,6 +92,7 @@ class _GeneratedTask(_Builder):
     VERSION = tfds.core.Version("1.0.0")
     BUILDER_CONFIGS = [GeneratedConfig(name="default")]
     task: str
+    kind = "translation"        # what `datasets.Dataset.kind` says
 
     def _info(self) -> tfds.core.DatasetInfo:
         return tfds.core.DatasetInfo(builder=self, description=self.__doc__,
@@ -103,9 +110,28 @@ class _GeneratedTask(_Builder):
             yield i, {"inputs": src, "targets": tgt}
 
 
-def _generated_builder(task: str, doc: str, train_size: int) -> type:
+class _GeneratedClassification(_GeneratedTask):
+    """A `grammar` classification task as (`text`, `label`) strings in disjoint splits; its
+    label names (`grammar.CLASSIFICATION_LABELS`) are kept in the metadata."""
+
+    kind = "classification"
+
+    def _info(self) -> tfds.core.DatasetInfo:
+        metadata = tfds.core.MetadataDict(
+            label_names=list(grammar.CLASSIFICATION_LABELS[self.task]))
+        return tfds.core.DatasetInfo(builder=self, description=self.__doc__,
+                                     features=_text_features("text", "label"),
+                                     supervised_keys=("text", "label"), metadata=metadata)
+
+    def _generate_examples(self, pairs):
+        for i, (text, label) in enumerate(pairs):
+            yield i, {"text": text, "label": label}
+
+
+def _generated_builder(task: str, doc: str, train_size: int,
+                       base: type = _GeneratedTask) -> type:
     sizes = (("train", train_size), ("validation", 1_000), ("test", 1_000))
-    return type(f"Generated_{task}", (_GeneratedTask,),
+    return type(f"Generated_{task}", (base,),
                 {"name": task, "task": task, "__doc__": doc, "__module__": __name__,
                  "BUILDER_CONFIGS": [GeneratedConfig(name="default", sizes=sizes)]})
 
@@ -118,6 +144,9 @@ GENERATED = {
     "reverse": _generated_builder("reverse", "Reverse a string of 1-20 letters.", 20_000),
     "sort": _generated_builder("sort", "Sort the letters of a 1-20 letter string.", 20_000),
     "addition": _generated_builder("addition", "Add two numbers of up to 6 digits.", 20_000),
+    "toy_classification": _generated_builder(
+        "toy_classification", "English-like sentences labelled grammatical or ungrammatical "
+        "(subject-verb number agreement).", 20_000, _GeneratedClassification),
 }
 
 
@@ -310,6 +339,58 @@ def read_text_files(files: tuple[str, ...], bad: BadLines) -> dict[str, list]:
     return _assign_splits(sources, key=lambda line: line)
 
 
+def read_classification_files(files: tuple[str, ...], bad: BadLines) -> dict[str, list]:
+    """(text, label) pairs from `.tsv`-style files, one `text TAB label` a line, one file a
+    source (see `_assign_splits`; one file is split by a hash of the text). Both sides are
+    stripped of surrounding white space."""
+    sources = [list(_classification_pairs(path, bad)) for path in files]
+    return _assign_splits(sources, key=lambda pair: pair[0])
+
+
+_DECIMAL = re.compile(r"0|[1-9][0-9]*")     # a non-negative integer, as str(int) writes it
+
+
+def _classification_pairs(path: str, bad: BadLines):
+    for number, line in _lines(path, bad):
+        if not line.strip():
+            bad.add(path, number, "blank line")
+            continue
+        fields = line.split("\t")
+        if len(fields) != 2:
+            bad.add(path, number, "no tab" if len(fields) == 1 else "more than one tab")
+            continue
+        text, label = fields[0].strip(), fields[1].strip()
+        if not text:
+            bad.add(path, number, "empty text")
+        elif not label:
+            bad.add(path, number, "empty label")
+        else:
+            yield text, label
+
+
+def classification_label_names(labels) -> tuple[str, ...]:
+    """The class names, in class order, of a dataset with these labels (all splits):
+    ("0", "1", ..., str(max)) when every label is a non-negative integer in plain decimal
+    (class i is the integer i, present or not), else the sorted distinct labels.
+
+        ["2", "0", "2"] -> ("0", "1", "2");  ["neg", "pos", "0"] -> ("0", "neg", "pos");
+        ["01", "02"] -> ("01", "02") (not plain decimal: names)
+
+    Raises:
+        ValueError: integer labels above `MAX_INTEGER_LABEL`.
+    """
+    distinct = set(labels)
+    if distinct and all(_DECIMAL.fullmatch(label) for label in distinct):
+        top = max(int(label) for label in distinct)
+        if top > MAX_INTEGER_LABEL:
+            raise ValueError(f"integer label {top} is above {MAX_INTEGER_LABEL}: integer labels "
+                             f"name the classes 0..{top}, so this would be {top + 1} classes; "
+                             "number the classes from 0, or give them names that are not "
+                             "integers")
+        return tuple(str(i) for i in range(top + 1))
+    return tuple(sorted(distinct))
+
+
 class _LocalBuilder(_Builder):
     VERSION = tfds.core.Version("1.0.0")
     keys: tuple[str, ...]
@@ -330,9 +411,13 @@ class _LocalBuilder(_Builder):
         if not any(splits.values()):
             raise ValueError(f"no valid lines in {list(self.builder_config.files)}: "
                              + bad.summary())
+        self._describe(splits)
         # A split with no lines (a tiny file split by hash) is left out, not written empty;
         # `datasets.load_dataset` says so, naming the files, when the split is asked for.
         return {name: self._generate_examples(items) for name, items in splits.items() if items}
+
+    def _describe(self, splits: dict[str, list]) -> None:
+        """Adds what the builder kind keeps about its examples to the metadata."""
 
     def _generate_examples(self, items):
         for i, item in enumerate(items):
@@ -354,7 +439,28 @@ class LocalText(_LocalBuilder):
     _read = staticmethod(read_text_files)
 
 
-LOCAL = {"local_translation": LocalTranslation, "local_text": LocalText}
+class LocalClassification(_LocalBuilder):
+    """Labelled text from local files, one `text TAB label` a line, for classification."""
+    name = "local_classification"
+    keys = ("text", "label")
+    _read = staticmethod(read_classification_files)
+
+    def _describe(self, splits):
+        try:
+            names = classification_label_names(label for items in splits.values()
+                                               for _, label in items)
+        except ValueError as e:
+            raise ValueError(f"{self.name} {list(self.builder_config.files)}: {e}") from None
+        self.info.metadata["label_names"] = list(names)
+
+
+LOCAL = {"local_translation": LocalTranslation, "local_text": LocalText,
+         "local_classification": LocalClassification}
+
+
+def label_names(builder: tfds.core.DatasetBuilder) -> tuple[str, ...]:
+    """The class names saved when a classification dataset was prepared (() otherwise)."""
+    return tuple((builder.info.metadata or {}).get("label_names", ()))
 
 
 def bad_lines(builder: tfds.core.DatasetBuilder) -> BadLines:

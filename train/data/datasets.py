@@ -1,9 +1,14 @@
 """Datasets by name: the built-in builders and standard TFDS datasets, read as random access.
 
     ds = load_dataset("toy_translation", data_dir)          # prepares once, then reuses
-    ds.kind                      # "translation" or "text"
+    ds.kind                      # "translation", "text" or "classification"
     len(ds.splits["train"])      # examples
     ds.example("train", 7)       # ("the dog sees a cat .", "mivgu ku gasgu nu mivpit .")
+
+    cls = load_dataset("toy_classification", data_dir)
+    cls.example("train", 7)      # ("some quiet houses plays late .", "ungrammatical")
+    cls.label_names              # ("grammatical", "ungrammatical"): class i is label_names[i]
+    cls.label_ids("train", [7])  # array([1], dtype=int32)
 
 Every source is a `tfds.data_source` over `array_record` files: TensorFlow is not needed to
 read. Two standard datasets (`lm1b`, `tiny_shakespeare`) call `tf.io.gfile` while TFDS
@@ -21,6 +26,7 @@ import logging
 import os
 from typing import Any
 
+import numpy as np
 import tensorflow_datasets as tfds
 
 from train.data import builders
@@ -51,7 +57,9 @@ STANDARD = {
     "tiny_shakespeare": StandardSpec("tensorflow_datasets.text.tiny_shakespeare", "text",
                                      ("text",), _THREE, True),
 }
-LOCAL_KINDS = {"local_translation": "translation", "local_text": "text"}
+LOCAL_KINDS = {"local_translation": "translation", "local_text": "text",
+               "local_classification": "classification"}
+GENERATED_KINDS = {name: b.kind for name, b in builders.GENERATED.items()}
 
 
 def available() -> list[str]:
@@ -64,9 +72,10 @@ class Dataset:
 
     Attributes:
         name: as asked for.
-        kind: "translation" (examples are (source, target)) or "text" (one string).
+        kind: "translation" (examples are (source, target)), "text" (one string) or
+            "classification" (examples are (text, label name)).
         splits: split name -> a random-access source (`len`, `[i]`) of feature dicts.
-        keys: the feature names read, in (source, target) or (text,) order.
+        keys: the feature names read, in (source, target), (text,) or (text, label) order.
         bad_lines: malformed lines skipped while preparing local files.
         digest: a SHA-256 (hex) of what the splits hold, in the order `keys` reads them:
             equal for two datasets exactly when they give the same examples (from the files'
@@ -76,6 +85,10 @@ class Dataset:
         files: (path, SHA-256 of its contents) of each local data file, in order.
         empty_splits: split name -> why it has no examples (a local file too small for a
             90/5/5 split, or a file with no valid lines): asking for it raises that.
+        label_names: a classification dataset's class names, in class order, the same for
+            every split and fixed when it was prepared: ("0", "1", ..., str(max)) when every
+            label is a non-negative integer, else the sorted distinct labels; () for the
+            other kinds.
     """
     name: str
     kind: str
@@ -85,6 +98,7 @@ class Dataset:
     digest: str = ""
     files: tuple[tuple[str, str], ...] = ()
     empty_splits: dict[str, str] = dataclasses.field(default_factory=dict)
+    label_names: tuple[str, ...] = ()
 
     def example(self, split: str, index: int) -> tuple[str, ...]:
         record = self.split(split)[index]
@@ -92,13 +106,29 @@ class Dataset:
 
     def examples(self, split: str, indices) -> list[tuple[str, ...]]:
         """Many examples in one read (much faster than one at a time)."""
+        return [tuple(_text(r[k]) for k in self.keys) for r in self._records(split, indices)]
+
+    def _records(self, split: str, indices) -> list:
         source = self.split(split)
         indices = [int(i) for i in indices]
         try:
-            records = source.__getitems__(indices)
+            return source.__getitems__(indices)
         except TypeError:   # tfds.testing.mock_data's sources only read one at a time
-            records = [source[i] for i in indices]
-        return [tuple(_text(r[k]) for k in self.keys) for r in records]
+            return [source[i] for i in indices]
+
+    def label_ids(self, split: str, indices) -> np.ndarray:
+        """The class index (into `label_names`) of each example, int32 [len(indices)].
+
+        Raises:
+            ValueError: the dataset is not a classification dataset.
+        """
+        if self.kind != "classification":
+            raise ValueError(f"label_ids needs a classification dataset; {self.name!r} is "
+                             f"{self.kind}")
+        ids = {name: i for i, name in enumerate(self.label_names)}
+        key = self.keys[1]
+        return np.asarray([ids[_text(r[key])] for r in self._records(split, indices)],
+                          np.int32).reshape(-1)
 
     def split(self, name: str):
         """The random-access source of split `name`.
@@ -187,12 +217,14 @@ def load_dataset(name: str, data_dir: str | None = None, *, data_files: tuple[st
     """Prepares (once) and opens a dataset by name.
 
     Args:
-        name: a generated task (`toy_translation`, `copy`, `reverse`, `sort`, `addition`),
-            `local_translation` or `local_text` (with `data_files`), or a standard TFDS name
-            from `STANDARD`.
+        name: a generated task (`toy_translation`, `copy`, `reverse`, `sort`, `addition`;
+            `toy_classification`, sentences labelled "grammatical" or "ungrammatical"),
+            `local_translation`, `local_text` or `local_classification` (TSV lines
+            `text TAB label`; with `data_files`), or a standard TFDS name from `STANDARD`.
         data_dir: the TFDS data directory (default: TFDS's, `~/tensorflow_datasets`).
         data_files: paths for the local builders.
-        reverse_translation: swap source and target (e.g. wmt14 de-en read as en->de).
+        reverse_translation: swap source and target (e.g. wmt14 de-en read as en->de); an
+            error for the text and classification kinds.
 
     Raises:
         ValueError: for an unknown name, listing what is available.
@@ -202,18 +234,23 @@ def load_dataset(name: str, data_dir: str | None = None, *, data_files: tuple[st
     data_dir = os.path.expanduser(data_dir) if data_dir else None
     if name in builders.GENERATED:
         builder, splits = _open(name, data_dir)
-        config = builder.builder_config
-        ds = Dataset(name, "translation", splits, ("inputs", "targets"),
+        config, kind = builder.builder_config, GENERATED_KINDS[name]
+        names = builders.label_names(builder)
+        ds = Dataset(name, kind, splits,
+                     ("text", "label") if kind == "classification" else ("inputs", "targets"),
                      digest=_digest("generated", name, str(builder.version), config.sizes,
-                                    config.seed))
+                                    config.seed, *_names_part(kind, names)),
+                     label_names=names)
         return _oriented(ds, reverse_translation)
     if name in builders.LOCAL:
         config = builders.local_config(tuple(data_files))
         builder, splits = _open(name, data_dir, config=config)
-        ds = Dataset(name, LOCAL_KINDS[name], splits, builder.keys, builders.bad_lines(builder),
-                     digest=_digest("local", name, str(builder.version), config.digest),
+        kind, names = LOCAL_KINDS[name], builders.label_names(builder)
+        ds = Dataset(name, kind, splits, builder.keys, builders.bad_lines(builder),
+                     digest=_digest("local", name, str(builder.version), config.digest,
+                                    *_names_part(kind, names)),
                      files=tuple(zip(config.files, config.file_digests, strict=True)),
-                     empty_splits=_empty_splits(name, data_files, splits))
+                     empty_splits=_empty_splits(name, data_files, splits), label_names=names)
         if ds.bad_lines.total:
             log.warning("%s: %s", name, ds.bad_lines.summary())
         return _oriented(ds, reverse_translation)
@@ -228,6 +265,12 @@ def load_dataset(name: str, data_dir: str | None = None, *, data_files: tuple[st
                                     sorted((k, len(v)) for k, v in sources.items())))
         return _oriented(ds, reverse_translation)
     raise ValueError(f"unknown dataset {name!r}; available: {', '.join(available())}")
+
+
+def _names_part(kind: str, names: tuple[str, ...]) -> tuple:
+    """What a classification dataset adds to its digest: its label names (the other kinds'
+    digests are as they were)."""
+    return (("label_names", names),) if kind == "classification" else ()
 
 
 def _empty_splits(name: str, files, splits: dict) -> dict[str, str]:

@@ -1,4 +1,4 @@
-"""The built-in generated tasks: `toy_translation` and four symbol tasks.
+"""The built-in generated tasks: `toy_translation`, four symbol tasks and `toy_classification`.
 
 Everything here is a pure function of a seed, drawn only through `random.Random.random()`
 (whose sequence Python guarantees across versions and machines) and SHA-256, so every machine
@@ -18,6 +18,14 @@ Example (pretty-printed; the strings are single-spaced):
 
     the big dogs  did not see  a cat  quickly .
     mivgui ritpoi kui  gasgu nu  kovgi  nomivpont .
+
+`toy_classification` labels the English side "grammatical" or "ungrammatical": an
+ungrammatical sentence has its first clause's verb in the other number ("the dogs sees a
+cat .", "my child do not sleep ."). Only sentences whose first clause is in the present tense
+and whose subject shows its number ("the fish" does not) are used, and that subject has no
+prepositional phrase (no noun of another number between it and its verb). The subject's
+number and the label are fair coins, so neither the verb nor the subject alone tells the
+label.
 """
 
 from __future__ import annotations
@@ -206,15 +214,27 @@ def _english_np(np_: NounPhrase) -> list[str]:
     return words
 
 
-def _english_clause(clause: Clause) -> list[str]:
+def english_disagreeing(sentence: Sentence) -> str:
+    """The source side with the first clause's verb in the other number than its subject's:
+    "the dogs sees a cat .", "the dog do not see a cat ." (a past-tense verb is unchanged)."""
+    words = []
+    for i, clause in enumerate(sentence.clauses):
+        if i:
+            words.append(sentence.conjunctions[i - 1])
+        words += _english_clause(clause, agree=i > 0)
+    return " ".join(words + ["."])
+
+
+def _english_clause(clause: Clause, agree: bool = True) -> list[str]:
     base, third, past = _VERB_FORMS[clause.verb]
+    plural = clause.subject.plural == agree           # the verb's number
     if clause.negated:
-        aux = "did" if clause.tense == "past" else ("do" if clause.subject.plural else "does")
+        aux = "did" if clause.tense == "past" else ("do" if plural else "does")
         verb = [aux, "not", base]
     elif clause.tense == "past":
         verb = [past]
     else:
-        verb = [base if clause.subject.plural else third]
+        verb = [base if plural else third]
     words = _english_np(clause.subject) + verb
     if clause.obj is not None:
         words += _english_np(clause.obj)
@@ -312,6 +332,32 @@ def _toy_translation_pair(draw: _Draw) -> tuple[str, str]:
     return english(s), target(s)
 
 
+def sample_agreement_sentence(draw: _Draw) -> Sentence:
+    """A sentence for `toy_classification`: its first clause is in the present tense (so its
+    verb shows number) and its subject, without a prepositional phrase, shows its number,
+    which is a fair coin. Sentences that do not qualify are drawn again."""
+    while True:
+        sentence = sample_sentence(draw)
+        main = sentence.clauses[0]
+        if main.tense != "present":
+            continue
+        subject = dataclasses.replace(main.subject, plural=draw.chance(0.5), prep=None,
+                                      prep_object=None)
+        other = dataclasses.replace(subject, plural=not subject.plural)
+        if _english_np(subject) == _english_np(other):    # "the fish", "my sheep"
+            continue
+        return dataclasses.replace(
+            sentence, clauses=(dataclasses.replace(main, subject=subject),
+                               *sentence.clauses[1:]))
+
+
+def _toy_classification_example(draw: _Draw) -> tuple[str, str]:
+    sentence = sample_agreement_sentence(draw)
+    if draw.chance(0.5):
+        return english(sentence), "grammatical"
+    return english_disagreeing(sentence), "ungrammatical"
+
+
 def _copy_pair(draw: _Draw) -> tuple[str, str]:
     s = _symbols(draw, "abcdefghijklmnopqrstuvwxyz", 1, 20)
     return s, s
@@ -346,6 +392,10 @@ TASKS = {
     "addition": _addition_pair,
 }
 
+# (text, label) examples; the label names, in class order.
+CLASSIFICATION_TASKS = {"toy_classification": _toy_classification_example}
+CLASSIFICATION_LABELS = {"toy_classification": ("grammatical", "ungrammatical")}
+
 SPLITS = ("train", "validation", "test")
 
 
@@ -355,14 +405,16 @@ def generate_splits(task: str, sizes: dict[str, int], seed: int = 0
 
     Pairs are drawn in order and a source already seen is skipped, so no source appears twice
     in a split or in two splits. Test and validation are filled first, so growing the training
-    split never changes them.
+    split never changes them. A task of `CLASSIFICATION_TASKS` gives (text, label) pairs, kept
+    apart the same way by their text.
 
     Raises:
         ValueError: if the task cannot produce that many distinct sources.
     """
-    if task not in TASKS:
-        raise ValueError(f"unknown generated task {task!r}; available: {sorted(TASKS)}")
-    make, draw, seen = TASKS[task], _Draw(seed), set()
+    tasks = {**TASKS, **CLASSIFICATION_TASKS}
+    if task not in tasks:
+        raise ValueError(f"unknown generated task {task!r}; available: {sorted(tasks)}")
+    make, draw, seen = tasks[task], _Draw(seed), set()
     out: dict[str, list[tuple[str, str]]] = {}
     for split in ("test", "validation", "train"):
         pairs, misses = [], 0
