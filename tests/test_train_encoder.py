@@ -114,8 +114,8 @@ def test_evaluation_masks_each_example_alike_whatever_its_row_and_device():
         run = (dp._eval if dp else jax.pmap(eval_fn, axis_name="batch",
                                             devices=jax.devices()[:1]))
         params = parallel.replicate(state.params, jax.devices()[:devices])
-        out.append(jax.tree.map(lambda x: np.asarray(x)[0], run(params, jax.tree.map(
-            lambda x: x.reshape(devices, -1, *x.shape[1:]), b))))
+        split = {k: v.reshape(devices, -1, *v.shape[1:]) for k, v in b.items()}
+        out.append(jax.tree.map(lambda x: np.asarray(x)[0], run(params, split)))
     assert out[0]["weight"] == out[1]["weight"] > 0
     np.testing.assert_allclose(out[0]["loss"], out[1]["loss"], rtol=1e-5)
 

@@ -278,7 +278,7 @@ def _check_tokenizer(c: dict) -> None:
 def _dataset_kind(name: str) -> str:
     from train.data import builders, datasets
     if name in builders.GENERATED:
-        return "translation"
+        return datasets.GENERATED_KINDS[name]
     if name in datasets.LOCAL_KINDS:
         return datasets.LOCAL_KINDS[name]
     return datasets.STANDARD[name].kind

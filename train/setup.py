@@ -232,7 +232,7 @@ def _start_run(config, workdir: str, lock: workdir_lib.Lock) -> tuple[Run, Start
     lead = jax.process_index() == 0
     ds = load_dataset(config)
     tok = get_tokenizer(config, ds, workdir)
-    choice = choose_model(config, tok.vocab_size, ds.kind, getattr(ds, "label_names", ()))
+    choice = choose_model(config, tok.vocab_size, ds.kind, ds.label_names)
     mcfg = choice.config
     objective = step_lib.objective_for(mcfg, tok, masking_of(config))
     if objective.kind == "next_token" and mcfg.bos_id is None:

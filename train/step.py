@@ -55,7 +55,7 @@ class Objective:
                              "(mask_id None)")
 
 
-def objective_for(model_config, tokenizer, masking: Masking = Masking()) -> Objective:
+def objective_for(model_config, tokenizer, masking: Masking | None = None) -> Objective:
     """The objective a model's config implies: next-token prediction, or for an encoder-only
     model masked LM (num_labels 0) or classification.
 
@@ -70,7 +70,7 @@ def objective_for(model_config, tokenizer, masking: Masking = Masking()) -> Obje
         raise ValueError(f"masked LM needs a mask token, and the tokenizer "
                          f"({tokenizer.identity[:40]}) has none (mask_id None)")
     return Objective("mlm", int(tokenizer.mask_id),
-                     tuple(sorted(int(i) for i in tokenizer.special_ids)), masking)
+                     tuple(sorted(int(i) for i in tokenizer.special_ids)), masking or Masking())
 
 
 def shift_right(targets_BT, positions_BT, segmentation_BT, bos_id: int):

@@ -216,11 +216,11 @@ def tokenize_split(dataset: Dataset, split: str, tokenizer: Tokenizer, *, shard_
 
     Targets are encoded as the target side (`encode_batch(..., target=True)`), sources and
     text as the source side; text as `text_role` says and classification examples as
-    sentences, with their labels in the order of `label_names` (see `label_ids`). The cache is keyed by the dataset's content `digest`, the
-    tokenizer's `identity` (both sides' models) and these roles, so edited data or another
-    tokenizer never reads old tokens. It is written whole or not at
-    all, and read only when whole (see `train.data.cache`). A dataset without a digest (made
-    by hand) is not cached.
+    sentences, with their labels in the order of `label_names` (see `label_ids`). The cache
+    is keyed by the dataset's content `digest`, the tokenizer's `identity` (both sides'
+    models) and these roles, so edited data or another tokenizer never reads old tokens.
+    It is written whole or not at all, and read only when whole (see `train.data.cache`).
+    A dataset without a digest (made by hand) is not cached.
 
     Raises:
         OSError: writing the cache failed; the message names the path.
