@@ -128,11 +128,27 @@ class _GeneratedClassification(_GeneratedTask):
             yield i, {"text": text, "label": label}
 
 
+class _GeneratedText(_GeneratedTask):
+    """The source side of a `grammar` task as plain text (`text`), for language models
+    that need no pairs (masked LM); `task` names the pairs it reads."""
+
+    kind = "text"
+
+    def _info(self) -> tfds.core.DatasetInfo:
+        return tfds.core.DatasetInfo(builder=self, description=self.__doc__,
+                                     features=_text_features("text"))
+
+    def _generate_examples(self, pairs):
+        for i, (text, _) in enumerate(pairs):
+            yield i, {"text": text}
+
+
 def _generated_builder(task: str, doc: str, train_size: int,
-                       base: type = _GeneratedTask) -> type:
+                       base: type = _GeneratedTask, name: str | None = None) -> type:
     sizes = (("train", train_size), ("validation", 1_000), ("test", 1_000))
-    return type(f"Generated_{task}", (base,),
-                {"name": task, "task": task, "__doc__": doc, "__module__": __name__,
+    name = name or task
+    return type(f"Generated_{name}", (base,),
+                {"name": name, "task": task, "__doc__": doc, "__module__": __name__,
                  "BUILDER_CONFIGS": [GeneratedConfig(name="default", sizes=sizes)]})
 
 
@@ -147,6 +163,9 @@ GENERATED = {
     "toy_classification": _generated_builder(
         "toy_classification", "English-like sentences labelled grammatical or ungrammatical "
         "(subject-verb number agreement).", 20_000, _GeneratedClassification),
+    "toy_text": _generated_builder(
+        "toy_translation", "The English-like sentences of toy_translation as plain text.",
+        50_000, _GeneratedText, name="toy_text"),
 }
 
 

@@ -237,7 +237,8 @@ def load_dataset(name: str, data_dir: str | None = None, *, data_files: tuple[st
         config, kind = builder.builder_config, GENERATED_KINDS[name]
         names = builders.label_names(builder)
         ds = Dataset(name, kind, splits,
-                     ("text", "label") if kind == "classification" else ("inputs", "targets"),
+                     {"classification": ("text", "label"), "text": ("text",)}.get(
+                         kind, ("inputs", "targets")),
                      digest=_digest("generated", name, str(builder.version), config.sizes,
                                     config.seed, *_names_part(kind, names)),
                      label_names=names)
