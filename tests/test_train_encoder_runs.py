@@ -1,8 +1,8 @@
 """Encoder-only training runs end to end: the `classify` config learns toy_classification,
-`mlm` lowers its masked-token loss, a stopped masked-LM run resumes bit for bit, a masked-LM
-export fine-tunes into a classifier, and label mismatches are refused by name."""
+a stopped masked-LM run resumes bit for bit, a masked-LM export fine-tunes into a
+classifier, and label mismatches are refused by name. (That the `mlm` config lowers its
+masked-token loss below chance is asserted by notebooks/masked_lm.ipynb, which trains it.)"""
 
-import json
 import os
 import signal
 
@@ -40,18 +40,6 @@ def test_the_classify_config_learns_toy_classification(data_dir, tmp_path):
     assert pre.tokenizer.encode("a", add_special_tokens=True)[::len("a") + 1] == [2, 1]
 
 
-def test_masked_lm_lowers_the_masked_token_loss(data_dir, tmp_path):
-    config = _mlm_config(data_dir, num_train_steps=80, eval_every_steps=40,
-                         per_device_batch_size=8, learning_rate=3e-3)
-    summary = train_and_evaluate(config, str(tmp_path))
-    with open(tmp_path / "metrics.jsonl") as f:
-        evals = [r for r in map(json.loads, f) if r["split"] == "eval"]
-    assert [r["step"] for r in evals] == [40, 80]
-    # chance over the byte tokenizer's 261 ids is log(261) = 5.56
-    assert evals[1]["loss"] < evals[0]["loss"] < 4.0, evals
-    assert models.load(summary["model"]).tokenizer.mask_id == 260
-
-
 def test_a_stopped_masked_lm_run_resumes_bit_for_bit(data_dir, tmp_path):
     config = _mlm_config(data_dir)
     straight = str(tmp_path / "straight")
@@ -64,6 +52,7 @@ def test_a_stopped_masked_lm_run_resumes_bit_for_bit(data_dir, tmp_path):
     assert second["resumed_from_step"] == 2 and second["step"] == 6
     chex.assert_trees_all_equal(checkpoint.restore_model(stopped).params,
                                 checkpoint.restore_model(straight).params)
+    assert models.load(second["model"]).tokenizer.mask_id == 260
 
 
 def _tsv(path, rows):
