@@ -9,6 +9,7 @@
     models.save("out_dir", pre.config, pre.params, pre.tokenizer)
 """
 
+from models import axes
 from models.attention import apply_rope, dot_product_attention, rope_frequencies
 from models.cache import KVCache
 from models.config import Llama3RopeScaling, TransformerConfig
@@ -27,7 +28,7 @@ from models.pretrained import GenerationDefaults, Pretrained, load, save
 from models.transformer import DecoderOnly, EncoderDecoder, build
 
 __all__ = [
-    "DecoderOnly", "EncoderDecoder", "EncoderOnly", "KVCache", "Llama3RopeScaling",
+    "axes", "DecoderOnly", "EncoderDecoder", "EncoderOnly", "KVCache", "Llama3RopeScaling",
     "TransformerConfig",
     "apply_rope", "build", "rope_frequencies",
     "causal_mask", "combine_masks", "dot_product_attention", "get_config", "list_configs",

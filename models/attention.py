@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
+from models.axes import named
 from models.cache import KVCache
 from models.config import Llama3RopeScaling, TransformerConfig
 from models.numerics import MASKED_LOGIT
@@ -127,18 +128,22 @@ def apply_rope(x_BTNH: Float[Array, "B T N H"], positions_BT: Int[Array, "B T"],
 
 
 def _dense_heads(config: TransformerConfig, heads: int, name: str) -> nn.DenseGeneral:
-    """A query, key or value projection [D] -> [heads, H]."""
+    """A query, key or value projection [D] -> [heads, H] (heads named "heads" for queries,
+    "kv_heads" for keys and values)."""
+    axis = "heads" if name == "query" else "kv_heads"
     return nn.DenseGeneral(
         (heads, config.head_dim), use_bias=config.use_bias or config.qkv_bias,
-        dtype=config.dtype,
-        param_dtype=config.param_dtype, kernel_init=nn.initializers.xavier_uniform(), name=name)
+        dtype=config.dtype, param_dtype=config.param_dtype,
+        kernel_init=named(nn.initializers.xavier_uniform(), "embed", axis, "head_dim"),
+        bias_init=named(nn.initializers.zeros, axis, "head_dim"), name=name)
 
 
 def _dense_out(config: TransformerConfig) -> nn.DenseGeneral:
     return nn.DenseGeneral(
         config.d_model, axis=(-2, -1), use_bias=config.use_bias, dtype=config.dtype,
-        param_dtype=config.param_dtype, kernel_init=nn.initializers.xavier_uniform(),
-        name="out")
+        param_dtype=config.param_dtype,
+        kernel_init=named(nn.initializers.xavier_uniform(), "heads", "head_dim", "embed"),
+        bias_init=named(nn.initializers.zeros, "embed"), name="out")
 
 
 def _attend(module: nn.Module, config, q, k, v, mask, deterministic, bias=None):
@@ -227,13 +232,16 @@ class CrossKVProjection(nn.Module):
             1.0, "fan_avg", "uniform", in_axis=1, out_axis=(2, 3), batch_axis=(0,))
         out = []
         for name in ("key", "value"):
-            kernel_LDKH = self.param(f"{name}_kernel", init, shape, cfg.param_dtype)
+            kernel_LDKH = self.param(
+                f"{name}_kernel", named(init, "layers", "embed", "kv_heads", "head_dim"),
+                shape, cfg.param_dtype)
             y_LBKSH = jnp.einsum(
                 "BSD,LDKH->LBKSH", encoded_BSD.astype(cfg.dtype),
                 kernel_LDKH.astype(cfg.dtype))
             if cfg.use_bias or cfg.qkv_bias:
                 bias_LKH = self.param(
-                    f"{name}_bias", nn.initializers.zeros, shape[:1] + shape[2:], cfg.param_dtype)
+                    f"{name}_bias", named(nn.initializers.zeros, "layers", "kv_heads", "head_dim"),
+                    shape[:1] + shape[2:], cfg.param_dtype)
                 y_LBKSH = y_LBKSH + bias_LKH.astype(cfg.dtype)[:, None, :, None, :]
             out.append(y_LBKSH)
         return out[0], out[1]

@@ -134,6 +134,7 @@ class LayerStack(nn.Module):
                 split_rngs={"params": True, "dropout": True},
                 in_axes=nn.broadcast,
                 length=self.num_layers,
+                metadata_params={nn.PARTITION_NAME: "layers"},
             )
             carry = (x_BTD, cache, jnp.zeros((), jnp.int32))
             (x_BTD, cache, _), _ = scanned(cfg, name="layers")(carry, inputs)

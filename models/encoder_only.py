@@ -24,6 +24,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from models.axes import PlainInit, named
 from models.blocks import LayerInputs, LayerStack, SelfAttentionLayer
 from models.checks import check_same_shape, check_tokens
 from models.config import TransformerConfig
@@ -37,9 +38,10 @@ from models.masks import (
 )
 
 
-def _dense(cfg: TransformerConfig, features: int, name: str) -> nn.Dense:
+def _dense(cfg: TransformerConfig, features: int, name: str, out_axis: str) -> nn.Dense:
     return nn.Dense(features, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
-                    kernel_init=nn.initializers.xavier_uniform(), name=name)
+                    kernel_init=named(nn.initializers.xavier_uniform(), "embed", out_axis),
+                    bias_init=named(nn.initializers.zeros, out_axis), name=name)
 
 
 class MaskedLMHead(nn.Module):
@@ -52,9 +54,10 @@ class MaskedLMHead(nn.Module):
     @nn.compact
     def __call__(self, x_BTD: Float[Array, "B T D"]) -> Float[Array, "B T V"]:
         cfg = self.config
-        h_BTD = ACTIVATIONS[cfg.activation](_dense(cfg, cfg.d_model, "transform")(x_BTD))
+        h_BTD = ACTIVATIONS[cfg.activation](_dense(cfg, cfg.d_model, "transform", "embed")(x_BTD))
         h_BTD = make_norm(cfg, "norm")(h_BTD)
-        bias_V = self.param("bias", nn.initializers.zeros, (cfg.vocab_size,), cfg.param_dtype)
+        bias_V = self.param("bias", named(nn.initializers.zeros, "vocab"), (cfg.vocab_size,),
+                            cfg.param_dtype)
         logits_BTV = self.tokens.attend(h_BTD).astype(jnp.float32)
         return logits_BTV + bias_V.astype(jnp.float32)[None, None, :]
 
@@ -68,12 +71,12 @@ class ClassificationHead(nn.Module):
     @nn.compact
     def __call__(self, x_BD: Float[Array, "... D"], deterministic: bool) -> Float[Array, "... C"]:
         cfg = self.config
-        pooled_BD = jnp.tanh(_dense(cfg, cfg.d_model, "pooler")(x_BD))
+        pooled_BD = jnp.tanh(_dense(cfg, cfg.d_model, "pooler", "embed")(x_BD))
         pooled_BD = nn.Dropout(cfg.dropout_rate)(pooled_BD, deterministic=deterministic)
-        return _dense(cfg, cfg.num_labels, "classifier")(pooled_BD).astype(jnp.float32)
+        return _dense(cfg, cfg.num_labels, "classifier", "labels")(pooled_BD).astype(jnp.float32)
 
 
-class EncoderOnly(nn.Module):
+class EncoderOnly(PlainInit, nn.Module):
     """A BERT/RoBERTa-style bidirectional encoder with a masked-LM or a classification head
     (see the module docstring). Padding is given by `lengths` (right-padded rows) or
     segment ids (packed rows, 0 = padding), never by comparing tokens with a pad id."""

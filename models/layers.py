@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
+from models.axes import named
 from models.config import TransformerConfig
 
 
@@ -46,7 +47,8 @@ def token_embedding(config: TransformerConfig, name: str) -> nn.Embed:
     std = config.d_model ** -0.5 if config.scale_embeddings else 0.02
     return nn.Embed(
         config.vocab_size, config.d_model, dtype=config.dtype,
-        param_dtype=config.param_dtype, embedding_init=nn.initializers.normal(std), name=name)
+        param_dtype=config.param_dtype,
+        embedding_init=named(nn.initializers.normal(std), "vocab", "embed"), name=name)
 
 
 class InputEmbedding(nn.Module):
@@ -69,7 +71,8 @@ class InputEmbedding(nn.Module):
         if cfg.num_token_types:
             types = nn.Embed(
                 cfg.num_token_types, cfg.d_model, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
-                embedding_init=nn.initializers.normal(0.02), name="token_types")
+                embedding_init=named(nn.initializers.normal(0.02), "types", "embed"),
+                name="token_types")
             if token_types_BT is None:
                 token_types_BT = jnp.zeros_like(tokens_BT)
             x_BTD = x_BTD + types(token_types_BT)
@@ -81,7 +84,8 @@ class InputEmbedding(nn.Module):
         elif cfg.positions == "learned":
             table = nn.Embed(
                 cfg.max_len + cfg.position_offset, cfg.d_model, dtype=cfg.dtype,
-                param_dtype=cfg.param_dtype, embedding_init=nn.initializers.normal(0.01),
+                param_dtype=cfg.param_dtype,
+                embedding_init=named(nn.initializers.normal(0.01), "positions", "embed"),
                 name="positions")
             x_BTD = x_BTD + table(positions_BT + cfg.position_offset)
         if cfg.embedding_norm:
@@ -90,13 +94,14 @@ class InputEmbedding(nn.Module):
 
 
 def make_norm(config: TransformerConfig, name: str | None = None) -> nn.Module:
+    ones, zeros = named(nn.initializers.ones, "embed"), named(nn.initializers.zeros, "embed")
     if config.norm == "rmsnorm":
         return nn.RMSNorm(
             epsilon=config.norm_eps, dtype=config.dtype, param_dtype=config.param_dtype,
-            name=name)
+            scale_init=ones, name=name)
     return nn.LayerNorm(
         epsilon=config.norm_eps, dtype=config.dtype, param_dtype=config.param_dtype,
-        name=name)
+        scale_init=ones, bias_init=zeros, name=name)
 
 
 ACTIVATIONS = {
@@ -121,19 +126,21 @@ class MLP(nn.Module):
                  deterministic: bool = True) -> Float[Array, "B T D"]:
         cfg = self.config
 
-        def dense(features, name):
+        def dense(features, name, axes):
             return nn.Dense(
                 features, use_bias=cfg.use_bias, dtype=cfg.dtype,
-                param_dtype=cfg.param_dtype, kernel_init=nn.initializers.xavier_uniform(),
-                name=name)
+                param_dtype=cfg.param_dtype,
+                kernel_init=named(nn.initializers.xavier_uniform(), *axes),
+                bias_init=named(nn.initializers.zeros, axes[1]), name=name)
 
+        up, down = ("embed", "mlp"), ("mlp", "embed")
         if cfg.activation in GATED:
-            gate_BTF = GATED[cfg.activation](dense(cfg.mlp_dim, "gate")(x_BTD))
-            h_BTF = gate_BTF * dense(cfg.mlp_dim, "up")(x_BTD)
+            gate_BTF = GATED[cfg.activation](dense(cfg.mlp_dim, "gate", up)(x_BTD))
+            h_BTF = gate_BTF * dense(cfg.mlp_dim, "up", up)(x_BTD)
         else:
-            h_BTF = ACTIVATIONS[cfg.activation](dense(cfg.mlp_dim, "up")(x_BTD))
+            h_BTF = ACTIVATIONS[cfg.activation](dense(cfg.mlp_dim, "up", up)(x_BTD))
         h_BTF = nn.Dropout(cfg.mlp_dropout_rate)(h_BTF, deterministic=deterministic)
-        return dense(cfg.d_model, "down")(h_BTF)
+        return dense(cfg.d_model, "down", down)(h_BTF)
 
 
 def residual(

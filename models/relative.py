@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
+from models.axes import named
 from models.config import TransformerConfig
 
 
@@ -73,7 +74,8 @@ class RelativePositionBias(nn.Module):
                  k_pos_BS: Int[Array, "B S"]) -> Float[Array, "B N T S"]:
         cfg = self.config
         table_bN = self.param(
-            "embedding", nn.initializers.normal(1.0), (cfg.relative_buckets, cfg.num_heads),
+            "embedding", named(nn.initializers.normal(1.0), "buckets", "heads"),
+            (cfg.relative_buckets, cfg.num_heads),
             cfg.param_dtype)
         bucket_BTS = relative_buckets(
             k_pos_BS[:, None, :] - q_pos_BT[:, :, None], bidirectional=self.bidirectional,

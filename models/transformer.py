@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from models.attention import CrossKVProjection
+from models.axes import PlainInit, named
 from models.blocks import DecoderLayer, LayerInputs, LayerStack, SelfAttentionLayer
 from models.cache import KVCache
 from models.checks import (
@@ -89,10 +90,12 @@ class _CachedDecoder(nn.Module):
         if not cfg.tie_embeddings:
             self.head = nn.Dense(
                 cfg.vocab_size, use_bias=False, dtype=cfg.dtype,
-                param_dtype=cfg.param_dtype, kernel_init=nn.initializers.xavier_uniform())
+                param_dtype=cfg.param_dtype,
+                kernel_init=named(nn.initializers.xavier_uniform(), "embed", "vocab"))
         if cfg.logits_bias:
             self.logits_bias = self.param(
-                "logits_bias", nn.initializers.zeros, (cfg.vocab_size,), cfg.param_dtype)
+                "logits_bias", named(nn.initializers.zeros, "vocab"), (cfg.vocab_size,),
+                cfg.param_dtype)
 
     def prefill(
         self, tokens_BT: Int[Array, "B T"], lengths_B: Int[Array, " B"], cache: KVCache
@@ -135,7 +138,7 @@ class _CachedDecoder(nn.Module):
         return logits_B1V[:, 0], cache
 
 
-class DecoderOnly(_CachedDecoder):
+class DecoderOnly(PlainInit, _CachedDecoder):
     """A GPT/Llama-style causal language model."""
 
     def setup(self):
@@ -171,7 +174,7 @@ class DecoderOnly(_CachedDecoder):
         return self._logits(x_BTD), cache
 
 
-class EncoderDecoder(_CachedDecoder):
+class EncoderDecoder(PlainInit, _CachedDecoder):
     """A Vaswani/T5/BART-style sequence-to-sequence model. The decoder input starts with
     `config.bos_id` (targets shifted right). Source padding is given by `src_lengths`
     (right-padded rows) or segment ids (0 = padding), never by a pad id."""
