@@ -1,7 +1,9 @@
 """The train and eval steps, written once for any data-parallel wrapper (see `parallel`).
 
 Both run inside a mapped axis named "batch" (pmap or shard_map): each device sees its own
-`[B, W]` rows, and sums are combined with `lax.psum` / `lax.pmean` over that axis.
+`[B, W]` rows, and sums are combined with `lax.psum` / `lax.pmean` over that axis. With
+`axis=None` (`train.sharding`, under `jax.jit`) the same body sees the whole global batch,
+as one device would, and the compiler partitions it: every collective is then the identity.
 
 Three objectives (`Objective`), one loss: token cross-entropy at weighted positions,
 normalised by the global weight.
@@ -194,15 +196,24 @@ def _sums(model, params, batch, task, rng, config, step, deterministic):
                                 label_smoothing=smoothing, z_loss=config.z_loss)
 
 
-def _row_ids(batch) -> jax.Array:
+def _psum(x, axis: str | None):
+    return x if axis is None else lax.psum(x, axis)
+
+
+def _index(axis: str | None):
+    return 0 if axis is None else lax.axis_index(axis)
+
+
+def _row_ids(batch, axis: str | None = AXIS) -> jax.Array:
     """This device's rows' global indices: device d of the axis holds rows d*B .. d*B+B-1."""
     rows = next(iter(batch.values())).shape[0]
-    return lax.axis_index(AXIS) * rows + jnp.arange(rows)
+    return _index(axis) * rows + jnp.arange(rows)
 
 
 def train_step(state: TrainState, batch, *, model, config, schedule,
-               objective: Objective = Objective()):
-    """One optimiser update on this device's rows; gradients averaged over the "batch" axis.
+               objective: Objective = Objective(), axis: str | None = AXIS):
+    """One optimiser update on this device's rows; gradients averaged over the "batch" axis
+    (`axis`; None: the rows are the global batch, see the module docstring).
 
     Each device's loss is its token-loss sum over the *global* token count times the number
     of devices, so `pmean` of the gradients is exactly the gradient of the global batch's
@@ -211,13 +222,12 @@ def train_step(state: TrainState, batch, *, model, config, schedule,
     Returns:
         (new state, metrics): metric sums psum-ed over devices (see `summarise`).
     """
-    device = lax.axis_index(AXIS)
     step_key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
-    rng = jax.random.fold_in(step_key, device)
+    rng = jax.random.fold_in(step_key, _index(axis))
     task = prepare(model, objective, batch, jax.random.fold_in(step_key, MASKING_STREAM),
-                   _row_ids(batch))
-    global_weight = lax.psum(jnp.sum(task["weights"]), AXIS)
-    num_devices = lax.psum(1, AXIS)
+                   _row_ids(batch, axis))
+    global_weight = _psum(jnp.sum(task["weights"]), axis)
+    num_devices = _psum(1, axis)
 
     def loss_fn(params):
         sums = _sums(model, params, batch, task, rng, config, state.step,
@@ -226,29 +236,31 @@ def train_step(state: TrainState, batch, *, model, config, schedule,
 
     # Differentiate per device: under shard_map the replicated params would otherwise get
     # gradients already summed over devices (the transpose of their implicit broadcast).
-    grads, sums = jax.grad(loss_fn, has_aux=True)(per_device(state.params))
-    grads = lax.pmean(grads, AXIS)
-    metrics = lax.psum(sums, AXIS)
+    params = state.params if axis is None else per_device(state.params, axis)
+    grads, sums = jax.grad(loss_fn, has_aux=True)(params)
+    grads = grads if axis is None else lax.pmean(grads, axis)
+    metrics = _psum(sums, axis)
     metrics["grad_norm"] = optax.tree.norm(grads)
     metrics["learning_rate"] = schedule(state.step // max(config.grad_accum_steps, 1))
     return state.apply_gradients(grads), metrics
 
 
-def per_device(tree):
+def per_device(tree, axis: str = AXIS):
     """Marks a replicated tree as varying over the "batch" axis (a no-op under pmap)."""
-    return jax.tree.map(lambda x: lax.pcast(x, AXIS, to="varying"), tree)
+    return jax.tree.map(lambda x: lax.pcast(x, axis, to="varying"), tree)
 
 
-def eval_step(params, batch, *, model, config, objective: Objective = Objective()):
+def eval_step(params, batch, *, model, config, objective: Objective = Objective(),
+              axis: str | None = AXIS):
     """Loss sums without dropout or smoothing, psum-ed over devices. Masked LM masks each
     row with a fixed key by its example's index (`example_index`, when the batch has it),
     so every evaluation scores the same masks."""
     row_ids = batch.get("example_index")
     batch = {k: v for k, v in batch.items() if k != "example_index"}
-    row_ids = _row_ids(batch) if row_ids is None else row_ids
+    row_ids = _row_ids(batch, axis) if row_ids is None else row_ids
     task = prepare(model, objective, batch, jax.random.key(MASKING_STREAM), row_ids)
     sums = _sums(model, params, batch, task, jax.random.key(0), config, 0, deterministic=True)
-    return lax.psum(sums, AXIS)
+    return _psum(sums, axis)
 
 
 def summarise(sums: dict, label_names: tuple[str, ...] = ()) -> dict:
@@ -269,9 +281,11 @@ def summarise(sums: dict, label_names: tuple[str, ...] = ()) -> dict:
     return out
 
 
-def make_steps(model, config, schedule, objective: Objective = Objective()):
+def make_steps(model, config, schedule, objective: Objective = Objective(),
+               axis: str | None = AXIS):
     """(train_step, eval_step) closed over the model, config and objective, ready for a
-    wrapper."""
+    wrapper: a data-parallel one (`axis` "batch") or `train.sharding` (`axis` None)."""
     return (functools.partial(train_step, model=model, config=config, schedule=schedule,
-                              objective=objective),
-            functools.partial(eval_step, model=model, config=config, objective=objective))
+                              objective=objective, axis=axis),
+            functools.partial(eval_step, model=model, config=config, objective=objective,
+                              axis=axis))
