@@ -113,8 +113,8 @@ def save(mngr: ocp.CheckpointManager, step: int, host_state, data_state: dict, c
     """
     directory = str(mngr.directory)
     check_dir_writable(directory)
-    train = {"step": np.asarray(host_state.step), "opt_state": host_state.opt_state,
-             "rng": np.asarray(host_state.rng)}
+    train = {"step": _saved(host_state.step), "opt_state": host_state.opt_state,
+             "rng": _saved(host_state.rng)}
     try:
         mngr.save(step, args=ocp.args.Composite(
             params=ocp.args.StandardSave(host_state.params), train=ocp.args.StandardSave(train),
@@ -130,6 +130,11 @@ def save(mngr: ocp.CheckpointManager, step: int, host_state, data_state: dict, c
                            f"{reason}") from e
     if jax.process_index() == 0:
         atomic.write_manifest(step_dir(mngr, step), integrity.MANIFEST)
+
+
+def _saved(x):
+    """A host value as a numpy array; a (sharded) jax.Array as it is, for orbax."""
+    return x if isinstance(x, jax.Array) else np.asarray(x)
 
 
 def _is_storage_error(e: ValueError) -> bool:
@@ -238,7 +243,8 @@ def restore_latest(mngr: ocp.CheckpointManager, template: TrainState,
             step 0 by itself), or when the newest usable one was written for another model
             (naming the first array of another shape, with both shapes).
     """
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), template)
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+        x.shape, x.dtype, sharding=getattr(x, "sharding", None)), template)
     steps = sorted(mngr.all_steps(), reverse=True)
     if not steps:
         _note_set_aside_only(str(mngr.directory), set_aside)

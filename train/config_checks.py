@@ -90,6 +90,22 @@ def _address(v) -> bool:
     return bool(host) and port.isdigit() and 1 <= int(port) <= 65535
 
 
+def _mesh_shape(v) -> bool:
+    return (isinstance(v, (tuple, list)) and len(v) == 3 and all(_is_int(s) for s in v)
+            and all(s >= 1 or s == -1 for s in v) and list(v).count(-1) <= 1)
+
+
+def _axis_rules(v) -> bool:
+    from models.axes import check_rules
+    if not isinstance(v, (tuple, list)):
+        return False
+    try:
+        check_rules(v)
+    except (ValueError, TypeError):
+        return False
+    return True
+
+
 def _model(v) -> bool:
     import models
     return isinstance(v, str) and v in models.list_configs()
@@ -160,7 +176,12 @@ RULES: dict[str, _Rule] = {
     "mlm_rate": _number("in (0, 1]", lambda v: 0 < v <= 1),
     "mlm_mask_fraction": _number("in [0, 1]", lambda v: 0 <= v <= 1),
     "mlm_random_fraction": _number("in [0, 1]", lambda v: 0 <= v <= 1),
-    "parallel": _choice("pmap", "shard_map"),
+    "parallel": _choice("pmap", "shard_map", "sharded"),
+    "mesh_shape": _Rule("three sizes (data, fsdp, tensor), each >= 1 or one of them -1",
+                        lambda v: _mesh_shape(v)),
+    "logical_axis_rules": _Rule("pairs (logical axis, mesh axes) as in "
+                                "models.axes.DEFAULT_RULES, or () for those",
+                                lambda v: _axis_rules(v)),
     "seed": _int(0),
     "scheduled_sampling": _Rule("a dict of enabled, schedule, max_rate, ramp_steps, k",
                                 lambda v: isinstance(v, Mapping)),

@@ -38,12 +38,19 @@ def first_non_finite(tree) -> str | None:
 
     Each array is checked where it lives: on this process's first device (one replica of a
     replicated array, identical to the others), so no collective runs and every process
-    decides alone and alike. The only transfer to the host is one bool per array.
+    decides alone and alike. The only transfer to the host is one bool per array. A tree
+    with sharded arrays is checked whole, shard by shard, in one jitted reduction that every
+    process runs.
     """
     named = [(path, x) for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]
              if jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
     if not named:
         return None
+    if any(isinstance(x, jax.Array) and not x.sharding.is_fully_replicated for _, x in named):
+        # Sharded arrays (train.sharding): one reduction over all their shards, whose flags
+        # come back replicated, so every process decides alike.
+        flags = jax.device_get(_finite_flags([x for _, x in named]).addressable_data(0))
+        return None if flags.all() else path_name(named[int(flags.argmin())][0])
     leaves = [x.addressable_data(0) if isinstance(x, jax.Array) else jnp.asarray(x)
               for _, x in named]
     device = next(iter(leaves[0].devices()))

@@ -73,6 +73,9 @@ class DataParallel:
         """
         return jax.tree.map(self._first_replica, state)
 
+    # What a checkpoint holds: plain host arrays.
+    saved_state = host_state
+
     def put_batch(self, batch: dict):
         if self.kind == "pmap":
             return batch           # pmap shards the leading [R] axis itself

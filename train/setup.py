@@ -29,6 +29,7 @@ from train import (
     data as data_lib,
     integrity,
     parallel,
+    sharding,
     state as state_lib,
     step as step_lib,
     workdir as workdir_lib,
@@ -52,7 +53,8 @@ class Run:
         choice: the model's config and, fine-tuning, the directory's type and defaults.
         data_record: what the data are (`train.data.data_record`), kept in checkpoints.
         eval_batches: the validation batches, the same on every evaluation.
-        dp: the data-parallel wrapper of the train and eval steps.
+        dp: the wrapper of the train and eval steps: data-parallel (`parallel.DataParallel`)
+            or sharded over a mesh (`sharding.Sharded`).
         writer: metrics.jsonl and TensorBoard (inert on the other processes).
         checkpoints: the orbax checkpoint manager of `workdir/checkpoints`.
         lock: this process's lock on the workdir (`release()` it when the run ends).
@@ -67,7 +69,7 @@ class Run:
     choice: ModelChoice
     data_record: dict
     eval_batches: list[dict]
-    dp: parallel.DataParallel
+    dp: parallel.DataParallel | sharding.Sharded
     writer: MetricWriter
     checkpoints: ocp.CheckpointManager
     lock: workdir_lib.Lock
@@ -88,15 +90,17 @@ class Run:
                                      "is kept")
         item = checkpoint.config_item(json.loads(self.config.to_json()), self.choice,
                                       self.data_record)
-        checkpoint.save(self.checkpoints, step, self.dp.host_state(state),
+        checkpoint.save(self.checkpoints, step, self.dp.saved_state(state),
                         iterator.get_state(), item, self.tokenizer)
 
     def export(self, state) -> str | None:
-        """The model as a directory, WORKDIR/model (written by the lead process)."""
+        """The model as a directory, WORKDIR/model (written by the lead process; every
+        process gathers the params, a collective when they are sharded)."""
+        params = self.dp.host_state(state).params
         if not self.lead:
             return None
         path = os.path.join(self.workdir, "model")
-        write_model(path, self.choice.config, self.dp.host_state(state).params,
+        write_model(path, self.choice.config, params,
                     self.tokenizer, model_type=self.choice.model_type,
                     generation=self.choice.generation)
         return path
@@ -266,9 +270,16 @@ def _start_run(config, workdir: str, lock: workdir_lib.Lock) -> tuple[Run, Start
             params = {**init(), **{k: v for k, v in (params or {}).items() if k in heads}}
         return state_lib.TrainState.create(params, tx, config.seed)
 
+    dp = _wrapper(config, model, objective, schedule, tx, init_args, init_method,
+                  jax.eval_shape(fresh_state))
     mngr = checkpoint.manager(workdir, config.keep_checkpoints)
     iterator = data_lib.train_iterator(source, pcfg)
-    restored = checkpoint.restore_latest(mngr, jax.eval_shape(fresh_state), set_aside=lead)
+    template = jax.eval_shape(fresh_state)
+    if dp.kind == "sharded":    # restored straight into its shards
+        template = jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), template,
+            dp.state_shardings)
+    restored = checkpoint.restore_latest(mngr, template, set_aside=lead)
     resumed_from = None
     record = data_lib.data_record(ds, tok)
     if restored is not None:
@@ -282,8 +293,11 @@ def _start_run(config, workdir: str, lock: workdir_lib.Lock) -> tuple[Run, Start
         if lead:
             print(f"resumed from step {resumed_from}", flush=True)
     elif config.init_from:
-        loaded = models.load(config.init_from, **_runtime(mcfg)).params
-        state = jax.jit(fresh_state)(loaded)
+        mesh = dp.mesh if dp.kind == "sharded" else None
+        loaded = models.load(config.init_from, mesh=mesh, rules=_rules(config),
+                             **_runtime(mcfg)).params
+        state = dp.init(fresh_state, loaded) if dp.kind == "sharded" else jax.jit(
+            fresh_state)(loaded)
         if lead:
             print(f"initialised from {config.init_from} ({choice.model_type})", flush=True)
             new, unused = _head_change(heads, loaded)
@@ -291,11 +305,11 @@ def _start_run(config, workdir: str, lock: workdir_lib.Lock) -> tuple[Run, Start
                 print(f"warning: {config.init_from}'s {', '.join(unused) or 'model'} is not "
                       f"used; {', '.join(new)} newly initialised for {mcfg.num_labels} "
                       f"labels {list(mcfg.label_names)[:10]}", flush=True)
+    elif dp.kind == "sharded":
+        state = dp.init(fresh_state)            # made straight into its shards
     else:
         state = jax.jit(fresh_state)()
 
-    train_fn, eval_fn = step_lib.make_steps(model, config, schedule, objective)
-    dp = parallel.DataParallel(config.parallel, train_fn, eval_fn)
     step = int(resumed_from or 0)
     state = dp.put_state(state)
     # Opened last, so a failure above leaves no file or writer thread open. Rows and events
@@ -305,6 +319,37 @@ def _start_run(config, workdir: str, lock: workdir_lib.Lock) -> tuple[Run, Start
               choice=choice, data_record=record, eval_batches=eval_batches, dp=dp, writer=writer,
               checkpoints=mngr, lock=lock)
     return run, Start(state, iterator, step, resumed_from)
+
+
+def _rules(config) -> tuple:
+    return tuple(config.logical_axis_rules) or models.axes.DEFAULT_RULES
+
+
+def _wrapper(config, model, objective, schedule, tx, init_args, init_method, abstract):
+    """The steps' wrapper the config asks for: data parallel (pmap, shard_map), or sharded
+    over the config's mesh with the state's shardings derived from its logical axes.
+
+    Raises:
+        ValueError: a mesh that does not match the device count, or attention heads that
+            do not divide the tensor axis (naming the numbers).
+    """
+    if config.parallel != "sharded":
+        train_fn, eval_fn = step_lib.make_steps(model, config, schedule, objective)
+        return parallel.DataParallel(config.parallel, train_fn, eval_fn)
+    mesh = sharding.make_mesh(config.mesh_shape)
+    rules = sharding.check_rules(_rules(config))
+    sharding.check_model(model.config, mesh, rules)
+    boxed = models.axes.boxed_params(model, *init_args, method=init_method)
+    specs = sharding.state_specs(
+        boxed, lambda p: state_lib.TrainState.create(p, tx, config.seed))
+    train_fn, eval_fn = step_lib.make_steps(model, config, schedule, objective, axis=None)
+    dp = sharding.Sharded(train_fn, eval_fn, mesh, specs, abstract, rules)
+    whole = sharding.undivided(specs.params, abstract.params, mesh, rules)
+    if whole and jax.process_index() == 0:
+        print(f"mesh {dict(mesh.shape)}: {len(whole)} parameter(s) kept whole along a "
+              f"dimension that does not divide its axes: " + "; ".join(whole[:4])
+              + (" ..." if len(whole) > 4 else ""), flush=True)
+    return dp
 
 
 def masking_of(config) -> Masking:

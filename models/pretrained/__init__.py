@@ -17,7 +17,7 @@ import os
 
 import flax.linen as nn
 
-from models import atomic
+from models import atomic, axes
 from models.config import TransformerConfig
 from models.pretrained import bart, bert, gpt2, llama, marian, mistral, qwen2, roberta, t5, zoo
 from models.pretrained.convert import read_params, theirs_tensors
@@ -108,13 +108,16 @@ def read_config(path: str, **runtime) -> tuple[Family, TransformerConfig, dict]:
     return family, (cfg.replace(**runtime) if runtime else cfg), hf
 
 
-def load(path: str, **runtime) -> Pretrained:
+def load(path: str, *, mesh=None, rules=None, **runtime) -> Pretrained:
     """Reads a model directory: config.json, safetensors weights (sharded or not, any
     float dtype, cast to `param_dtype`), the tokenizer files if any, and
     generation_config.json if any. Reads JSON and safetensors only (no pickle, no code).
 
     Args:
         path: the directory (as `save_pretrained` or `models.save` writes it).
+        mesh: a (data, fsdp, tensor) `jax.sharding.Mesh`: each array is put onto its
+            shards as it is read (by its logical axes and `rules`, default
+            `models.axes.DEFAULT_RULES`), so no device holds the whole model.
         runtime: how to run the model, not what it computes: `dtype` (compute),
             `param_dtype` (default float32), `scan_layers`, `remat`, dropout rates.
 
@@ -127,8 +130,11 @@ def load(path: str, **runtime) -> Pretrained:
         wrong = atomic.check_manifest(path, MANIFEST)
         if wrong:
             raise ValueError(f"{path} has changed since it was saved: {wrong}")
+    shardings = None
+    if mesh is not None:
+        shardings = axes.param_shardings(build(cfg), mesh, rules or axes.DEFAULT_RULES)
     with Weights(path) as weights:
-        params = read_params(weights, family, cfg)
+        params = read_params(weights, family, cfg, shardings)
     cfg, generation = with_generation(path, hf, cfg)     # an encoder-decoder's start id
     return Pretrained(model=build(cfg), config=cfg, params=params,
                       tokenizer=load_tokenizer(path, missing_ok=True),

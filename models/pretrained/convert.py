@@ -64,8 +64,11 @@ def _key_resolver(family: Family, present: set[str], needed: set[str]):
     return lambda k: k
 
 
-def read_params(weights: Weights, family: Family, cfg: TransformerConfig) -> dict:
-    """The model's parameter tree (jax arrays of `cfg.param_dtype`) from `weights`.
+def read_params(weights: Weights, family: Family, cfg: TransformerConfig,
+                shardings=None) -> dict:
+    """The model's parameter tree (jax arrays of `cfg.param_dtype`) from `weights`, each
+    array put on its sharding as it is read when `shardings` (a tree like the params') is
+    given, else on the default device.
 
     Raises:
         ValueError: naming missing or unexpected tensors, or a tensor whose converted shape
@@ -122,7 +125,7 @@ def read_params(weights: Weights, family: Family, cfg: TransformerConfig) -> dic
     stacks: dict[tuple, dict[int, jax.Array]] = {}
     for rule, theirs, ours in entries:
         if set(theirs) <= fresh:
-            _place(tree, stacks, cfg, ours, [initial[p] for p in ours])
+            _place(tree, stacks, cfg, ours, [initial[p] for p in ours], shardings)
             continue
         read = [weights.read(source[k]) for k in theirs]
         for k, a in zip(theirs, read, strict=True):
@@ -141,23 +144,29 @@ def read_params(weights: Weights, family: Family, cfg: TransformerConfig) -> dic
                             f"{tuple(w.shape)}" for k, a, w in zip(theirs, read, want, strict=True))
             raise ValueError(f"{family.model_type} checkpoint {weights.directory}: {bad} (for "
                              f"{', '.join(ours)})")
-        _place(tree, stacks, cfg, ours, arrays)
+        _place(tree, stacks, cfg, ours, arrays, shardings)
     return tree
 
 
-def _place(tree: dict, stacks: dict, cfg: TransformerConfig, ours: list[str], arrays) -> None:
+def _place(tree: dict, stacks: dict, cfg: TransformerConfig, ours: list[str], arrays,
+           shardings) -> None:
     """Puts one rule's converted arrays into `tree`: a whole leaf at once, a layer's slice
-    into `stacks` until every layer of its leaf is there."""
+    into `stacks` until every layer of its leaf is there. A leaf goes onto its sharding
+    (each device gets only its part) or the default device."""
+    def put(slot, array):
+        where = None if shardings is None else _get(shardings, slot, "/".join(slot))
+        _put(tree, slot, jax.device_put(array, where))
+
     for path, array in zip(ours, arrays, strict=True):
         slot, index = our_slot(path, cfg)
         array = np.asarray(array, cfg.param_dtype)
         if index is None:
-            _put(tree, slot, jax.device_put(array))
+            put(slot, array)
         else:
             stacks.setdefault(slot, {})[index] = array
     for slot in [s for s, layers in stacks.items() if len(layers) == _depth(s, cfg)]:
         layers = stacks.pop(slot)
-        _put(tree, slot, jax.device_put(np.stack([layers[i] for i in range(len(layers))])))
+        put(slot, np.stack([layers[i] for i in range(len(layers))]))
 
 
 class _Renamed:

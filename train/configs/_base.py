@@ -49,7 +49,12 @@ def base_config() -> ml_collections.ConfigDict:
     c.mlm_rate = 0.15
     c.mlm_mask_fraction = 0.8
     c.mlm_random_fraction = 0.1
-    c.parallel = "pmap"                    # pmap | shard_map
+    c.parallel = "pmap"                    # pmap | shard_map | sharded (train.sharding)
+    # parallel="sharded": the device mesh (data, fsdp, tensor), -1 = the devices the others
+    # leave (FSDP over all by default), and the logical-axis rules (() = the defaults,
+    # models.axes.DEFAULT_RULES; see README "Sharded training").
+    c.mesh_shape = (1, -1, 1)
+    c.logical_axis_rules = ()
     c.seed = 0
     c.scheduled_sampling = ml_collections.ConfigDict(dict(
         enabled=False, schedule="linear", max_rate=0.25, ramp_steps=1000, k=0.999))

@@ -1,0 +1,190 @@
+"""Training past one device's memory: the step under `jax.jit` with named shardings.
+
+A mesh of devices has three axes, and rules map each parameter's logical axes
+(`models.axes`) onto them; the compiler (GSPMD) partitions the step and inserts the
+collectives.
+
+    axis     splits                                      communicates, per step
+    data     the batch; parameters whole on each device  gradients all-reduced
+    fsdp     the batch, and every parameter and optimiser  parameters all-gathered before
+             moment along "embed" (FSDP, ZeRO-3)           use (forward and backward),
+                                                           gradients reduce-scattered
+    tensor   attention heads, kv heads, MLP width and     one all-reduce of activations per
+             the vocabulary (Megatron-style)              sublayer (attention, MLP), forward
+                                                           and backward
+
+`mesh_shape` is (data, fsdp, tensor), -1 meaning "the devices the others leave", so the
+default (1, -1, 1) is FSDP over every device. The rules (`DEFAULT_RULES`, or the config's
+`logical_axis_rules`) say which mesh axes split which logical axis:
+
+    sharded = Sharded(train_step, eval_step, mesh, specs)   # steps from make_steps(axis=None)
+    state = sharded.init(fresh_state)                       # made straight into its shards
+
+A dimension that does not divide over its mesh axes stays whole (a byte vocabulary of 261
+over tensor 2, say; `undivided` lists them), except attention heads and kv heads, which
+must divide the tensor axis (an error names both numbers).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import flax.linen as nn
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from models.axes import AXES, DEFAULT_RULES, check_rules, dim_names, mesh_spec, shardings
+
+__all__ = ["AXES", "DEFAULT_RULES", "Sharded", "check_model", "check_rules", "make_mesh",
+           "mesh_spec", "resolve_mesh_shape", "shardings", "state_specs", "undivided"]
+
+def resolve_mesh_shape(mesh_shape: Sequence[int], num_devices: int) -> tuple[int, int, int]:
+    """(data, fsdp, tensor) with the one -1 replaced by what the others leave.
+
+    Raises:
+        ValueError: not three sizes, more than one -1, a size below 1, or a product that is
+            not the device count (naming the shape and the count).
+    """
+    shape = tuple(int(s) for s in mesh_shape)
+    if len(shape) != 3:
+        raise ValueError(f"mesh_shape={tuple(mesh_shape)} must be three sizes "
+                         f"(data, fsdp, tensor)")
+    if shape.count(-1) > 1 or any(s < 1 and s != -1 for s in shape):
+        raise ValueError(f"mesh_shape={shape} must hold sizes >= 1 and at most one -1")
+    known = math.prod(s for s in shape if s != -1)
+    if -1 in shape:
+        if num_devices % known:
+            raise ValueError(f"mesh_shape={shape}: {num_devices} devices do not divide "
+                             f"over the fixed axes' {known}")
+        shape = tuple(num_devices // known if s == -1 else s for s in shape)
+    if math.prod(shape) != num_devices:
+        raise ValueError(f"mesh_shape={shape} has {math.prod(shape)} devices, but there are "
+                         f"{num_devices}")
+    return shape
+
+
+def make_mesh(mesh_shape: Sequence[int] = (1, -1, 1), devices=None) -> Mesh:
+    """A (data, fsdp, tensor) mesh over `devices` (default: every device of every process)."""
+    from jax.experimental import mesh_utils
+    devices = jax.devices() if devices is None else list(devices)
+    shape = resolve_mesh_shape(mesh_shape, len(devices))
+    return Mesh(mesh_utils.create_device_mesh(shape, devices), AXES)
+
+
+def check_model(config, mesh: Mesh, rules: dict) -> None:
+    """Refuses attention heads that do not divide the mesh axes they are split over.
+
+    Raises:
+        ValueError: naming the config field, its value and the axis size.
+    """
+    for name, field in (("heads", "num_heads"), ("kv_heads", "num_kv_heads")):
+        size = math.prod(mesh.shape[a] for a in rules.get(name, ()))
+        value = getattr(config, field)
+        if value % size:
+            raise ValueError(f"{field}={value} does not divide over the "
+                             f"{'×'.join(rules[name])} axis of {size} devices; choose a "
+                             f"tensor size that divides {value}")
+
+
+def undivided(specs, abstract, mesh: Mesh, rules: dict) -> list[str]:
+    """Parameters with a dimension left whole because it does not divide its mesh axes,
+    as 'path: name size over N' lines."""
+    out = []
+    flat = jax.tree_util.tree_flatten_with_path(specs, is_leaf=lambda x: isinstance(x, P))[0]
+    for (path, spec), a in zip(flat, jax.tree.leaves(abstract), strict=True):
+        for name, size in zip(dim_names(spec, a.ndim), a.shape, strict=True):
+            n = math.prod(mesh.shape[x] for x in rules.get(name, ()))
+            if n > 1 and size % n:
+                out.append(f"{jax.tree_util.keystr(path)}: {name} {size} over {n}")
+    return out
+
+
+def state_specs(boxed_params, make_state: Callable):
+    """Logical specs of a whole train state: `make_state(params)` traced on the boxed
+    abstract params (`models.axes.boxed_params`), so optimiser moments inherit their
+    parameter's names and counters, steps and keys have none (replicated)."""
+    return nn.get_partition_spec(jax.eval_shape(make_state, boxed_params))
+
+
+class Sharded:
+    """The train and eval steps under `jax.jit` over a (data, fsdp, tensor) mesh: the same
+    interface as `train.parallel.DataParallel`, for `parallel="sharded"`.
+
+    Args:
+        train_step, eval_step: from `train.step.make_steps(..., axis=None)` (global batch).
+        mesh: from `make_mesh`.
+        specs: the train state's logical specs (`state_specs`).
+        abstract: the train state's shapes (`jax.eval_shape` of its constructor).
+        rules: {logical axis: mesh axes} (`check_rules`).
+    """
+
+    kind = "sharded"
+
+    def __init__(self, train_step, eval_step, mesh: Mesh, specs, abstract, rules: dict):
+        self.mesh, self.rules = mesh, rules
+        self.state_shardings = shardings(specs, abstract, mesh, rules)
+        self.replicated = NamedSharding(mesh, P())
+        batch_axes = tuple(a for a in rules.get("batch", ()) if mesh.shape[a] > 1)
+        self.batch_sharding = NamedSharding(mesh, P(batch_axes or None))
+        self.batch_ways = math.prod(mesh.shape[a] for a in batch_axes)
+        self._train = jax.jit(train_step, in_shardings=(self.state_shardings, self.batch_sharding),
+                              out_shardings=(self.state_shardings, self.replicated),
+                              donate_argnums=(0,))
+        self._eval = jax.jit(eval_step,
+                             in_shardings=(self.state_shardings.params, self.batch_sharding),
+                             out_shardings=self.replicated)
+
+    def init(self, make_state: Callable, *args):
+        """`make_state(*args)` computed straight into the state's shards: no device ever
+        holds more than its part."""
+        return jax.jit(make_state, out_shardings=self.state_shardings)(*args)
+
+    def put_state(self, state):
+        """A host (or differently placed) state moved onto its shards."""
+        return jax.device_put(state, self.state_shardings)
+
+    def host_state(self, state):
+        """The whole state as numpy arrays on every process (a collective with several
+        processes: every process must call it)."""
+        if jax.process_count() == 1:
+            return jax.tree.map(np.asarray, state)
+        from jax.experimental import multihost_utils
+        return multihost_utils.process_allgather(state, tiled=True)
+
+    def saved_state(self, state):
+        """What a checkpoint holds: the sharded arrays themselves (orbax writes each
+        process's shards)."""
+        return state
+
+    def put_batch(self, batch: dict) -> dict:
+        """Per-device rows `[R, B, ...]` (as the pipeline makes them) as one global batch
+        `[rows, ...]` split over the batch axes.
+
+        Raises:
+            ValueError: the global rows do not divide over data × fsdp, naming both.
+        """
+        out = {}
+        for k, v in batch.items():
+            if isinstance(v, jax.Array) and not v.is_fully_addressable:
+                out[k] = v
+                continue
+            local = np.asarray(v)
+            local = local.reshape(-1, *local.shape[2:])
+            rows = local.shape[0] * jax.process_count()
+            if rows % self.batch_ways:
+                raise ValueError(f"a batch of {rows} rows does not divide over data × fsdp "
+                                 f"= {self.batch_ways} devices")
+            out[k] = jax.make_array_from_process_local_data(self.batch_sharding, local)
+        return out
+
+    def train_step(self, state, batch):
+        return self._train(state, self.put_batch(batch))
+
+    def eval_step(self, params, batch):
+        return self._eval(params, self.put_batch(batch))
+
+    def metrics(self, metrics) -> dict:
+        """Host values of the (replicated) summed metrics."""
+        return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), metrics)
