@@ -10,7 +10,7 @@ if the names were not there, and a model used without a mesh is unchanged.
 to the axes of a (data, fsdp, tensor) device mesh (`DEFAULT_RULES`; `train.sharding`
 explains what each axis costs):
 
-    specs = logical_specs(model, tokens)      # {"tgt_tokens": {"embedding": P("vocab", "embed")}}
+    specs = logical_specs(model, tokens)      # {"tokens": {"embedding": P("vocab", "embed")}, ...}
     shardings = param_shardings(model, mesh)  # the same tree of NamedShardings
 
 The names used:
