@@ -386,8 +386,11 @@ def restore_model(workdir: str, step: int | None = None) -> SavedModel:
     for s in steps:
         try:
             _check_whole(mngr, s)
+            # Whole numpy arrays, whatever mesh or processes wrote the shards.
+            shapes = mngr.item_metadata(s)["params"]
+            target = jax.tree.map(lambda m: np.empty(m.shape, m.dtype), shapes)
             got = mngr.restore(s, args=ocp.args.Composite(
-                params=ocp.args.StandardRestore(), config=ocp.args.JsonRestore(),
+                params=ocp.args.StandardRestore(target), config=ocp.args.JsonRestore(),
                 tokenizer=ocp.args.JsonRestore()))
         except Exception as e:
             reason = str(e) if isinstance(e, _Unusable) else _brief(e)
