@@ -3,7 +3,8 @@
 Both are single jitted computations (prefill, then a `lax.scan`), take right-padded int32
 prompts (decoder-only) or sources (encoder-decoder) with their lengths, and return arrays.
 They run eagerly, inside your own `jax.jit` and (`generate`, `loop="scan"`) under
-`jax.grad`. The logits processors are public so they can be used on any logits.
+`jax.grad`, with parameters on one device or sharded over a device mesh (the tokens are
+the same). The logits processors are public so they can be used on any logits.
 
 Ahead of time: `generate_arguments(...)` and `beam_search_arguments(...)` check a call's
 arguments and return the `(args, static)` its jitted computation takes;
@@ -13,7 +14,8 @@ lowered computation (`.compile()`, `.cost_analysis()`, `.as_text()`).
 Modules: `generate` and `beam` (the public calls), `sampling` and `checks` (their
 arguments), `loop` (the sampling loop, model-free), `beam_steps` (beam search's steps),
 `processors` (logits processors, the token constraints among them), `ngrams` (the history
-that bans repeated n-grams), `model_fns` (the model as the loops see it), `encoder`
+that bans repeated n-grams), `model_fns` (the model as the loops see it), `placement`
+(the KV cache split like sharded parameters' kv heads), `encoder`
 (encoder-only models, which do not generate: `fill_mask` and `classify` on arrays,
 `fill_mask_text` and `classify_text` on text).
 

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from decode import checks, ngrams
+from decode import checks, ngrams, placement
 from decode.beam_steps import NORMALIZATIONS, beam_init, beam_loop, finalize
 from decode.model_fns import decoder_prefix, model_step_fn, output_pad_id, start_decoding
 from decode.processors import Constraints
@@ -61,13 +61,15 @@ class BeamOutput:
 
 
 @functools.partial(jax.jit, static_argnames=("model", "beam_size", "max_new_tokens", "cache_len",
-                                             "eos_ids", "normalization", "no_repeat"))
+                                             "eos_ids", "normalization", "no_repeat",
+                                             "cache_sharding"))
 def _beam_search(model, params, prompts_BP, lengths_B, alpha, constraints: Constraints,
                  renormalize, *, beam_size, max_new_tokens, cache_len, eos_ids, normalization,
-                 no_repeat) -> BeamOutput:
+                 no_repeat, cache_sharding=None) -> BeamOutput:
     """The jitted computation; `beam_search_arguments` gives its (args, static)."""
     W = beam_size
-    logits_RV, cache = start_decoding(model, params, prompts_BP, lengths_B, cache_len, beams=W)
+    logits_RV, cache = start_decoding(model, params, prompts_BP, lengths_B, cache_len, beams=W,
+                                      cache_sharding=cache_sharding)
     history = None
     if no_repeat:   # row b * W + w is beam w of source b
         prefix_BP, prefix_lengths_B = decoder_prefix(model.config, prompts_BP, lengths_B)
@@ -75,8 +77,8 @@ def _beam_search(model, params, prompts_BP, lengths_B, alpha, constraints: Const
                                jnp.repeat(prefix_lengths_B, W), prefix_BP.shape[1] + max_new_tokens)
     constraints = constraints.replace(min_new_tokens=jnp.repeat(constraints.min_new_tokens, W))
     state = beam_init(logits_RV, cache, W, max_new_tokens, history)
-    state = beam_loop(model_step_fn(model, params), state, alpha=alpha, eos_ids=eos_ids,
-                      normalization=normalization, constraints=constraints,
+    state = beam_loop(model_step_fn(model, params, cache_sharding), state, alpha=alpha,
+                      eos_ids=eos_ids, normalization=normalization, constraints=constraints,
                       renormalize=renormalize)
     return BeamOutput(*finalize(state, alpha, output_pad_id(model.config), normalization))
 
@@ -125,7 +127,9 @@ def beam_search_arguments(
     Returns:
         (args, static): `(model, params, prompts int32[B, P], lengths int32[B], alpha
         float32[], Constraints, renormalize bool[])` and the static keywords `beam_size`,
-        `max_new_tokens`, `cache_len`, `eos_ids`, `normalization`, `no_repeat`.
+        `max_new_tokens`, `cache_len`, `eos_ids`, `normalization`, `no_repeat`, and
+        `cache_sharding` when the params split their kv heads over a mesh (absent
+        otherwise).
 
     Raises:
         ValueError: naming the argument, its value and the limit it breaks (values only
@@ -156,10 +160,11 @@ def beam_search_arguments(
         cfg, common.prompts.shape[0], common.eos_ids, forced_bos_id=forced_bos_id,
         forced_eos_id=forced_eos_id, banned_ids=banned_ids, min_new_tokens=min_new_tokens,
         no_repeat_ngram_size=no_repeat_ngram_size)
+    static = dict(beam_size=beam_size, max_new_tokens=common.max_new_tokens,
+                  cache_len=common.cache_len, eos_ids=common.eos_ids,
+                  normalization=length_normalization, no_repeat=no_repeat)
     return ((model, params, common.prompts, common.lengths, alpha, constraints, renormalize),
-            dict(beam_size=beam_size, max_new_tokens=common.max_new_tokens,
-                 cache_len=common.cache_len, eos_ids=common.eos_ids,
-                 normalization=length_normalization, no_repeat=no_repeat))
+            placement.with_cache_sharding(static, params))
 
 
 def beam_search(model: nn.Module, params, prompts, lengths, **options) -> BeamOutput:
@@ -170,7 +175,8 @@ def beam_search(model: nn.Module, params, prompts, lengths, **options) -> BeamOu
         beams.tokens, beams.scores, beams.lengths    # int32[B, W, N], float32[B, W], int32[B, W]
 
     Args:
-        model, params, prompts, lengths: as in `decode.generate`.
+        model, params, prompts, lengths: as in `decode.generate` (params on one device or
+            sharded over a mesh; the KV cache is then split by kv heads like them).
         **options: `max_new_tokens` (required), `beam_size`, `length_penalty`,
             `length_normalization`, `eos_id`, `forced_bos_id`, `forced_eos_id`, `banned_ids`,
             `min_new_tokens`, `no_repeat_ngram_size`, `renormalize_logits`, `cache_len`, each

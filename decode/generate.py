@@ -6,10 +6,11 @@
 Decoder-only models continue their prompts; encoder-decoder models encode `prompts` as
 sources (and project every layer's cross-attention keys/values once), then decode from the
 start token. One compilation per (model, batch, padded prompt width, cache length,
-max_new_tokens, end ids, strategy, n-gram history on or off): the sampling values and the
-token constraints (forced, banned and end ids before a minimum length) are traced, so new
-prompts of the same padded shape, new temperatures and new banned ids never recompile
-(`bucket_width` and `pad_prompts` keep the set of widths small).
+max_new_tokens, end ids, strategy, n-gram history on or off, the kv-heads split of sharded
+parameters): the sampling values and the token constraints (forced, banned and end ids
+before a minimum length) are traced, so new prompts of the same padded shape, new
+temperatures and new banned ids never recompile (`bucket_width` and `pad_prompts` keep the
+set of widths small).
 
 A call is two steps, each a plain function:
 
@@ -36,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from decode import checks, ngrams
+from decode import checks, ngrams, placement
 from decode.loop import LoopState, decode_loop, initial_state
 from decode.model_fns import (  # notebooks import start_decoding from here too
     decoder_prefix,
@@ -109,20 +110,21 @@ def _prompt_seen(cfg, prompts_BP, lengths_B):
 @functools.partial(
     jax.jit,
     static_argnames=("model", "max_new_tokens", "cache_len", "eos_ids", "strategy", "loop",
-                     "no_repeat"))
+                     "no_repeat", "cache_sharding"))
 def _generate(model, params, prompts_BP, lengths_B, rng, sampling: SamplingParams,
               constraints: Constraints, *, max_new_tokens, cache_len, eos_ids, strategy, loop,
-              no_repeat) -> DecodeOutput:
+              no_repeat, cache_sharding=None) -> DecodeOutput:
     """The jitted computation; `generate_arguments` gives its (args, static)."""
     cfg = model.config
-    logits_BV, cache = start_decoding(model, params, prompts_BP, lengths_B, cache_len)
+    logits_BV, cache = start_decoding(model, params, prompts_BP, lengths_B, cache_len,
+                                      cache_sharding=cache_sharding)
     seen = _prompt_seen(cfg, prompts_BP, lengths_B) if strategy.penalty else None
     history = None
     if no_repeat:
         prefix_BP, prefix_lengths_B = decoder_prefix(cfg, prompts_BP, lengths_B)
         history = ngrams.start(prefix_BP, prefix_lengths_B, prefix_BP.shape[1] + max_new_tokens)
     state: LoopState = decode_loop(
-        model_step_fn(model, params),
+        model_step_fn(model, params, cache_sharding),
         initial_state(logits_BV, cache, rng, max_new_tokens, seen, history),
         eos_ids=eos_ids, pad_id=output_pad_id(cfg), params=sampling, strategy=strategy,
         constraints=constraints, while_loop=loop == "while")
@@ -161,7 +163,8 @@ def generate_arguments(
 
     Args:
         model: a `models.build(...)` module (static).
-        params: its parameters (traced; `jax.grad` may differentiate with respect to them).
+        params: its parameters (traced; `jax.grad` may differentiate with respect to them),
+            on one device or sharded over a mesh (see `generate`).
         prompts: int[B, P] right-padded prompts (decoder-only) or sources (encoder-decoder,
             padded with the config's pad id).
         lengths: int[B] their true lengths.
@@ -197,7 +200,9 @@ def generate_arguments(
     Returns:
         (args, static): the traced arguments `(model, params, prompts int32[B, P],
         lengths int32[B], rng, SamplingParams, Constraints)` and the static keywords
-        `max_new_tokens`, `cache_len`, `eos_ids`, `strategy`, `loop`, `no_repeat`.
+        `max_new_tokens`, `cache_len`, `eos_ids`, `strategy`, `loop`, `no_repeat`, and
+        `cache_sharding` when the params split their kv heads over a mesh
+        (`decode.placement.cache_sharding`; absent otherwise).
 
     Raises:
         ValueError: naming the argument, its value and the limit it breaks. Shapes and
@@ -219,9 +224,10 @@ def generate_arguments(
         cfg, common.prompts.shape[0], common.eos_ids, forced_bos_id=forced_bos_id,
         forced_eos_id=forced_eos_id, banned_ids=banned_ids, min_new_tokens=min_new_tokens,
         no_repeat_ngram_size=no_repeat_ngram_size)
+    static = dict(max_new_tokens=common.max_new_tokens, cache_len=common.cache_len,
+                  eos_ids=common.eos_ids, strategy=strategy, loop=loop, no_repeat=no_repeat)
     return ((model, params, common.prompts, common.lengths, rng, sampling, constraints),
-            dict(max_new_tokens=common.max_new_tokens, cache_len=common.cache_len,
-                 eos_ids=common.eos_ids, strategy=strategy, loop=loop, no_repeat=no_repeat))
+            placement.with_cache_sharding(static, params))
 
 
 def generate(model: nn.Module, params, prompts, lengths, **options) -> DecodeOutput:
@@ -231,7 +237,11 @@ def generate(model: nn.Module, params, prompts, lengths, **options) -> DecodeOut
         out.tokens, out.lengths, out.logprobs        # int32[B, N], int32[B], float32[B, N]
 
     Args:
-        model: a `models.build(...)` module; params: its parameters.
+        model: a `models.build(...)` module; params: its parameters, on one device or
+            sharded over a mesh: `jax.device_put(params, models.axes.param_shardings(model,
+            mesh))` with a tensor axis splits the heads, the MLP and the vocabulary, and
+            the KV cache is then split by kv heads the same way (`decode.placement`). The
+            tokens are the single-device ones; the log-probs match to float rounding.
         prompts: int[B, P] right-padded prompts (decoder-only) or sources (encoder-decoder);
             lengths: int[B] their true lengths.
         **options: `max_new_tokens` (required), `rng`, `temperature`, `top_k`, `top_p`,

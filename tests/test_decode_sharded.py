@@ -1,0 +1,92 @@
+"""Decoding with parameters split over a tensor axis of 4 (fake CPU) devices: the tokens
+are the single-device ones, and the KV cache is split by kv heads, never held whole."""
+
+import functools
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import decode
+from decode.placement import cache_sharding
+from models.axes import param_shardings
+from tests.helpers import fns, random_tokens, tiny
+from train.sharding import make_mesh
+
+TENSOR = 4
+N = 5                      # new tokens
+PROMPT_LENGTHS = [3, 7]    # padded to width 8
+
+
+@functools.cache
+def setup(arch):
+    """A GQA model (8 query heads, 4 kv heads, vocabulary 64: all divide the tensor axis),
+    its parameters on one device and the same ones split over tensor = 4, and prompts."""
+    cfg = tiny(arch, num_heads=8, num_kv_heads=4, vocab_size=64, num_layers=1,
+               num_encoder_layers=1, num_decoder_layers=1)
+    f = fns(cfg)
+    params = f.init()
+    mesh = make_mesh((1, 1, TENSOR))
+    sharded = jax.device_put(params, param_shardings(f.model, mesh))
+    tokens = random_tokens(0, (len(PROMPT_LENGTHS), max(PROMPT_LENGTHS)), cfg.vocab_size)
+    prompts, lengths = decode.pad_prompts(
+        [tokens[b, :n].tolist() for b, n in enumerate(PROMPT_LENGTHS)])
+    return f.model, params, sharded, mesh, prompts, lengths
+
+
+def cache_split(lowered, cfg, rows: int, slots: int) -> tuple[bool, bool]:
+    """(the compiled program holds the per-device K/V buffer [L, rows, K / 4, slots, H],
+    it holds the whole one [L, rows, K, slots, H]), read off the partitioned HLO."""
+    text = lowered.compile().as_text()
+    L, K, H = cfg.decoder_layers, cfg.num_kv_heads, cfg.head_dim
+    split, whole = (f"f32[{L},{rows},{k},{slots},{H}]" for k in (K // TENSOR, K))
+    return split in text, whole in text
+
+
+def test_cache_sharding_follows_the_params_kv_heads():
+    model, params, sharded, mesh, prompts, lengths = setup("encoder_decoder")
+    assert cache_sharding(params) is None
+    assert cache_sharding(sharded) == NamedSharding(mesh, P(None, None, "tensor", None, None))
+    # Only sharded parameters add the static key: unsharded calls compile as before.
+    _, static = decode.generate_arguments(model, params, prompts, lengths, max_new_tokens=N)
+    assert "cache_sharding" not in static
+    _, static = decode.beam_search_arguments(model, sharded, prompts, lengths,
+                                             max_new_tokens=N)
+    assert static["cache_sharding"] == cache_sharding(sharded)
+
+
+@pytest.mark.parametrize("arch", ["decoder_only", "encoder_decoder"])
+def test_tensor_parallel_greedy_equals_one_device(arch):
+    model, params, sharded, _, prompts, lengths = setup(arch)
+    kw = dict(max_new_tokens=N, eos_id=None)
+    one = decode.generate(model, params, prompts, lengths, **kw)
+    split = decode.generate(model, sharded, prompts, lengths, **kw)
+    np.testing.assert_array_equal(split.tokens, one.tokens)
+    np.testing.assert_array_equal(split.lengths, one.lengths)
+    np.testing.assert_allclose(split.logprobs, one.logprobs, rtol=1e-5, atol=1e-5)
+
+    cfg, B, width = model.config, prompts.shape[0], prompts.shape[1]
+    lowered = decode.generate.lower(model, sharded, prompts, lengths, **kw)
+    assert cache_split(lowered, cfg, B, split.cache_len) == (True, False)
+    if cfg.is_encoder_decoder:   # cross K/V: one row per source, the source's slots
+        assert cache_split(lowered, cfg, B, width) == (True, False)
+
+
+@pytest.mark.parametrize("arch", ["decoder_only", "encoder_decoder"])
+def test_tensor_parallel_beam_search_equals_one_device(arch):
+    model, params, sharded, _, prompts, lengths = setup(arch)
+    W = 3
+    kw = dict(beam_size=W, max_new_tokens=N, length_penalty=0.6)
+    one = decode.beam_search(model, params, prompts, lengths, **kw)
+    split = decode.beam_search(model, sharded, prompts, lengths, **kw)
+    np.testing.assert_array_equal(split.tokens, one.tokens)
+    np.testing.assert_array_equal(split.lengths, one.lengths)
+    np.testing.assert_allclose(split.scores, one.scores, rtol=1e-5, atol=1e-5)
+
+    cfg, B, width = model.config, prompts.shape[0], prompts.shape[1]
+    slots = (1 if cfg.is_encoder_decoder else width) + N
+    lowered = decode.beam_search.lower(model, sharded, prompts, lengths, **kw)
+    assert cache_split(lowered, cfg, B * W, slots) == (True, False)   # self: B * W rows
+    if cfg.is_encoder_decoder:                                         # cross: B rows
+        assert cache_split(lowered, cfg, B, width) == (True, False)
