@@ -26,6 +26,8 @@ The names used:
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 from collections.abc import Sequence
 
@@ -153,3 +155,33 @@ def param_shardings(model: nn.Module, mesh: Mesh, rules=DEFAULT_RULES):
     args, method = init_args(model.config)
     boxed = boxed_params(model, *args, method=method)
     return shardings(nn.get_partition_spec(boxed), meta.unbox(boxed), mesh, check_rules(rules))
+
+
+# (mesh, rules) while `sharded_activations` is active: what `constrain` pins activations to.
+_ACTIVE: contextvars.ContextVar = contextvars.ContextVar("sharded_activations", default=None)
+
+
+@contextlib.contextmanager
+def sharded_activations(mesh: Mesh, rules: dict):
+    """While tracing inside this context, `constrain` pins activations to `mesh` by `rules`
+    (`train.sharding` traces its steps in it). Outside it `constrain` does nothing."""
+    token = _ACTIVE.set((mesh, rules))
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def constrain(x, *names: str | None):
+    """`x` with its sharding pinned by logical names, one per dimension, inside
+    `sharded_activations`; unchanged elsewhere (a model used without a mesh).
+
+    The residual stream is pinned to ("batch", None, None): split over data × fsdp and
+    whole along D, so FSDP all-gathers each weight before use instead of moving activations.
+    """
+    active = _ACTIVE.get()
+    if active is None:
+        return x
+    mesh, rules = active
+    return jax.lax.with_sharding_constraint(
+        x, NamedSharding(mesh, mesh_spec(P(*names), x.shape, mesh, rules)))

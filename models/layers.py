@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from models.axes import named
+from models.axes import constrain, named
 from models.config import TransformerConfig
 
 
@@ -153,8 +153,10 @@ def residual(
     """One residual sublayer, pre-norm `x + f(norm(x))` or post-norm `norm(x + f(x))`.
 
     `sublayer` returns (y, aux); aux (for example an updated cache) is passed through.
+    Under a mesh (`models.axes.sharded_activations`) the stream is split over the batch.
     """
     drop = nn.Dropout(config.dropout_rate)
+    x_BTD = constrain(x_BTD, "batch", None, None)      # a no-op without a mesh
     if config.norm_position == "pre":
         y_BTD, aux = sublayer(norm(x_BTD))
         return x_BTD + drop(y_BTD, deterministic=deterministic), aux

@@ -105,7 +105,7 @@ def test_three_sharded_steps_equal_one_device_and_each_device_holds_its_share(na
         state = sh.init(make_state)
         batches = [sh.put_batch(jax.tree.map(lambda x: x.reshape(4, -1, W), b))
                    for b in _batches(cfg)]
-        step = sh._train.lower(state, batches[0]).compile()
+        step = sh.lower(state, batches[0]).compile()
         # The compiled program's arguments are this device's state and batch shards.
         batch_bytes = sum(x.nbytes for x in jax.tree.leaves(batches[0])) // (data * fsdp)
         state_bytes = sum(x.nbytes for x in jax.tree.leaves(state))

@@ -35,7 +35,15 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from models.axes import AXES, DEFAULT_RULES, check_rules, dim_names, mesh_spec, shardings
+from models.axes import (
+    AXES,
+    DEFAULT_RULES,
+    check_rules,
+    dim_names,
+    mesh_spec,
+    sharded_activations,
+    shardings,
+)
 
 __all__ = ["AXES", "DEFAULT_RULES", "Sharded", "check_model", "check_rules", "make_mesh",
            "mesh_spec", "resolve_mesh_shape", "shardings", "state_specs", "undivided"]
@@ -139,7 +147,15 @@ class Sharded:
     def init(self, make_state: Callable, *args):
         """`make_state(*args)` computed straight into the state's shards: no device ever
         holds more than its part."""
-        return jax.jit(make_state, out_shardings=self.state_shardings)(*args)
+        with sharded_activations(self.mesh, self.rules):
+            return jax.jit(make_state, out_shardings=self.state_shardings)(*args)
+
+    def lower(self, state, batch):
+        """The train step lowered for `state` and a `put_batch` result (then `.compile()`,
+        `.memory_analysis()`), traced as `train_step` traces it: activations split over
+        the batch axes (`models.axes.constrain`)."""
+        with sharded_activations(self.mesh, self.rules):
+            return self._train.lower(state, batch)
 
     def put_state(self, state):
         """A host (or differently placed) state moved onto its shards."""
@@ -180,10 +196,12 @@ class Sharded:
         return out
 
     def train_step(self, state, batch):
-        return self._train(state, self.put_batch(batch))
+        with sharded_activations(self.mesh, self.rules):
+            return self._train(state, self.put_batch(batch))
 
     def eval_step(self, params, batch):
-        return self._eval(params, self.put_batch(batch))
+        with sharded_activations(self.mesh, self.rules):
+            return self._eval(params, self.put_batch(batch))
 
     def metrics(self, metrics) -> dict:
         """Host values of the (replicated) summed metrics."""
