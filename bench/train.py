@@ -1,4 +1,6 @@
 """python -m bench.train [--model transformer-base] [--batch 16] [--lengths 64 64] [--dtype D]
+       python -m bench.train --fake-devices 4 --parallel sharded --mesh 1 4 1 --mesh 1 2 2
+       python -m bench.train --fake-devices 4 --memory-budget 8GiB [--search-width 2048]
 
 Training throughput and model FLOP utilisation of the real train step (`train.step` under
 `train.parallel`, adamw, clipping, label smoothing, dropout), one JSON line per measurement,
@@ -17,13 +19,39 @@ layer forward, times 3 with the backward). For an encoder-decoder, source tokens
 encoder and each decoder layer's cross-attention K/V projection; target tokens pass the
 decoder layers and the output projection. Norms, softmax, dropout and the optimiser are not
 counted (they are in the measured time), nor is the embedding lookup.
+
+`--parallel sharded` (`train.sharding`: the step under `jax.jit` over a (data, fsdp,
+tensor) mesh) measures the same model, initial state and batch under pmap first, then under
+each `--mesh DATA FSDP TENSOR` (repeat the flag for several meshes; -1 is the devices the
+others leave; default one mesh, 1 -1 1: FSDP over every device). Each step is compiled once
+with `lower(...).compile()` (`compile_s`) and that executable is timed, the batch placed
+anew each step as training does. Every `train` line of this mode adds the per-device
+memory of the compiled step (`memory_analysis()`):
+
+    state_bytes        arguments minus this device's batch rows: its part of the state
+    temp_bytes         XLA's scratch: activations kept for the backward pass, gradients,
+                       parameters all-gathered for use (fsdp), optimiser temporaries
+    per_device_bytes   arguments + temp + outputs not aliased to a donated argument (the
+                       state is donated, so only the metrics): what the step holds at once
+
+and each sharded line its ratios to the pmap line of the same run: `step_time_ratio` (best
+step times, sharded / pmap: below 1 is faster), `memory_ratio` (per_device_bytes) and
+`state_ratio` (state_bytes).
+
+`--memory-budget SIZE` runs the search of `bench/largest.py` instead (its docstring).
+
+`--fake-devices N` runs on N CPU devices (`jax_num_cpu_devices`, set before JAX starts).
+They share the host's cores, so their timings are indicative and only the ratios mean
+anything; memory is XLA's CPU buffer assignment, close to a GPU's but not the same.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
+import time
 
 import jax
 import jax.numpy as jnp
@@ -32,7 +60,7 @@ import numpy as np
 import models
 from bench.decode import best_of, timed
 from models.layers import GATED
-from train import configs, parallel, state as state_lib, step as step_lib
+from train import configs, parallel, sharding, state as state_lib, step as step_lib
 
 # Dense (no sparsity) datasheet peaks, FLOP/s, by device kind substring and dtype.
 CHIP_PEAKS = {
@@ -101,7 +129,201 @@ def make_batch(cfg, devices: int, batch: int, src_len: int, tgt_len: int, seed: 
     return {k: v.reshape(devices, batch // devices, -1) for k, v in out.items()}
 
 
+def use_fake_devices(n: int) -> None:
+    """Run on `n` CPU devices. Must come before JAX starts a backend; a JAX already started
+    with `n` CPU devices (the test suite's) is accepted.
+
+    Raises:
+        SystemExit: JAX has already started with other devices (naming both).
+    """
+    try:
+        jax.config.update("jax_num_cpu_devices", n)
+        jax.config.update("jax_platforms", "cpu")
+    except RuntimeError:
+        pass                                        # already started: check what it has
+    if jax.default_backend() != "cpu" or jax.device_count() != n:
+        raise SystemExit(f"--fake-devices {n}: JAX has already started with "
+                         f"{jax.device_count()} {jax.default_backend()} device(s)")
+
+
+def make_state_fn(model, tx):
+    """`make_state()`: the fresh train state (params from key 0), to run under jit, into
+    shards (`Sharded.init`), or abstractly (`jax.eval_shape`)."""
+    args, method = models.axes.init_args(model.config)
+
+    def make_state():
+        tokens = [jnp.zeros(a.shape, a.dtype) for a in args]
+        params = model.init(jax.random.key(0), *tokens, method=method)["params"]
+        return state_lib.TrainState.create(params, tx, 0)
+    return make_state
+
+
+def param_count(model) -> int:
+    """The model's parameter count, from an abstract initialisation."""
+    args, method = models.axes.init_args(model.config)
+    params = jax.eval_shape(lambda *a: model.init(jax.random.key(0), *a, method=method),
+                            *args)["params"]
+    return sum(math.prod(x.shape) for x in jax.tree.leaves(params))
+
+
+def make_sharded(model, config, schedule, tx, mesh_shape) -> sharding.Sharded:
+    """The steps under `train.sharding.Sharded` on a (data, fsdp, tensor) mesh of all
+    devices, as the trainer builds them for `parallel="sharded"` (default rules).
+
+    Raises:
+        ValueError: a mesh that does not match the devices, or heads that do not divide the
+            tensor axis (naming the numbers).
+    """
+    mesh = sharding.make_mesh(mesh_shape)
+    rules = sharding.check_rules(sharding.DEFAULT_RULES)
+    sharding.check_model(model.config, mesh, rules)
+    args, method = models.axes.init_args(model.config)
+    boxed = models.axes.boxed_params(model, *args, method=method)
+    specs = sharding.state_specs(boxed, lambda p: state_lib.TrainState.create(p, tx, 0))
+    abstract = jax.eval_shape(make_state_fn(model, tx))
+    steps = step_lib.make_steps(model, config, schedule, axis=None)
+    return sharding.Sharded(*steps, mesh, specs, abstract, rules)
+
+
+def make_wrapper(model, config, optimizer, mesh_shape, rows: int):
+    """The trainer's wrapper of the steps: pmap's `DataParallel` (`mesh_shape` None, the
+    state replicated on every device) or `Sharded` on the mesh (`make_sharded`).
+
+    Args:
+        optimizer: (tx, schedule) from `train.state.make_optimizer(config)`.
+        rows: the global batch, which must divide over data x fsdp.
+
+    Raises:
+        ValueError: a mesh that does not fit the devices, the heads or the batch.
+    """
+    tx, schedule = optimizer
+    if mesh_shape is None:
+        return parallel.DataParallel("pmap", *step_lib.make_steps(model, config, schedule))
+    wrapper = make_sharded(model, config, schedule, tx, mesh_shape)
+    if rows % wrapper.batch_ways:
+        raise ValueError(f"a batch of {rows} rows does not divide over data x fsdp = "
+                         f"{wrapper.batch_ways} devices")
+    return wrapper
+
+
+def compile_step(wrapper, model, tx, batch_shapes: dict):
+    """`wrapper`'s train step compiled from abstract shapes: nothing is allocated.
+
+    Args:
+        tx: the optimiser the wrapper's steps were made with; states given to the
+            executable must hold this same `tx`.
+        batch_shapes: {key: (rows, width)} of the global batch, int32.
+
+    Returns:
+        (compiled executable, seconds to lower and compile, this device's batch bytes).
+    """
+    abstract = jax.eval_shape(make_state_fn(model, tx))
+    t0 = time.perf_counter()
+    if wrapper.kind == "pmap":
+        r = jax.local_device_count()
+        state = jax.tree.map(lambda a: jax.ShapeDtypeStruct((r, *a.shape), a.dtype), abstract)
+        batch = {k: jax.ShapeDtypeStruct((r, rows // r, w), jnp.int32)
+                 for k, (rows, w) in batch_shapes.items()}
+        batch_bytes = sum(rows // r * w * 4 for rows, w in batch_shapes.values())
+    else:
+        state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                             abstract, wrapper.state_shardings)
+        batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=wrapper.batch_sharding)
+                 for k, shape in batch_shapes.items()}
+        batch_bytes = sum(math.prod(wrapper.batch_sharding.shard_shape(shape)) * 4
+                          for shape in batch_shapes.values())
+    lower = wrapper._train.lower if wrapper.kind == "pmap" else wrapper.lower
+    compiled = lower(state, batch).compile()
+    return compiled, time.perf_counter() - t0, batch_bytes
+
+
+def step_memory(compiled, batch_bytes: int) -> dict:
+    """Per-device bytes of a compiled step, from XLA's `memory_analysis()` (see the module
+    docstring; empty where the backend gives none)."""
+    m = compiled.memory_analysis()
+    if m is None:
+        return {}
+    args, temp = m.argument_size_in_bytes, m.temp_size_in_bytes
+    unaliased = m.output_size_in_bytes - m.alias_size_in_bytes
+    return {"state_bytes": args - batch_bytes, "batch_bytes": batch_bytes, "temp_bytes": temp,
+            "output_not_aliased_bytes": unaliased, "per_device_bytes": args + temp + unaliased}
+
+
+def time_compiled(wrapper, compiled, state, batch, steps: int) -> tuple[float, float]:
+    """(best, median) seconds of `steps` steps of `compiled` after one untimed step; the
+    batch is placed on the devices within each step, as in training."""
+    def step():
+        nonlocal state
+        state, metrics = compiled(state, wrapper.put_batch(batch))
+        return metrics
+
+    step()
+    times = [timed(step)[1] for _ in range(steps)]
+    return min(times), statistics.median(times)
+
+
+def compare_meshes(name: str, cfg, config, batch: dict, lengths: tuple[int, int],
+                   mesh_shapes, steps: int, common: dict, peak: float,
+                   chip: float | None) -> list[dict]:
+    """`train` lines for pmap, then for each mesh with its ratios to pmap (see the module
+    docstring), each printed as it is measured.
+
+    Args:
+        batch: per-device rows `[R, B, W]` (`make_batch`); lengths: (source, target).
+
+    Raises:
+        SystemExit: a mesh that does not fit the devices, the model's heads or the batch.
+    """
+    model = models.build(cfg)
+    optimizer = state_lib.make_optimizer(config)
+    make_state = make_state_fn(model, optimizer[0])
+    src_len, tgt_len = lengths
+    rows = batch["targets"].shape[0] * batch["targets"].shape[1]
+    shapes = {k: (rows, v.shape[2]) for k, v in batch.items()}
+    flops = model_flops(cfg, rows, src_len, tgt_len)
+    n_params = param_count(model)
+    wrappers = []                       # all made first: a bad mesh stops before any work
+    for mesh_shape in [None, *mesh_shapes]:
+        try:
+            wrappers.append(make_wrapper(model, config, optimizer, mesh_shape, rows))
+        except ValueError as e:
+            raise SystemExit(f"error: --mesh {' '.join(map(str, mesh_shape))}: {e}") from None
+    lines = []
+    for wrapper, mesh_shape in zip(wrappers, [None, *mesh_shapes], strict=True):
+        compiled, compile_s, batch_bytes = compile_step(wrapper, model, optimizer[0], shapes)
+        state = (wrapper.put_state(jax.jit(make_state)()) if mesh_shape is None
+                 else wrapper.init(make_state))
+        best, median = time_compiled(wrapper, compiled, state, batch, steps)
+        del state
+        line = {
+            "what": "train", **common, "parallel": "pmap" if mesh_shape is None else "sharded",
+            "mesh": None if mesh_shape is None else dict(wrapper.mesh.shape),
+            "model": name, "vocab_size": cfg.vocab_size,
+            "batch": rows, "source_length": src_len if cfg.is_encoder_decoder else None,
+            "target_length": tgt_len, "params": n_params, **flops,
+            "compile_s": round(compile_s, 2), "step_s_best": round(best, 4),
+            "step_s_median": round(median, 4),
+            "target_tokens_per_s": round(rows * tgt_len / best, 1),
+            "model_flops_per_s": round(flops["model_flops_per_step"] / best),
+            "mfu_vs_measured_peak": round(flops["model_flops_per_step"] / best / peak, 4),
+            "mfu_vs_chip_peak": (round(flops["model_flops_per_step"] / best / chip, 4)
+                                 if chip else None),
+            **step_memory(compiled, batch_bytes),
+        }
+        if lines:
+            ref = lines[0]
+            line["step_time_ratio"] = round(best / ref["step_s_best"], 3)
+            for ratio, key in (("memory_ratio", "per_device_bytes"),
+                               ("state_ratio", "state_bytes")):
+                if key in line and key in ref:
+                    line[ratio] = round(line[key] / ref[key], 4)
+        print(json.dumps(line), flush=True)
+        lines.append(line)
+    return lines
+
+
 def main(argv=None) -> None:
+    from bench.largest import largest_models, parse_bytes  # it imports this module
     p = argparse.ArgumentParser(prog="python -m bench.train", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="transformer-base", help="a preset name")
     p.add_argument("--vocab-size", type=int, default=None, help="default: the preset's")
@@ -113,13 +335,39 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=10, help="timed steps after compilation")
     p.add_argument("--peak-size", type=int, default=None,
                    help="n of the peak matmul (default 2048 on CPU, 8192 on an accelerator)")
-    p.add_argument("--parallel", default="pmap", choices=("pmap", "shard_map"))
+    p.add_argument("--parallel", default="pmap", choices=("pmap", "shard_map", "sharded"),
+                   help="sharded: pmap, then the step under jit on each --mesh, with ratios")
+    p.add_argument("--mesh", type=int, nargs=3, action="append", default=None,
+                   metavar=("DATA", "FSDP", "TENSOR"),
+                   help="a (data, fsdp, tensor) mesh for --parallel sharded; repeat for "
+                        "several (-1: the devices the others leave; default 1 -1 1)")
     p.add_argument("--dropout", type=float, default=None, help="default: the preset's")
+    p.add_argument("--fake-devices", type=int, default=None, metavar="N",
+                   help="run on N CPU devices (timings indicative: compare ratios only)")
+    p.add_argument("--memory-budget", type=parse_bytes, default=None, metavar="SIZE",
+                   help="instead of timing: the largest Llama-style model whose step "
+                        "compiles within SIZE per device (4GiB, 3.5GB, 1e9), pmap vs fsdp")
+    p.add_argument("--search-width", type=int, default=2048, help="d_model of the search")
+    p.add_argument("--search-vocab", type=int, default=32_000, help="vocabulary of the search")
+    p.add_argument("--search-length", type=int, default=128, help="tokens per row, search")
     args = p.parse_args(argv)
 
+    if args.fake_devices:
+        use_fake_devices(args.fake_devices)
+    if args.mesh and args.parallel != "sharded":
+        raise SystemExit("error: --mesh needs --parallel sharded")
     accel = jax.default_backend() != "cpu"
     dtype = args.dtype or ("bfloat16" if accel else "float32")
     devices = jax.local_device_count()
+    common = dict(backend=jax.default_backend(), device=jax.devices()[0].device_kind,
+                  devices=devices, dtype=dtype)
+    if args.memory_budget is not None:
+        def report(line):
+            print(json.dumps(line), flush=True)
+        found = largest_models(args.memory_budget, args.search_width, args.search_vocab,
+                               args.search_length, dtype=dtype, report=report)
+        print(json.dumps({"what": "largest_under_budget", **common, **found}), flush=True)
+        return
     if args.batch % devices:
         raise SystemExit(f"--batch {args.batch} must be a multiple of the {devices} devices")
     src_len, tgt_len = args.lengths
@@ -135,15 +383,19 @@ def main(argv=None) -> None:
 
     peak = measured_peak(dtype, args.peak_size or (8192 if accel else 2048))
     chip = chip_peak(dtype) if accel else None
-    common = dict(backend=jax.default_backend(), device=jax.devices()[0].device_kind,
-                  devices=devices, dtype=dtype)
     print(json.dumps({"what": "peak", **common, "measured_matmul_flops_per_s": round(peak),
                       "chip_peak_flops_per_s": chip}), flush=True)
 
     config = configs.get("default")
-    config.update(num_train_steps=1000, warmup_steps=100, parallel=args.parallel)
-    model = models.build(cfg)
+    config.update(num_train_steps=1000, warmup_steps=100,
+                  parallel="pmap" if args.parallel == "sharded" else args.parallel)
     batch = make_batch(cfg, devices, args.batch, src_len, tgt_len)
+    if args.parallel == "sharded":
+        compare_meshes(args.model, cfg, config, batch, (src_len, tgt_len),
+                       [tuple(m) for m in args.mesh or [(1, -1, 1)]], args.steps, common,
+                       peak, chip)
+        return
+    model = models.build(cfg)
     first = jax.tree.map(lambda x: x[0], batch)
     init_args = ((first["inputs"], first["targets"]) if cfg.is_encoder_decoder
                  else (first["targets"],))

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+import bench.largest
 import bench.train
 import models
 
@@ -115,3 +116,78 @@ def test_load_benchmark_keeps_the_best_time_and_the_largest_memory_and_divides_o
     assert r["bfloat16"] == {"load_time_ratio": 2.0, "load_peak_ratio": 4.0,
                              "save_time_ratio": 2.0, "save_peak_ratio": 4.0,
                              "load_used_ratio": 4.0, "ours_load_peak_over_params": 4.0}
+
+
+def test_sharded_benchmark_measures_pmap_then_each_mesh_with_ratios(capsys):
+    """pmap and two meshes in one run: memory from the compiled steps, ratios to pmap.
+    FSDP over 4 devices keeps a quarter of the state per device (llama-tiny has no biases;
+    only the step and the key stay whole)."""
+    bench.train.main(["--fake-devices", "4", "--model", "llama-tiny", "--batch", "4",
+                      "--lengths", "8", "8", "--steps", "1", "--peak-size", "64",
+                      "--parallel", "sharded", "--mesh", "1", "4", "1", "--mesh", "1", "2", "2"])
+    peak, ref, *meshes = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
+    assert peak["what"] == "peak" and ref["parallel"] == "pmap" and "step_time_ratio" not in ref
+    assert [m["mesh"] for m in meshes] == [{"data": 1, "fsdp": 4, "tensor": 1},
+                                           {"data": 1, "fsdp": 2, "tensor": 2}]
+    for line in (ref, *meshes):
+        assert line["what"] == "train" and line["mfu_vs_measured_peak"] > 0
+        assert line["per_device_bytes"] == (line["state_bytes"] + line["batch_bytes"]
+                                            + line["temp_bytes"]
+                                            + line["output_not_aliased_bytes"])
+    for line in meshes:
+        assert line["parallel"] == "sharded" and line["step_time_ratio"] > 0
+        assert line["memory_ratio"] == round(line["per_device_bytes"] / ref["per_device_bytes"], 4)
+        assert line["state_ratio"] == round(line["state_bytes"] / ref["state_bytes"], 4)
+        assert 0.25 <= line["state_ratio"] < 0.26
+    assert ref["batch_bytes"] == meshes[0]["batch_bytes"] == 3 * 1 * 8 * 4   # a row each
+    assert meshes[1]["batch_bytes"] == 3 * 2 * 8 * 4        # rows split 2 ways, not 4
+
+
+def test_sharded_benchmark_names_bad_meshes_and_devices():
+    with pytest.raises(SystemExit, match="--mesh needs --parallel sharded"):
+        bench.train.main(["--mesh", "1", "4", "1"])
+    with pytest.raises(SystemExit, match="--mesh 1 3 1: .*3 devices, but there are 4"):
+        bench.train.main(["--model", "llama-tiny", "--batch", "4", "--peak-size", "8",
+                          "--parallel", "sharded", "--mesh", "1", "3", "1"])
+    with pytest.raises(SystemExit, match="--mesh 1 1 4: num_kv_heads=2 does not divide"):
+        bench.train.main(["--model", "llama-tiny", "--batch", "4", "--peak-size", "8",
+                          "--parallel", "sharded", "--mesh", "1", "1", "4"])
+    with pytest.raises(SystemExit, match="--fake-devices 2: JAX has already started with 4"):
+        bench.train.main(["--fake-devices", "2"])
+    assert bench.largest.parse_bytes("4GiB") == 4 << 30
+    assert bench.largest.parse_bytes("3.5GB") == 3_500_000_000
+    assert bench.largest.parse_bytes("1e9") == 10 ** 9
+    with pytest.raises(SystemExit):                       # argparse: "not a size such as ..."
+        bench.train.main(["--memory-budget", "4 lots"])
+
+
+def test_largest_fitting_follows_the_line_and_bisects_when_it_bends():
+    probes = []
+
+    def linear(n):
+        probes.append(n)
+        return 10 + 3 * n
+    assert bench.largest.largest_fitting(linear, 40)[0] == 10 and probes == [1, 2, 10, 11]
+    assert bench.largest.largest_fitting(linear, 12)[0] == 0          # not even one layer
+    assert bench.largest.largest_fitting(linear, 10 ** 9, limit=64)[0] == 64
+    for budget in range(5, 3000, 37):          # convex: the line overshoots; still exact
+        n, seen = bench.largest.largest_fitting(lambda n: n * n, budget)
+        assert n * n <= budget < (n + 1) ** 2 and len(seen) < 20
+
+
+def test_largest_model_search_fits_more_layers_under_fsdp_than_under_pmap():
+    """The real search at a tiny width, capped at 2 layers to stay cheap: the budget holds
+    one layer replicated (pmap needs about 3 MB for one, 4.5 MB for two) but two sharded."""
+    probes = []
+    found = bench.largest.largest_models(3_500_000, d_model=64, vocab_size=512, length=16,
+                                       max_layers=2, report=probes.append)
+    pmap, fsdp = found["pmap"], found["fsdp"]
+    assert fsdp["layers"] >= pmap["layers"] and (pmap["layers"], fsdp["layers"]) == (1, 2)
+    assert fsdp["params"] > pmap["params"] and found["params_ratio"] > 1
+    assert fsdp["at_limit"] and not pmap["at_limit"]
+    assert [(p["parallel"], p["layers"], p["fits"]) for p in probes] == [
+        ("pmap", 1, True), ("pmap", 2, False), ("fsdp", 1, True), ("fsdp", 2, True)]
+    # Each layer adds less to a device under FSDP, whose state is a quarter of pmap's.
+    assert found["bytes_per_layer_ratio"] > 1
+    one = {p["parallel"]: p for p in probes if p["layers"] == 1}
+    assert one["fsdp"]["state_bytes"] * 4 == pytest.approx(one["pmap"]["state_bytes"], rel=0.01)
