@@ -176,13 +176,7 @@ def make_sharded(model, config, schedule, tx, mesh_shape) -> sharding.Sharded:
     """
     mesh = sharding.make_mesh(mesh_shape)
     rules = sharding.check_rules(sharding.DEFAULT_RULES)
-    sharding.check_model(model.config, mesh, rules)
-    args, method = models.axes.init_args(model.config)
-    boxed = models.axes.boxed_params(model, *args, method=method)
-    specs = sharding.state_specs(boxed, lambda p: state_lib.TrainState.create(p, tx, 0))
-    abstract = jax.eval_shape(make_state_fn(model, tx))
-    steps = step_lib.make_steps(model, config, schedule, axis=None)
-    return sharding.Sharded(*steps, mesh, specs, abstract, rules)
+    return sharding.for_model(model, config, schedule, tx, mesh, rules)
 
 
 def make_wrapper(model, config, optimizer, mesh_shape, rows: int):
@@ -200,9 +194,7 @@ def make_wrapper(model, config, optimizer, mesh_shape, rows: int):
     if mesh_shape is None:
         return parallel.DataParallel("pmap", *step_lib.make_steps(model, config, schedule))
     wrapper = make_sharded(model, config, schedule, tx, mesh_shape)
-    if rows % wrapper.batch_ways:
-        raise ValueError(f"a batch of {rows} rows does not divide over data x fsdp = "
-                         f"{wrapper.batch_ways} devices")
+    wrapper.check_rows(rows)
     return wrapper
 
 

@@ -64,14 +64,9 @@ def _one_device(cfg):
 
 
 def _sharded(cfg, mesh_shape):
-    model, config, schedule, tx, args, make_state = _problem(cfg)
-    mesh = sharding.make_mesh(mesh_shape)
-    rules = sharding.check_rules(sharding.DEFAULT_RULES)
-    sharding.check_model(cfg, mesh, rules)
-    specs = sharding.state_specs(axes.boxed_params(model, *args),
-                                 lambda p: state_lib.TrainState.create(p, tx, 0))
-    train_fn, eval_fn = step_lib.make_steps(model, config, schedule, axis=None)
-    sh = sharding.Sharded(train_fn, eval_fn, mesh, specs, jax.eval_shape(make_state), rules)
+    model, config, schedule, tx, _, make_state = _problem(cfg)
+    sh = sharding.for_model(model, config, schedule, tx, sharding.make_mesh(mesh_shape),
+                            sharding.check_rules(sharding.DEFAULT_RULES))
     return sh, make_state
 
 

@@ -270,8 +270,7 @@ def _start_run(config, workdir: str, lock: workdir_lib.Lock) -> tuple[Run, Start
             params = {**init(), **{k: v for k, v in (params or {}).items() if k in heads}}
         return state_lib.TrainState.create(params, tx, config.seed)
 
-    dp = _wrapper(config, model, objective, schedule, tx, init_args, init_method,
-                  jax.eval_shape(fresh_state))
+    dp = _wrapper(config, model, objective, schedule, tx, jax.eval_shape(fresh_state))
     mngr = checkpoint.manager(workdir, config.keep_checkpoints)
     iterator = data_lib.train_iterator(source, pcfg)
     template = jax.eval_shape(fresh_state)
@@ -325,7 +324,7 @@ def _rules(config) -> tuple:
     return tuple(config.logical_axis_rules) or models.axes.DEFAULT_RULES
 
 
-def _wrapper(config, model, objective, schedule, tx, init_args, init_method, abstract):
+def _wrapper(config, model, objective, schedule, tx, abstract):
     """The steps' wrapper the config asks for: data parallel (pmap, shard_map), or sharded
     over the config's mesh with the state's shardings derived from its logical axes.
 
@@ -338,13 +337,8 @@ def _wrapper(config, model, objective, schedule, tx, init_args, init_method, abs
         return parallel.DataParallel(config.parallel, train_fn, eval_fn)
     mesh = sharding.make_mesh(config.mesh_shape)
     rules = sharding.check_rules(_rules(config))
-    sharding.check_model(model.config, mesh, rules)
-    boxed = models.axes.boxed_params(model, *init_args, method=init_method)
-    specs = sharding.state_specs(
-        boxed, lambda p: state_lib.TrainState.create(p, tx, config.seed))
-    train_fn, eval_fn = step_lib.make_steps(model, config, schedule, objective, axis=None)
-    dp = sharding.Sharded(train_fn, eval_fn, mesh, specs, abstract, rules)
-    whole = sharding.undivided(specs.params, abstract.params, mesh, rules)
+    dp = sharding.for_model(model, config, schedule, tx, mesh, rules, objective, config.seed)
+    whole = sharding.undivided(dp.specs.params, abstract.params, mesh, rules)
     if whole and jax.process_index() == 0:
         print(f"mesh {dict(mesh.shape)}: {len(whole)} parameter(s) kept whole along a "
               f"dimension that does not divide its axes: " + "; ".join(whole[:4])

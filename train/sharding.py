@@ -17,8 +17,8 @@ collectives.
 default (1, -1, 1) is FSDP over every device. The rules (`DEFAULT_RULES`, or the config's
 `logical_axis_rules`) say which mesh axes split which logical axis:
 
-    sharded = Sharded(train_step, eval_step, mesh, specs)   # steps from make_steps(axis=None)
-    state = sharded.init(fresh_state)                       # made straight into its shards
+    sharded = for_model(model, config, schedule, tx, mesh, rules)   # a Sharded
+    state = sharded.init(fresh_state)        # made straight into its shards
 
 A dimension that does not divide over its mesh axes stays whole (a byte vocabulary of 261
 over tensor 2, say; `undivided` lists them), except attention heads and kv heads, which
@@ -33,19 +33,24 @@ from collections.abc import Callable, Sequence
 import flax.linen as nn
 import jax
 import numpy as np
+from flax.core import meta
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from models.axes import (
     AXES,
     DEFAULT_RULES,
+    boxed_params,
     check_rules,
     dim_names,
+    init_args,
     mesh_spec,
     sharded_activations,
     shardings,
 )
+from train import state as state_lib, step as step_lib
 
-__all__ = ["AXES", "DEFAULT_RULES", "Sharded", "check_model", "check_rules", "make_mesh",
+__all__ = ["AXES", "DEFAULT_RULES", "Sharded", "check_model", "check_rules", "for_model",
+           "make_mesh",
            "mesh_spec", "resolve_mesh_shape", "shardings", "state_specs", "undivided"]
 
 def resolve_mesh_shape(mesh_shape: Sequence[int], num_devices: int) -> tuple[int, int, int]:
@@ -131,7 +136,7 @@ class Sharded:
     kind = "sharded"
 
     def __init__(self, train_step, eval_step, mesh: Mesh, specs, abstract, rules: dict):
-        self.mesh, self.rules = mesh, rules
+        self.mesh, self.rules, self.specs = mesh, rules, specs
         self.state_shardings = shardings(specs, abstract, mesh, rules)
         self.replicated = NamedSharding(mesh, P())
         batch_axes = tuple(a for a in rules.get("batch", ()) if mesh.shape[a] > 1)
@@ -188,12 +193,15 @@ class Sharded:
                 continue
             local = np.asarray(v)
             local = local.reshape(-1, *local.shape[2:])
-            rows = local.shape[0] * jax.process_count()
-            if rows % self.batch_ways:
-                raise ValueError(f"a batch of {rows} rows does not divide over data × fsdp "
-                                 f"= {self.batch_ways} devices")
+            self.check_rows(local.shape[0] * jax.process_count())
             out[k] = jax.make_array_from_process_local_data(self.batch_sharding, local)
         return out
+
+    def check_rows(self, rows: int) -> None:
+        """Refuses a global batch of `rows` that does not divide over data × fsdp."""
+        if rows % self.batch_ways:
+            raise ValueError(f"a batch of {rows} rows does not divide over data × fsdp "
+                             f"= {self.batch_ways} devices")
 
     def train_step(self, state, batch):
         with sharded_activations(self.mesh, self.rules):
@@ -206,3 +214,25 @@ class Sharded:
     def metrics(self, metrics) -> dict:
         """Host values of the (replicated) summed metrics."""
         return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), metrics)
+
+
+def for_model(model, config, schedule, tx, mesh: Mesh, rules: dict,
+              objective: step_lib.Objective | None = None, seed: int = 0) -> Sharded:
+    """`model`'s train and eval steps (`train.step.make_steps(..., axis=None)`) under
+    `Sharded` on `mesh`, the state's shardings derived from the params' logical axes.
+
+    Raises:
+        ValueError: heads or kv heads that do not divide their mesh axes (naming both).
+    """
+    check_model(model.config, mesh, rules)
+    args, method = init_args(model.config)
+    boxed = boxed_params(model, *args, method=method)
+
+    def make_state(params):
+        return state_lib.TrainState.create(params, tx, seed)
+
+    specs = state_specs(boxed, make_state)
+    abstract = jax.eval_shape(make_state, meta.unbox(boxed))
+    steps = step_lib.make_steps(model, config, schedule, objective or step_lib.Objective(),
+                                axis=None)
+    return Sharded(*steps, mesh, specs, abstract, rules)
