@@ -216,3 +216,13 @@ def test_load_puts_each_array_on_its_shards_with_the_saved_values(tmp_path):
     assert kernel.sharding.spec == P(None, "tensor", "fsdp")
     assert math.prod(kernel.addressable_data(0).shape) == kernel.size // 4
     chex.assert_trees_all_equal(jax.tree.map(np.asarray, loaded), params)
+
+
+def test_the_config_refuses_a_bad_mesh_shape_or_rules_by_name():
+    from train.config_checks import check_config
+    with pytest.raises(ValueError, match=r"mesh_shape=\(1, -1, -1\) must be three sizes"):
+        check_config(tiny_train_config("", mesh_shape=(1, -1, -1)))
+    with pytest.raises(ValueError, match="logical_axis_rules=.* must be pairs"):
+        check_config(tiny_train_config("", logical_axis_rules=(("heads", "model"),)))
+    check_config(tiny_train_config("", parallel="sharded", mesh_shape=(2, -1, 1),
+                                   logical_axis_rules=(("batch", "data"), ("mlp", "tensor"))))
