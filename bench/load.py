@@ -54,6 +54,8 @@ import tempfile
 import time
 from importlib import metadata
 
+from models.errors import UserError
+
 # The standard library only at the top: the parent imports neither JAX nor torch, so the
 # workers it starts inherit no large high-water mark and it holds no memory of its own.
 
@@ -182,7 +184,7 @@ def worker(side: str, op: str, path: str, dtype: str) -> dict:
             peak = peak_rss_bytes()
             out.update(saved_bytes=dir_bytes(target), save_extra_bytes=max(peak - before, 0))
     else:
-        raise ValueError(f"unknown operation {op!r}")
+        raise UserError(f"unknown operation {op!r}")
     return {**out, "seconds": round(seconds, 4), "baseline_rss_bytes": baseline,
             "peak_rss_bytes": peak, "peak_increase_bytes": max(peak - baseline, 0),
             "param_bytes": param_bytes,

@@ -171,7 +171,7 @@ def make_sharded(model, config, schedule, tx, mesh_shape) -> sharding.Sharded:
     devices, as the trainer builds them for `parallel="sharded"` (default rules).
 
     Raises:
-        ValueError: a mesh that does not match the devices, or heads that do not divide the
+        UserError: a mesh that does not match the devices, or heads that do not divide the
             tensor axis (naming the numbers).
     """
     mesh = sharding.make_mesh(mesh_shape)
@@ -188,7 +188,7 @@ def make_wrapper(model, config, optimizer, mesh_shape, rows: int):
         rows: the global batch, which must divide over data x fsdp.
 
     Raises:
-        ValueError: a mesh that does not fit the devices, the heads or the batch.
+        UserError: a mesh that does not fit the devices, the heads or the batch.
     """
     tx, schedule = optimizer
     if mesh_shape is None:

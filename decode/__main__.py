@@ -67,10 +67,11 @@ import numpy as np
 import decode
 import models
 from decode import encoder
+from models.errors import UserError
 from models.pretrained.generation import GenerationDefaults
 
 
-class UsageError(ValueError):
+class UsageError(UserError):
     """A mistake in the command line or its input, reported as one `error:` line."""
 
 

@@ -40,7 +40,7 @@ from decode import checks, ngrams, placement
 from decode.beam_steps import NORMALIZATIONS, beam_init, beam_loop, finalize
 from decode.model_fns import decoder_prefix, model_step_fn, output_pad_id, start_decoding
 from decode.processors import Constraints
-from models.checks import check_positive_int
+from models.errors import UserError, check_positive_int
 
 
 @flax.struct.dataclass
@@ -132,7 +132,7 @@ def beam_search_arguments(
         otherwise).
 
     Raises:
-        ValueError: naming the argument, its value and the limit it breaks (values only
+        UserError: naming the argument, its value and the limit it breaks (values only
             when concrete).
     """
     cfg = model.config
@@ -140,14 +140,14 @@ def beam_search_arguments(
                                  cache_len=cache_len, eos_id=eos_id)
     beam_size = check_positive_int(beam_size, "beam_size")
     if length_normalization not in NORMALIZATIONS:
-        raise ValueError(f"length_normalization={length_normalization!r} must be one of "
+        raise UserError(f"length_normalization={length_normalization!r} must be one of "
                          f"{NORMALIZATIONS}")
     if common.eos_ids is not None and len(set(common.eos_ids)) >= cfg.vocab_size:
-        raise ValueError(f"eos_id {common.eos_ids} names every token of the vocabulary "
+        raise UserError(f"eos_id {common.eos_ids} names every token of the vocabulary "
                          f"(vocab_size={cfg.vocab_size}): beam search needs one that is not an end")
     alpha = checks.as_array(length_penalty)
     if alpha.shape != () or not jnp.issubdtype(alpha.dtype, jnp.number):
-        raise ValueError(f"length_penalty must be a number, got {length_penalty!r}")
+        raise UserError(f"length_penalty must be a number, got {length_penalty!r}")
     alpha = alpha.astype(np.float32)
     if length_normalization == "gnmt":
         checks.check_in_range(alpha, "length_penalty", 0.0, np.inf, hi_open=True)
@@ -155,7 +155,7 @@ def beam_search_arguments(
         checks.check_in_range(alpha, "length_penalty", -np.inf, np.inf, True, True)
     renormalize = checks.as_array(renormalize_logits)
     if renormalize.shape != () or renormalize.dtype != bool:
-        raise ValueError(f"renormalize_logits must be a bool, got {renormalize_logits!r}")
+        raise UserError(f"renormalize_logits must be a bool, got {renormalize_logits!r}")
     constraints, no_repeat = checks.check_constraints(
         cfg, common.prompts.shape[0], common.eos_ids, forced_bos_id=forced_bos_id,
         forced_eos_id=forced_eos_id, banned_ids=banned_ids, min_new_tokens=min_new_tokens,
@@ -188,7 +188,7 @@ def beam_search(model: nn.Module, params, prompts, lengths, **options) -> BeamOu
         A `BeamOutput`.
 
     Raises:
-        ValueError: naming the argument, its value and the limit it breaks.
+        UserError: naming the argument, its value and the limit it breaks.
 
     `beam_search.lower(...)` takes the same arguments and returns the `jax.stages.Lowered`
     computation instead of running it.

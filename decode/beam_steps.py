@@ -44,6 +44,7 @@ from jaxtyping import Array, Bool, Float, Int
 from decode import ngrams
 from decode.loop import unchanged
 from decode.processors import Constraints, constrain_logits
+from models.errors import UserError
 from models.numerics import NO_SEQUENCE_SCORE
 
 NORMALIZATIONS = ("gnmt", "hf")
@@ -63,7 +64,7 @@ def hf_penalty(length, alpha: float):
 def length_penalty(length, alpha, normalization: str = "gnmt"):
     """The divisor of a finished sequence's log-prob: `gnmt_penalty` or `hf_penalty`."""
     if normalization not in NORMALIZATIONS:
-        raise ValueError(f"length_normalization={normalization!r} must be one of "
+        raise UserError(f"length_normalization={normalization!r} must be one of "
                          f"{NORMALIZATIONS}")
     return (gnmt_penalty if normalization == "gnmt" else hf_penalty)(length, alpha)
 

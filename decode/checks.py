@@ -6,7 +6,7 @@ sampling values) are checked when they are concrete, that is when `generate` or
 with a traced value under `jax.grad`) they are abstract, cannot be read, and go on
 unchecked, as `models.checks` does for the models' entry points. Static arguments
 (`max_new_tokens`, `cache_len`, `eos_id`, `beam_size`) must always be concrete. Every error
-is a ValueError that names the argument, the value and the limit.
+is a UserError that names the argument, the value and the limit.
 
 `check_common` checks the arguments `generate` and `beam_search` share, once for both;
 `check_constraints` their token constraints (forced, banned and end ids before a minimum
@@ -22,7 +22,8 @@ import numpy as np
 
 from decode.processors import Constraints
 from models import TransformerConfig
-from models.checks import check_positive_int, is_concrete, is_int
+from models.checks import is_concrete
+from models.errors import UserError, check_positive_int, is_int
 
 
 def as_array(x):
@@ -55,7 +56,7 @@ def check_common(config: TransformerConfig, prompts, lengths, *, max_new_tokens,
                  eos_id) -> CommonArgs:
     """Checks the prompts, their lengths, `max_new_tokens`, `cache_len` and `eos_id`."""
     if config.architecture == "encoder_only":
-        raise ValueError("an encoder-only model does not generate: it predicts masked tokens "
+        raise UserError("an encoder-only model does not generate: it predicts masked tokens "
                          "(model.apply) or classes (method='classify')")
     prompts, lengths = check_prompts(config, prompts, lengths)
     max_new_tokens = check_positive_int(max_new_tokens, "max_new_tokens")
@@ -69,24 +70,24 @@ def check_prompts(config: TransformerConfig, prompts, lengths):
     what = "sources" if config.is_encoder_decoder else "prompts"
     p = as_array(prompts)
     if p.ndim != 2 or not jnp.issubdtype(p.dtype, jnp.integer):
-        raise ValueError(f"{what} must be an int array [B, P], got shape {p.shape} dtype {p.dtype}")
+        raise UserError(f"{what} must be an int array [B, P], got shape {p.shape} dtype {p.dtype}")
     B, P = p.shape
     if B < 1 or P < 1:
-        raise ValueError(f"{what} has an empty dimension: shape {p.shape}")
+        raise UserError(f"{what} has an empty dimension: shape {p.shape}")
     if is_concrete(p):
         bad = p[(p < 0) | (p >= config.vocab_size)]
         if bad.size:
-            raise ValueError(
+            raise UserError(
                 f"{what} hold token id {int(bad[0])} outside [0, vocab_size={config.vocab_size})")
     n = as_array(lengths)
     if n.shape != (B,) or not jnp.issubdtype(n.dtype, jnp.integer):
-        raise ValueError(
+        raise UserError(
             f"lengths must be an int array of shape ({B},) (one per row of {what}), "
             f"got shape {n.shape} dtype {n.dtype}")
     if is_concrete(n):
         for b in range(B):
             if not 1 <= n[b] <= P:
-                raise ValueError(f"lengths[{b}]={int(n[b])} must be in [1, padded width {P}]")
+                raise UserError(f"lengths[{b}]={int(n[b])} must be in [1, padded width {P}]")
     return p.astype(np.int32), n.astype(np.int32)
 
 
@@ -97,14 +98,14 @@ def check_cache_len(config: TransformerConfig, prompt_width: int, max_new_tokens
     what = "1 (start token)" if config.is_encoder_decoder else f"prompt width {prompt_width}"
     need = decoder_prompt + max_new_tokens
     if need > config.max_len:
-        raise ValueError(
+        raise UserError(
             f"{what} + max_new_tokens {max_new_tokens} = {need} is beyond the model's "
             f"max_len {config.max_len}")
     if cache_len is None:
         return need
     cache_len = check_positive_int(cache_len, "cache_len")
     if not need <= cache_len <= config.max_len:
-        raise ValueError(
+        raise UserError(
             f"cache_len={cache_len} must be in [{what} + max_new_tokens = {need}, "
             f"max_len {config.max_len}]")
     return cache_len
@@ -127,12 +128,12 @@ def check_eos(config: TransformerConfig, eos_id) -> tuple[int, ...] | None:
             raise TypeError
         ids = (eos_id,) if is_int(eos_id) else tuple(eos_id)
     except TypeError:
-        raise ValueError(f"{usage} (static, never traced), got {eos_id!r}") from None
+        raise UserError(f"{usage} (static, never traced), got {eos_id!r}") from None
     if not ids:
-        raise ValueError(usage)
+        raise UserError(usage)
     for i in ids:
         if not is_int(i) or not 0 <= i < config.vocab_size:
-            raise ValueError(f"eos_id {i!r} must be an int in [0, vocab_size={config.vocab_size})")
+            raise UserError(f"eos_id {i!r} must be an int in [0, vocab_size={config.vocab_size})")
     return tuple(int(i) for i in ids)
 
 
@@ -143,14 +144,14 @@ def per_row(value, name: str, batch: int, dtype):
     if a.ndim == 0:
         a = np.full((batch,), a) if is_concrete(a) else jnp.broadcast_to(a, (batch,))
     if a.shape != (batch,):
-        raise ValueError(f"{name} must be a scalar or have shape ({batch},), got shape {a.shape}")
+        raise UserError(f"{name} must be a scalar or have shape ({batch},), got shape {a.shape}")
     if not (jnp.issubdtype(a.dtype, jnp.number) or a.dtype == bool):
-        raise ValueError(f"{name} must be numeric, got dtype {a.dtype}")
+        raise UserError(f"{name} must be numeric, got dtype {a.dtype}")
     if jnp.issubdtype(dtype, jnp.integer) and not jnp.issubdtype(a.dtype, jnp.integer):
         if not is_concrete(a):
-            raise ValueError(f"{name} is traced with dtype {a.dtype}: it must be an int array")
+            raise UserError(f"{name} is traced with dtype {a.dtype}: it must be an int array")
         if not np.all(np.mod(a, 1) == 0):
-            raise ValueError(f"{name}={value!r} must be integers")
+            raise UserError(f"{name}={value!r} must be integers")
     return a.astype(dtype)
 
 
@@ -163,7 +164,7 @@ def check_in_range(a, name: str, lo, hi, lo_open=False, hi_open=False) -> None:
     bad = a[~(ok_lo & ok_hi)]
     if bad.size:
         interval = f"{'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
-        raise ValueError(f"{name}={shown(bad.flat[0])} is outside {interval}")
+        raise UserError(f"{name}={shown(bad.flat[0])} is outside {interval}")
 
 
 def shown(value) -> str:
@@ -189,13 +190,13 @@ def check_constraints(config: TransformerConfig, batch: int, eos_ids: tuple[int,
     check_in_range(min_new, "min_new_tokens", 0, np.inf)
     n = as_array(no_repeat_ngram_size)
     if n.shape != () or not jnp.issubdtype(n.dtype, jnp.integer):
-        raise ValueError(f"no_repeat_ngram_size must be an int, got {no_repeat_ngram_size!r}")
+        raise UserError(f"no_repeat_ngram_size must be an int, got {no_repeat_ngram_size!r}")
     check_in_range(n, "no_repeat_ngram_size", 0, np.inf)
     if is_concrete(banned):
         if banned.all():
-            raise ValueError(f"banned_ids ban every token of the vocabulary (vocab_size={V})")
+            raise UserError(f"banned_ids ban every token of the vocabulary (vocab_size={V})")
         if is_concrete(min_new) and min_new.max() > 0 and (banned | end).all():
-            raise ValueError(
+            raise UserError(
                 "banned_ids and the end ids together are the whole vocabulary, so nothing "
                 f"can be generated before min_new_tokens={int(min_new.max())}")
     constraints = Constraints(
@@ -212,9 +213,9 @@ def token_or_none(token_id, name: str, vocab_size: int):
         return np.int32(-1)
     a = as_array(token_id)
     if a.shape != () or not jnp.issubdtype(a.dtype, jnp.integer):
-        raise ValueError(f"{name} must be None or one int token id, got {token_id!r}")
+        raise UserError(f"{name} must be None or one int token id, got {token_id!r}")
     if is_concrete(a) and not 0 <= a < vocab_size:
-        raise ValueError(f"{name}={int(a)} is outside [0, vocab_size={vocab_size})")
+        raise UserError(f"{name}={int(a)} is outside [0, vocab_size={vocab_size})")
     return a.astype(np.int32)
 
 
@@ -226,17 +227,17 @@ def banned_mask(banned_ids, vocab_size: int):
     if is_concrete(banned_ids) and not hasattr(banned_ids, "shape"):
         ids = list(banned_ids) if isinstance(banned_ids, (list, tuple, set, frozenset)) else None
         if ids is None or not all(is_int(i) for i in ids):
-            raise ValueError(f"banned_ids must be a sequence of int token ids, got {banned_ids!r}")
+            raise UserError(f"banned_ids must be a sequence of int token ids, got {banned_ids!r}")
         a = np.asarray(ids, np.int64).reshape(-1)
     else:
         a = as_array(banned_ids)
         if a.ndim != 1 or not jnp.issubdtype(a.dtype, jnp.integer):
-            raise ValueError(f"banned_ids must be a sequence of int token ids, got shape "
+            raise UserError(f"banned_ids must be a sequence of int token ids, got shape "
                              f"{a.shape} dtype {a.dtype}")
     if is_concrete(a):
         bad = a[(a < 0) | (a >= vocab_size)]
         if bad.size:
-            raise ValueError(f"banned_ids hold token id {int(bad[0])} outside [0, "
+            raise UserError(f"banned_ids hold token id {int(bad[0])} outside [0, "
                              f"vocab_size={vocab_size})")
         mask = np.zeros((vocab_size,), bool)
         mask[a] = True

@@ -35,7 +35,7 @@ compilation per (model, batch, padded width, top_k); the list and text levels pa
 batch to `decode.bucket_width` of its longest input (at most max_len), so new inputs
 rarely recompile.
 
-Every mistake is a ValueError that names the value and the limit: a model with the other
+Every mistake is a UserError that names the value and the limit: a model with the other
 head (or no encoder-only model at all), top_k outside [1, vocab_size], an input longer
 than max_len, a tokenizer without a mask token, a text without one.
 `decode.generate` and `decode.beam_search` refuse an encoder-only model.
@@ -56,8 +56,9 @@ from jaxtyping import Array, Float, Int
 
 from decode.checks import as_array
 from decode.generate import bucket_width, pad_prompts
-from models.checks import check_same_shape, check_tokens, is_concrete, is_int
+from models.checks import check_same_shape, check_tokens, is_concrete
 from models.config import TransformerConfig
+from models.errors import UserError, is_int
 
 FILL_MASK, CLASSIFY = "fill-mask", "classification"
 
@@ -110,25 +111,25 @@ def check_head(config: TransformerConfig, task: str) -> None:
     (num_labels=0), CLASSIFY a classifier (num_labels=C > 0).
 
     Raises:
-        ValueError: naming the model's architecture or its num_labels and what to use.
+        UserError: naming the model's architecture or its num_labels and what to use.
     """
     if config.architecture != "encoder_only":
-        raise ValueError(f"{task} needs an encoder-only model (BERT, RoBERTa); this one is "
+        raise UserError(f"{task} needs an encoder-only model (BERT, RoBERTa); this one is "
                          f"{config.architecture}: it generates (decode.generate, "
                          "decode.beam_search)")
     if task == FILL_MASK and config.num_labels:
-        raise ValueError(f"fill-mask needs a masked-LM model (num_labels=0); this one is a "
+        raise UserError(f"fill-mask needs a masked-LM model (num_labels=0); this one is a "
                          f"classifier (num_labels={config.num_labels}: "
                          f"{_labels_shown(config)}): use decode.classify")
     if task == CLASSIFY and not config.num_labels:
-        raise ValueError("classification needs a classifier (num_labels > 0); this model has "
+        raise UserError("classification needs a classifier (num_labels > 0); this model has "
                          "a masked-LM head (num_labels=0): use decode.fill_mask")
 
 
 def check_top_k(config: TransformerConfig, top_k) -> int:
     """`top_k` as an int in [1, vocab_size] (static: never a traced value)."""
     if not is_int(top_k) or not 1 <= top_k <= config.vocab_size:
-        raise ValueError(f"top_k={top_k!r} must be an int in [1, vocab_size="
+        raise UserError(f"top_k={top_k!r} must be an int in [1, vocab_size="
                          f"{config.vocab_size}]")
     return int(top_k)
 
@@ -142,24 +143,24 @@ def _check_arrays(config: TransformerConfig, tokens, lengths, token_types):
     B, T = tokens.shape
     lengths = as_array(lengths)
     if lengths.shape != (B,) or not jnp.issubdtype(lengths.dtype, jnp.integer):
-        raise ValueError(f"lengths must be an int array of shape ({B},) (one per row of "
+        raise UserError(f"lengths must be an int array of shape ({B},) (one per row of "
                          f"tokens), got shape {lengths.shape} dtype {lengths.dtype}")
     if is_concrete(lengths):
         bad = np.nonzero((lengths < 1) | (lengths > T))[0]
         if bad.size:
             b = int(bad[0])
-            raise ValueError(f"lengths[{b}]={int(lengths[b])} must be in [1, padded width {T}]")
+            raise UserError(f"lengths[{b}]={int(lengths[b])} must be in [1, padded width {T}]")
     if token_types is not None:
         token_types = as_array(token_types)
         check_same_shape(token_types, tokens, "token_types", "tokens")
         if not jnp.issubdtype(token_types.dtype, jnp.integer):
-            raise ValueError(f"token_types must have an integer dtype, got {token_types.dtype}")
+            raise UserError(f"token_types must have an integer dtype, got {token_types.dtype}")
         if not config.num_token_types:
-            raise ValueError("token_types given, but the config has num_token_types=0")
+            raise UserError("token_types given, but the config has num_token_types=0")
         if is_concrete(token_types):
             bad = token_types[(token_types < 0) | (token_types >= config.num_token_types)]
             if bad.size:
-                raise ValueError(f"token_types hold type {int(bad[0])} outside [0, "
+                raise UserError(f"token_types hold type {int(bad[0])} outside [0, "
                                  f"num_token_types={config.num_token_types})")
         token_types = token_types.astype(jnp.int32)
     return tokens.astype(jnp.int32), lengths.astype(jnp.int32), token_types
@@ -215,7 +216,7 @@ def fill_mask(
         A `FillMaskOutput`: ids int32[B, T, k] and probs float32[B, T, k], best first.
 
     Raises:
-        ValueError: naming the value and the limit (a classifier, top_k outside
+        UserError: naming the value and the limit (a classifier, top_k outside
             [1, vocab_size], T > max_len, ids outside the vocabulary, bad lengths). Values
             are checked when concrete (not inside your own `jax.jit`).
     """
@@ -251,7 +252,7 @@ def classify(
         float32[B, C], each row summing to 1.
 
     Raises:
-        ValueError: naming the value and the limit (a masked-LM model, T > max_len, ids
+        UserError: naming the value and the limit (a masked-LM model, T > max_len, ids
             outside the vocabulary, bad lengths).
     """
     cfg = model.config
@@ -269,12 +270,12 @@ def _batches(config: TransformerConfig, token_lists, batch_size: int):
     token_lists = [list(t) for t in token_lists]
     for i, ids in enumerate(token_lists):
         if not ids:
-            raise ValueError(f"token_lists[{i}] is empty")
+            raise UserError(f"token_lists[{i}] is empty")
         if len(ids) > config.max_len:
-            raise ValueError(f"token_lists[{i}] has {len(ids)} tokens; the model takes at "
+            raise UserError(f"token_lists[{i}] has {len(ids)} tokens; the model takes at "
                              f"most {config.max_len} (max_len)")
     if not is_int(batch_size) or batch_size < 1:
-        raise ValueError(f"batch_size={batch_size!r} must be a positive int")
+        raise UserError(f"batch_size={batch_size!r} must be a positive int")
     pad = config.pad_id if config.pad_id is not None else 0
     for start in range(0, len(token_lists), batch_size):
         batch = token_lists[start:start + batch_size]
@@ -301,7 +302,7 @@ def fill_mask_lists(model: nn.Module, params, token_lists: Sequence[Sequence[int
     check_head(cfg, FILL_MASK)
     top_k = check_top_k(cfg, top_k)
     if not is_int(mask_id) or not 0 <= mask_id < cfg.vocab_size:
-        raise ValueError(f"mask_id={mask_id!r} is outside [0, vocab_size={cfg.vocab_size})")
+        raise UserError(f"mask_id={mask_id!r} is outside [0, vocab_size={cfg.vocab_size})")
     out: list = []
     for _, tokens, lengths in _batches(cfg, token_lists, batch_size):
         res = fill_mask(model, params, tokens, lengths, top_k=top_k)
@@ -335,13 +336,13 @@ def mask_token_of(tokenizer, where: str = "this model") -> tuple[int, str]:
     """(mask id, its spelling in text) of `tokenizer`.
 
     Raises:
-        ValueError: "the tokenizer of WHERE has no mask token; fill-mask needs one" (or
+        UserError: "the tokenizer of WHERE has no mask token; fill-mask needs one" (or
             "WHERE has no tokenizer" when `tokenizer` is None).
     """
     if tokenizer is None:
-        raise ValueError(f"{where} has no tokenizer; fill-mask needs one with a mask token")
+        raise UserError(f"{where} has no tokenizer; fill-mask needs one with a mask token")
     if tokenizer.mask_id is None:
-        raise ValueError(f"the tokenizer of {where} has no mask token; fill-mask needs one")
+        raise UserError(f"the tokenizer of {where} has no mask token; fill-mask needs one")
     return tokenizer.mask_id, tokenizer.mask_token
 
 
@@ -352,17 +353,17 @@ def encode_text(tokenizer, config: TransformerConfig, text: str, *, name: str = 
         "The cat sat on the [MASK] ."  ->  [CLS] the cat sat on the [MASK] . [SEP]
 
     Raises:
-        ValueError: `name` with the text when it holds no mask token (with `need_mask`),
+        UserError: `name` with the text when it holds no mask token (with `need_mask`),
             `name` with its length in tokens and max_len when it is longer.
     """
     ids = tokenizer.encode(text, add_special_tokens=True)
     if need_mask and tokenizer.mask_id not in ids:
-        raise ValueError(f"{name} {_shown(text)} has no mask token {tokenizer.mask_token!r}: "
+        raise UserError(f"{name} {_shown(text)} has no mask token {tokenizer.mask_token!r}: "
                          "write it where a token is to be filled in")
     if not ids:
-        raise ValueError(f"{name} {_shown(text)} gives no tokens")
+        raise UserError(f"{name} {_shown(text)} gives no tokens")
     if len(ids) > config.max_len:
-        raise ValueError(f"{name} is {len(ids)} tokens long (special tokens included); the "
+        raise UserError(f"{name} is {len(ids)} tokens long (special tokens included); the "
                          f"model takes at most {config.max_len} (max_len)")
     return ids
 
@@ -400,7 +401,7 @@ def fill_mask_text(pre, texts: Sequence[str], *, top_k: int = 5,
         token strings as `token_strings` gives them.
 
     Raises:
-        ValueError: a classifier; a tokenizer without a mask token; texts[i] without one
+        UserError: a classifier; a tokenizer without a mask token; texts[i] without one
             (naming it and the token); texts[i] longer than max_len (both numbers); top_k.
     """
     cfg = pre.model.config
@@ -430,12 +431,12 @@ def classify_text(pre, texts: Sequence[str], *, batch_size: int = 16) -> list[Cl
         batch_size: texts run together.
 
     Raises:
-        ValueError: a masked-LM model; no tokenizer; texts[i] longer than max_len.
+        UserError: a masked-LM model; no tokenizer; texts[i] longer than max_len.
     """
     cfg = pre.model.config
     check_head(cfg, CLASSIFY)
     if pre.tokenizer is None:
-        raise ValueError("this model has no tokenizer; classify_text needs one "
+        raise UserError("this model has no tokenizer; classify_text needs one "
                          "(decode.classify takes token ids)")
     lists = [encode_text(pre.tokenizer, cfg, t, name=f"texts[{i}]") for i, t in enumerate(texts)]
     return classified(cfg, classify_lists(pre.model, pre.params, lists, batch_size=batch_size))

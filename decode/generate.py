@@ -47,7 +47,7 @@ from decode.model_fns import (  # notebooks import start_decoding from here too
 )
 from decode.processors import Constraints, SamplingParams, Strategy
 from decode.sampling import sampling_arguments
-from models.checks import check_positive_int
+from models.errors import UserError, check_positive_int
 from models.masks import length_mask
 
 LOOPS = ("scan", "while")
@@ -86,11 +86,11 @@ def pad_prompts(token_lists, width: int | None = None, pad_id: int = 0):
     `width` or the bucket of the longest list."""
     token_lists = [list(t) for t in token_lists]
     if not token_lists or any(len(t) == 0 for t in token_lists):
-        raise ValueError("pad_prompts needs at least one prompt, and no empty prompt")
+        raise UserError("pad_prompts needs at least one prompt, and no empty prompt")
     longest = max(len(t) for t in token_lists)
     width = bucket_width(longest) if width is None else width
     if longest > width:
-        raise ValueError(f"a prompt of {longest} tokens does not fit width={width}")
+        raise UserError(f"a prompt of {longest} tokens does not fit width={width}")
     prompts = np.full((len(token_lists), width), pad_id, np.int32)
     for b, t in enumerate(token_lists):
         prompts[b, : len(t)] = t
@@ -205,7 +205,7 @@ def generate_arguments(
         (`decode.placement.cache_sharding`; absent otherwise).
 
     Raises:
-        ValueError: naming the argument, its value and the limit it breaks. Shapes and
+        UserError: naming the argument, its value and the limit it breaks. Shapes and
             dtypes are always checked; values (token ids, lengths, sampling ranges) when
             they are concrete.
     """
@@ -213,12 +213,12 @@ def generate_arguments(
     common = checks.check_common(cfg, prompts, lengths, max_new_tokens=max_new_tokens,
                                  cache_len=cache_len, eos_id=eos_id)
     if loop not in LOOPS:
-        raise ValueError(f"loop={loop!r} must be one of {LOOPS}")
+        raise UserError(f"loop={loop!r} must be one of {LOOPS}")
     sampling, strategy = sampling_arguments(
         cfg, common.prompts.shape[0], strategy, temperature=temperature, top_k=top_k,
         top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty)
     if strategy.sample and rng is None:
-        raise ValueError("rng is required when temperature > 0 (sampling: strategy.sample)")
+        raise UserError("rng is required when temperature > 0 (sampling: strategy.sample)")
     rng = jax.random.key(0) if rng is None else rng
     constraints, no_repeat = checks.check_constraints(
         cfg, common.prompts.shape[0], common.eos_ids, forced_bos_id=forced_bos_id,
@@ -255,7 +255,7 @@ def generate(model: nn.Module, params, prompts, lengths, **options) -> DecodeOut
         A `DecodeOutput`.
 
     Raises:
-        ValueError: naming the argument, its value and the limit it breaks.
+        UserError: naming the argument, its value and the limit it breaks.
 
     `generate.lower(...)` takes the same arguments and returns the `jax.stages.Lowered`
     computation instead of running it (ahead-of-time compilation, cost analysis, or a look

@@ -23,6 +23,7 @@ from decode import checks
 from decode.processors import SamplingParams, Strategy
 from models import TransformerConfig
 from models.checks import is_concrete
+from models.errors import UserError
 
 # Each value, the Strategy flag that runs its processor, and the value that means "off".
 PROCESSORS = (("temperature", "sample", 0), ("top_k", "top_k", 0), ("top_p", "top_p", 1),
@@ -57,13 +58,13 @@ def resolve_strategy(values: SamplingParams, strategy: Strategy | None) -> Strat
     samples, and top-k is off in every row, so it is not compiled in.
     """
     if strategy is not None and not isinstance(strategy, Strategy):
-        raise ValueError(f"strategy must be a decode.Strategy or None, got {strategy!r}")
+        raise UserError(f"strategy must be a decode.Strategy or None, got {strategy!r}")
     flags = {}
     for name, flag, off in PROCESSORS:
         a = getattr(values, name)
         if not is_concrete(a):
             if strategy is None:
-                raise ValueError(
+                raise UserError(
                     f"{name} is traced (generate is called inside jit, grad or vmap with it "
                     "as an argument), so the processors to compile cannot be read from its "
                     "value: pass strategy=decode.Strategy(...) with the ones to run, e.g. "
@@ -71,7 +72,7 @@ def resolve_strategy(values: SamplingParams, strategy: Strategy | None) -> Strat
             continue
         on = a != off
         if strategy is not None and on.any() and not getattr(strategy, flag):
-            raise ValueError(f"{name}={checks.shown(a[on][0])} needs strategy.{flag}=True, "
+            raise UserError(f"{name}={checks.shown(a[on][0])} needs strategy.{flag}=True, "
                              f"but strategy={strategy} leaves that processor off")
         flags[flag] = bool(on.any())
     return Strategy(**flags) if strategy is None else strategy

@@ -26,6 +26,8 @@ import os
 import secrets
 import shutil
 
+from models.errors import UserError
+
 MANIFEST_FORMAT = 1
 _CHUNK = 1 << 20
 
@@ -129,14 +131,14 @@ def _libc():
 
 
 def read_json(path: str) -> dict:
-    """A JSON object from `path`; a damaged file is a ValueError naming it."""
+    """A JSON object from `path`; a damaged file is a UserError naming it."""
     try:
         with open(path) as f:
             data = json.load(f)
     except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not valid JSON: {e}") from None
+        raise UserError(f"{path} is not valid JSON: {e}") from None
     if not isinstance(data, dict):
-        raise ValueError(f"{path} holds {type(data).__name__}, not a JSON object")
+        raise UserError(f"{path} holds {type(data).__name__}, not a JSON object")
     return data
 
 

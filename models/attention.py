@@ -18,6 +18,7 @@ from jaxtyping import Array, Bool, Float, Int
 from models.axes import named
 from models.cache import KVCache
 from models.config import Llama3RopeScaling, TransformerConfig
+from models.errors import UserError
 from models.numerics import MASKED_LOGIT
 
 
@@ -52,14 +53,14 @@ def dot_product_attention(
     B, T, N, H = q_BTNH.shape
     Bk, S, K, Hk = k_BSKH.shape
     if k_BSKH.shape != v_BSKH.shape:
-        raise ValueError(f"keys {k_BSKH.shape} and values {v_BSKH.shape} differ in shape")
+        raise UserError(f"keys {k_BSKH.shape} and values {v_BSKH.shape} differ in shape")
     if H != Hk or N % K or B % Bk:
-        raise ValueError(
+        raise UserError(
             f"incompatible attention shapes: q {q_BTNH.shape} [B,T,N,H] vs k {k_BSKH.shape} "
             "[Bk,S,K,H] needs equal H, N divisible by K, B divisible by Bk")
     if mask_BTS is not None:
         if mask_BTS.ndim != 3:
-            raise ValueError(f"mask must be [B, T, S] (rank 3), got shape {mask_BTS.shape}")
+            raise UserError(f"mask must be [B, T, S] (rank 3), got shape {mask_BTS.shape}")
         mask_BTS = jnp.broadcast_to(mask_BTS, (B, T, S))
     W, G = B // Bk, N // K
     scale = H ** -0.5 if scale is None else scale

@@ -37,6 +37,8 @@ import jax.numpy as jnp
 from flax.core import meta
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from models.errors import UserError
+
 # The logical axis names parameters use (see the module docstring).
 NAMES = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "layers", "positions",
          "types", "buckets", "labels")
@@ -46,7 +48,7 @@ def named(init, *names: str | None):
     """`init` whose result carries the logical axis `names`, one per dimension."""
     unknown = [n for n in names if n is not None and n not in NAMES]
     if unknown:
-        raise ValueError(f"logical axis names {unknown} are not among {NAMES}")
+        raise UserError(f"logical axis names {unknown} are not among {NAMES}")
     return nn.with_logical_partitioning(init, names)
 
 
@@ -99,16 +101,16 @@ def check_rules(rules) -> dict[str, tuple[str, ...]]:
     out = {}
     for rule in rules:
         if len(rule) != 2:
-            raise ValueError(f"logical_axis_rules entry {rule!r} must be (logical axis, "
+            raise UserError(f"logical_axis_rules entry {rule!r} must be (logical axis, "
                              "mesh axes)")
         name, axes = rule
         if name not in (*NAMES, "batch"):
-            raise ValueError(f"logical_axis_rules names {name!r}, which is not a logical "
+            raise UserError(f"logical_axis_rules names {name!r}, which is not a logical "
                              f"axis: {('batch', *NAMES)}")
         axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
         bad = [a for a in axes if a not in AXES]
         if bad:
-            raise ValueError(f"logical_axis_rules maps {name!r} to {bad}, not mesh axes "
+            raise UserError(f"logical_axis_rules maps {name!r} to {bad}, not mesh axes "
                              f"{AXES}")
         out[name] = axes
     return out

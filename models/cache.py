@@ -23,8 +23,8 @@ import flax.struct
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from models.checks import check_positive_int, is_int
 from models.config import TransformerConfig
+from models.errors import UserError, check_positive_int, is_int
 
 
 @flax.struct.dataclass
@@ -55,7 +55,7 @@ class KVCache:
         cache_len = config.max_len if cache_len is None else cache_len
         batch_size = check_positive_int(batch_size, "batch_size")
         if not is_int(cache_len) or not 1 <= cache_len <= config.max_len:
-            raise ValueError(
+            raise UserError(
                 f"cache_len={cache_len!r} must be an int in [1, max_len={config.max_len}]")
         cache_len = int(cache_len)
         shape = (config.decoder_layers, batch_size, config.num_kv_heads, cache_len,

@@ -8,27 +8,11 @@ the host before entering the compiled function.
 
 from __future__ import annotations
 
-import numbers
-from typing import TYPE_CHECKING
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-if TYPE_CHECKING:   # config.py itself uses the checks below
-    from models.config import TransformerConfig
-
-
-def is_int(value) -> bool:
-    """An integral number: a Python int or a numpy integer scalar, never a bool."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def check_positive_int(value, name: str) -> int:
-    """`value` as an int >= 1 (numpy integer scalars accepted), else a ValueError naming it."""
-    if not is_int(value) or value < 1:
-        raise ValueError(f"{name}={value!r} must be a positive int")
-    return int(value)
+from models.errors import UserError
 
 
 def is_concrete(x) -> bool:
@@ -38,32 +22,33 @@ def is_concrete(x) -> bool:
 def check_int_array(x, name: str, rank: int, shape_doc: str) -> None:
     if not hasattr(x, "ndim") or x.ndim != rank:
         shape = getattr(x, "shape", type(x).__name__)
-        raise ValueError(f"{name} must be {shape_doc} (rank {rank}), got shape {shape}")
+        raise UserError(f"{name} must be {shape_doc} (rank {rank}), got shape {shape}")
     if not jnp.issubdtype(x.dtype, jnp.integer):
-        raise ValueError(f"{name} must have an integer dtype, got {x.dtype}")
+        raise UserError(f"{name} must have an integer dtype, got {x.dtype}")
 
 
-def check_tokens(config: TransformerConfig, tokens, name: str, max_len: int | None = None) -> None:
-    """`tokens` is int[B, T] with 1 <= T <= max_len and ids in [0, vocab_size)."""
+def check_tokens(config, tokens, name: str, max_len: int | None = None) -> None:
+    """`tokens` is int[B, T] with 1 <= T <= max_len (a `TransformerConfig`'s, unless given)
+    and ids in [0, vocab_size)."""
     check_int_array(tokens, name, 2, "int[B, T]")
     limit = config.max_len if max_len is None else max_len
     B, T = tokens.shape
     if B < 1 or T < 1:
-        raise ValueError(f"{name} has an empty dimension: shape {tokens.shape}")
+        raise UserError(f"{name} has an empty dimension: shape {tokens.shape}")
     if T > limit:
-        raise ValueError(f"{name} has length {T}, beyond the limit {limit} "
+        raise UserError(f"{name} has length {T}, beyond the limit {limit} "
                          "(max_len or cache length)")
     if is_concrete(tokens):
         values = np.asarray(tokens)
         bad = values[(values < 0) | (values >= config.vocab_size)]
         if bad.size:
-            raise ValueError(
+            raise UserError(
                 f"{name} holds token id {int(bad[0])} outside [0, vocab_size={config.vocab_size})")
 
 
 def check_same_shape(x, like, name: str, like_name: str) -> None:
     if x is not None and tuple(x.shape) != tuple(like.shape):
-        raise ValueError(f"{name} has shape {x.shape}, but {like_name} has shape {like.shape}")
+        raise UserError(f"{name} has shape {x.shape}, but {like_name} has shape {like.shape}")
 
 
 def check_new_lengths(lengths, width: int, name: str = "lengths") -> None:
@@ -73,7 +58,7 @@ def check_new_lengths(lengths, width: int, name: str = "lengths") -> None:
         bad = np.nonzero((n < 0) | (n > width))[0]
         if bad.size:
             b = int(bad[0])
-            raise ValueError(f"{name}[{b}]={int(n[b])} must be in [0, tokens width {width}]")
+            raise UserError(f"{name}[{b}]={int(n[b])} must be in [0, tokens width {width}]")
 
 
 def check_cache_room(cache_lengths, new_lengths, cache_len: int) -> None:
@@ -82,6 +67,6 @@ def check_cache_room(cache_lengths, new_lengths, cache_len: int) -> None:
         end = np.asarray(cache_lengths) + np.asarray(new_lengths)
         if end.size and end.max() > cache_len:
             row = int(end.argmax())
-            raise ValueError(
+            raise UserError(
                 f"cache full: row {row} would reach {int(end[row])} tokens, beyond the cache "
                 f"length {cache_len}")

@@ -2,7 +2,7 @@
 
 The model sees only this object; experiments and the command line build it (from a preset
 plus overrides) and vary it with `.replace(...)`. Construction checks every field's type and
-value and raises `ValueError` naming the field, the value and the rule it breaks.
+value and raises `UserError` naming the field, the value and the rule it breaks.
 
 One rule for derived sizes: `num_kv_heads=None` means N and `head_dim=None` means D // N,
 resolved when the config is made. The stored values are then plain ints, and `replace`
@@ -25,7 +25,7 @@ from typing import Any, Literal
 import jax.numpy as jnp
 import numpy as np
 
-from models.checks import check_positive_int, is_int
+from models.errors import UserError, check_positive_int, is_int
 
 Architecture = Literal["decoder_only", "encoder_decoder", "encoder_only"]
 PositionKind = Literal["sinusoidal", "sinusoidal_paper", "learned", "rope", "relative"]
@@ -53,10 +53,10 @@ class Llama3RopeScaling:
             value = (check_positive_int(value, name) if field.type in (int, "int")
                      else _typed(name, value, float))
             if value <= 0:
-                raise ValueError(f"TransformerConfig.{name}={value} must be > 0")
+                raise UserError(f"TransformerConfig.{name}={value} must be > 0")
             object.__setattr__(self, field.name, value)
         if not self.high_freq_factor > self.low_freq_factor:
-            raise ValueError(
+            raise UserError(
                 f"TransformerConfig.rope_scaling: high_freq_factor={self.high_freq_factor} "
                 f"must be above low_freq_factor={self.low_freq_factor}")
 
@@ -197,7 +197,7 @@ class TransformerConfig:
             elif field.name == "rope_scaling" and isinstance(value, dict):
                 known = {f.name for f in dataclasses.fields(Llama3RopeScaling)}
                 if set(value) - known:
-                    raise ValueError(f"TransformerConfig.rope_scaling has unknown keys "
+                    raise UserError(f"TransformerConfig.rope_scaling has unknown keys "
                                      f"{sorted(set(value) - known)}; known: {sorted(known)}")
                 value = Llama3RopeScaling(**value)
             elif field.name in _POSITIVE and value is not None:
@@ -211,7 +211,7 @@ class TransformerConfig:
             object.__setattr__(self, "num_kv_heads", self.num_heads)
         if self.head_dim is None:
             if self.d_model % self.num_heads:
-                raise ValueError(
+                raise UserError(
                     f"TransformerConfig.d_model={self.d_model} is not divisible by "
                     f"num_heads={self.num_heads} (set head_dim to decouple them)")
             object.__setattr__(self, "head_dim", self.d_model // self.num_heads)
@@ -219,59 +219,59 @@ class TransformerConfig:
 
     def _validate(self):
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(
+            raise UserError(
                 f"TransformerConfig.num_heads={self.num_heads} is not divisible by "
                 f"num_kv_heads={self.num_kv_heads}")
         if self.positions == "rope" and self.head_dim % 2:
-            raise ValueError(
+            raise UserError(
                 f"TransformerConfig.head_dim={self.head_dim} must be even for rope positions")
         if self.rope_theta <= 0:
-            raise ValueError(f"TransformerConfig.rope_theta={self.rope_theta} must be > 0")
+            raise UserError(f"TransformerConfig.rope_theta={self.rope_theta} must be > 0")
         if not self.norm_eps > 0:
-            raise ValueError(f"TransformerConfig.norm_eps={self.norm_eps} must be > 0")
+            raise UserError(f"TransformerConfig.norm_eps={self.norm_eps} must be > 0")
         for name in ("dropout_rate", "attention_dropout_rate", "mlp_dropout_rate"):
             rate = getattr(self, name)
             if not 0.0 <= rate < 1.0:
-                raise ValueError(f"TransformerConfig.{name}={rate} must be in [0, 1)")
+                raise UserError(f"TransformerConfig.{name}={rate} must be in [0, 1)")
         for name in ("num_token_types", "num_labels"):
             if getattr(self, name) < 0:
-                raise ValueError(f"TransformerConfig.{name}={getattr(self, name)} must be >= 0")
+                raise UserError(f"TransformerConfig.{name}={getattr(self, name)} must be >= 0")
             if getattr(self, name) and self.architecture != "encoder_only":
-                raise ValueError(f"TransformerConfig.{name}={getattr(self, name)} needs "
+                raise UserError(f"TransformerConfig.{name}={getattr(self, name)} needs "
                                  f"architecture='encoder_only', not {self.architecture!r}")
         if self.label_names and len(self.label_names) != self.num_labels:
-            raise ValueError(f"TransformerConfig.label_names has {len(self.label_names)} "
+            raise UserError(f"TransformerConfig.label_names has {len(self.label_names)} "
                              f"names {list(self.label_names)[:8]}, but num_labels="
                              f"{self.num_labels}")
         if self.position_offset < 0:
-            raise ValueError(
+            raise UserError(
                 f"TransformerConfig.position_offset={self.position_offset} must be >= 0")
         if self.position_offset and self.positions != "learned":
-            raise ValueError(f"TransformerConfig.position_offset={self.position_offset} needs "
+            raise UserError(f"TransformerConfig.position_offset={self.position_offset} needs "
                              f"positions='learned', not {self.positions!r}")
         fewest = 2 if self.architecture == "decoder_only" else 4
         if self.positions == "relative" and self.relative_buckets < fewest:
             # An encoder halves the buckets per direction, and each half keeps half its
             # buckets for exact distances: at least 1 of each.
-            raise ValueError(
+            raise UserError(
                 f"TransformerConfig.relative_buckets={self.relative_buckets} is too few "
                 f"(at least {fewest} with a bidirectional stack)")
         if self.positions == "relative" and (
                 self.relative_max_distance <= self.relative_buckets // 2):
-            raise ValueError(
+            raise UserError(
                 f"TransformerConfig.relative_max_distance={self.relative_max_distance} must "
                 f"exceed relative_buckets // 2 = {self.relative_buckets // 2} (the exact "
                 "buckets end there; the logarithmic ones reach up to the max distance)")
         if self.rope_scaling is not None and self.positions != "rope":
-            raise ValueError(f"TransformerConfig.rope_scaling={self.rope_scaling} needs "
+            raise UserError(f"TransformerConfig.rope_scaling={self.rope_scaling} needs "
                              f"positions='rope', not {self.positions!r}")
         if self.is_encoder_decoder and self.bos_id is None:
-            raise ValueError("TransformerConfig.bos_id=None: an encoder-decoder needs the "
+            raise UserError("TransformerConfig.bos_id=None: an encoder-decoder needs the "
                              "decoder's start token")
         for name in ("pad_id", "eos_id", "bos_id"):
             value = getattr(self, name)
             if value is not None and not 0 <= value < self.vocab_size:
-                raise ValueError(
+                raise UserError(
                     f"TransformerConfig.{name}={value!r} must be an int in "
                     f"[0, vocab_size={self.vocab_size})")
 
@@ -311,7 +311,7 @@ def check_keys(changes: dict) -> None:
     known = {f.name for f in dataclasses.fields(TransformerConfig)}
     unknown = sorted(set(changes) - known)
     if unknown:
-        raise ValueError(
+        raise UserError(
             f"unknown TransformerConfig field(s) {unknown}; known fields: {sorted(known)}")
 
 
@@ -321,7 +321,7 @@ def _field_types() -> dict[str, Any]:
 
 
 def _typed(name: str, value, tp):
-    """`value` as the field's type (numpy scalars become Python ones), or a ValueError.
+    """`value` as the field's type (numpy scalars become Python ones), or a UserError.
 
     int fields take integral numbers (not bools), float fields any real number, bool fields
     only bools, `Literal` fields one of their values, `X | None` fields None or an X.
@@ -335,33 +335,33 @@ def _typed(name: str, value, tp):
     if dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
             return value
-        raise ValueError(f"TransformerConfig.{name}={value!r} must be a {tp.__name__} or a "
+        raise UserError(f"TransformerConfig.{name}={value!r} must be a {tp.__name__} or a "
                          "dict of its fields")
     if typing.get_origin(tp) is Literal:
         if isinstance(value, str) and value in args:
             return value
-        raise ValueError(f"TransformerConfig.{name}={value!r} is not one of {args}")
+        raise UserError(f"TransformerConfig.{name}={value!r} is not one of {args}")
     if tp is bool and isinstance(value, (bool, np.bool_)):
         return bool(value)
     if tp is int and is_int(value):
         return int(value)
     if tp is float and isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_)):
         return float(value)
-    raise ValueError(f"TransformerConfig.{name}={value!r} must be {tp.__name__}, "
+    raise UserError(f"TransformerConfig.{name}={value!r} must be {tp.__name__}, "
                      f"not {type(value).__name__}")
 
 
 def _label_names(value) -> tuple[str, ...]:
-    """A tuple of distinct, non-empty strings (a list or tuple given), or a ValueError."""
+    """A tuple of distinct, non-empty strings (a list or tuple given), or a UserError."""
     if isinstance(value, str) or not isinstance(value, (list, tuple)):
-        raise ValueError(f"TransformerConfig.label_names={value!r} must be a list of strings")
+        raise UserError(f"TransformerConfig.label_names={value!r} must be a list of strings")
     for name in value:
         if not isinstance(name, str) or not name:
-            raise ValueError(f"TransformerConfig.label_names has {name!r}; each name must be "
+            raise UserError(f"TransformerConfig.label_names has {name!r}; each name must be "
                              "a non-empty string")
     repeated = sorted({n for n in value if list(value).count(n) > 1})
     if repeated:
-        raise ValueError(f"TransformerConfig.label_names names {repeated} more than once")
+        raise UserError(f"TransformerConfig.label_names names {repeated} more than once")
     return tuple(value)
 
 
@@ -369,8 +369,8 @@ def _float_dtype(name: str, value) -> jnp.dtype:
     try:
         dtype = jnp.dtype(value)
     except TypeError as e:
-        raise ValueError(f"TransformerConfig.{name}={value!r} is not a dtype") from e
+        raise UserError(f"TransformerConfig.{name}={value!r} is not a dtype") from e
     if not jnp.issubdtype(dtype, jnp.floating):
-        raise ValueError(f"TransformerConfig.{name}={value!r} must be a floating dtype "
+        raise UserError(f"TransformerConfig.{name}={value!r} must be a floating dtype "
                          "(float32, bfloat16, float16)")
     return dtype

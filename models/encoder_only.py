@@ -28,6 +28,7 @@ from models.axes import PlainInit, named
 from models.blocks import LayerInputs, LayerStack, SelfAttentionLayer
 from models.checks import check_same_shape, check_tokens
 from models.config import TransformerConfig
+from models.errors import UserError
 from models.layers import ACTIVATIONS, InputEmbedding, make_norm, token_embedding
 from models.masks import (
     combine_masks,
@@ -111,7 +112,7 @@ class EncoderOnly(PlainInit, nn.Module):
         check_same_shape(positions, tokens, "positions", "tokens")
         check_same_shape(token_types, tokens, "token_types", "tokens")
         if token_types is not None and not cfg.num_token_types:
-            raise ValueError("token_types given, but the config has num_token_types=0")
+            raise UserError("token_types given, but the config has num_token_types=0")
         positions = positions_like(tokens) if positions is None else positions
         valid_BT = valid_from_lengths(tokens, lengths, "lengths")
         seg = None if segment_ids is None else segment_mask(segment_ids, segment_ids)
@@ -123,7 +124,7 @@ class EncoderOnly(PlainInit, nn.Module):
     def __call__(self, tokens: Int[Array, "B T"], **kwargs) -> Float[Array, "B T V"]:
         """Masked-LM logits of every position (float32); keywords as `encode`."""
         if self.config.num_labels:
-            raise ValueError(f"this model classifies (num_labels={self.config.num_labels}); "
+            raise UserError(f"this model classifies (num_labels={self.config.num_labels}); "
                              "its logits come from method='classify'")
         return self.mlm_head(self.encode(tokens, **kwargs))
 
@@ -140,7 +141,7 @@ class EncoderOnly(PlainInit, nn.Module):
         start at their segments' first positions (training reads those); keywords as
         `encode`. With `first_only`, the head reads position 0 alone (`[B, 1, C]`)."""
         if not self.config.num_labels:
-            raise ValueError("this model has a masked-LM head (num_labels=0); give the config "
+            raise UserError("this model has a masked-LM head (num_labels=0); give the config "
                              "num_labels > 0 for a classifier")
         x_BTD = self.encode(tokens, deterministic=deterministic, **kwargs)
         return self.classifier(x_BTD[:, :1] if first_only else x_BTD, deterministic)

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Int
 
 from models.checks import check_int_array, check_new_lengths
+from models.errors import UserError
 
 
 def causal_mask(q_pos_BT: Int[Array, "B T"], k_pos_BS: Int[Array, "B S"]) -> Bool[Array, "B T S"]:
@@ -59,7 +60,7 @@ def valid_from_lengths(tokens_BS: Int[Array, "B S"], lengths_B: Int[Array, " B"]
         return jnp.ones(tokens_BS.shape, bool)
     check_int_array(lengths_B, name, 1, "int[B]")
     if lengths_B.shape != tokens_BS.shape[:1]:
-        raise ValueError(f"{name} has shape {lengths_B.shape}, but the tokens have "
+        raise UserError(f"{name} has shape {lengths_B.shape}, but the tokens have "
                          f"{tokens_BS.shape}")
     check_new_lengths(lengths_B, tokens_BS.shape[1], name)
     return length_mask(lengths_B, tokens_BS.shape[1])

@@ -7,6 +7,7 @@ Each preset reproduces the architecture of its namesake; sizes that depend on th
 from __future__ import annotations
 
 from models.config import TransformerConfig, check_keys
+from models.errors import UserError
 
 _VASWANI = dict(
     architecture="encoder_decoder", positions="sinusoidal", norm="layernorm",
@@ -74,10 +75,10 @@ def get_config(name: str, **overrides) -> TransformerConfig:
     """A preset with `overrides` applied, validated.
 
     Raises:
-        ValueError: `name` is not a preset (the message lists them) or an override key is
+        UserError: `name` is not a preset (the message lists them) or an override key is
             not a config field (the message names it).
     """
     if name not in _PRESETS:
-        raise ValueError(f"unknown config {name!r}; known configs: {list_configs()}")
+        raise UserError(f"unknown config {name!r}; known configs: {list_configs()}")
     check_keys(overrides)
     return TransformerConfig(**{**_PRESETS[name], **overrides})

@@ -40,6 +40,7 @@ from typing import Protocol
 import sentencepiece as spm
 
 from models.atomic import read_json
+from models.errors import UserError
 
 PAD_ID, EOS_ID, BOS_ID, UNK_ID = 0, 1, 2, 3
 _SPECIALS = {PAD_ID, EOS_ID, BOS_ID}
@@ -79,7 +80,7 @@ def _checked_ids(ids: Iterable[int], vocab_size: int) -> list[int]:
     out = [int(i) for i in ids]
     bad = [i for i in out if not 0 <= i < vocab_size]
     if bad:
-        raise ValueError(f"token id {bad[0]} is outside [0, vocab_size={vocab_size})")
+        raise UserError(f"token id {bad[0]} is outside [0, vocab_size={vocab_size})")
     return out
 
 
@@ -212,7 +213,7 @@ class SentencePieceTokenizer(_OwnTokenizer):
         sp = spm.SentencePieceProcessor(model_proto=self.model_proto)
         got = (sp.pad_id(), sp.eos_id(), sp.bos_id(), sp.unk_id())
         if got != (PAD_ID, EOS_ID, BOS_ID, UNK_ID):
-            raise ValueError(f"sentencepiece model has special ids (pad, eos, bos, unk)={got}; "
+            raise UserError(f"sentencepiece model has special ids (pad, eos, bos, unk)={got}; "
                              f"this project needs {(PAD_ID, EOS_ID, BOS_ID, UNK_ID)}")
         object.__setattr__(self, "_sp", sp)
         mask = sp.piece_to_id(self.MASK_TOKEN)
@@ -278,7 +279,7 @@ class HFTokenizer:
     def from_directory(cls, directory: str) -> HFTokenizer:
         config = os.path.join(directory, "tokenizer_config.json")
         if os.path.exists(config) and "auto_map" in read_json(config):
-            raise ValueError(f"{config} has auto_map: it asks to run code from the directory, "
+            raise UserError(f"{config} has auto_map: it asks to run code from the directory, "
                              "which this project never does")
         try:
             from transformers import AutoTokenizer
@@ -346,14 +347,14 @@ def load_tokenizer(directory: str, *, missing_ok: bool = False) -> Tokenizer | N
     if os.path.exists(own):
         meta = read_json(own)
         if "kind" not in meta:
-            raise ValueError(f"{own} names no tokenizer kind")
+            raise UserError(f"{own} names no tokenizer kind")
         flags = {"add_bos": meta.get("add_bos", False), "add_eos": meta.get("add_eos", False)}
         if meta["kind"] == ByteTokenizer.kind:
             return ByteTokenizer(mask=bool(meta.get("mask", False)), **flags)
         if meta["kind"] == SentencePieceTokenizer.kind:
             with open(os.path.join(directory, "spm.model"), "rb") as f:
                 return SentencePieceTokenizer(f.read(), **flags)
-        raise ValueError(f"unknown tokenizer kind {meta['kind']!r} in {own}")
+        raise UserError(f"unknown tokenizer kind {meta['kind']!r} in {own}")
     if any(os.path.exists(os.path.join(directory, name)) for name in HF_FILES):
         return HFTokenizer.from_directory(directory)
     if missing_ok:

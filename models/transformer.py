@@ -28,12 +28,12 @@ from models.checks import (
     check_cache_room,
     check_int_array,
     check_new_lengths,
-    check_positive_int,
     check_same_shape,
     check_tokens,
 )
 from models.config import TransformerConfig
 from models.encoder_only import EncoderOnly
+from models.errors import UserError, check_positive_int
 from models.layers import InputEmbedding, token_embedding
 from models.masks import (
     causal_mask,
@@ -117,7 +117,7 @@ class _CachedDecoder(nn.Module):
         check_int_array(lengths_B, "lengths", 1, "int[B]")
         B, T = tokens_BT.shape
         if lengths_B.shape != (B,) or cache.batch_size != B:
-            raise ValueError(
+            raise UserError(
                 f"batch sizes differ: tokens {tokens_BT.shape}, lengths {lengths_B.shape}, "
                 f"cache batch {cache.batch_size}")
         check_new_lengths(lengths_B, T)
@@ -233,11 +233,11 @@ class EncoderDecoder(PlainInit, _CachedDecoder):
         cfg = self.config
         check_tokens(cfg, tgt_in, "tgt_in")
         if tgt_in.shape[0] != src.shape[0]:
-            raise ValueError(f"batch sizes differ: src {src.shape}, tgt_in {tgt_in.shape}")
+            raise UserError(f"batch sizes differ: src {src.shape}, tgt_in {tgt_in.shape}")
         check_same_shape(tgt_segment_ids, tgt_in, "tgt_segment_ids", "tgt_in")
         check_same_shape(tgt_positions, tgt_in, "tgt_positions", "tgt_in")
         if (src_segment_ids is None) != (tgt_segment_ids is None):
-            raise ValueError("give both src_segment_ids and tgt_segment_ids, or neither")
+            raise UserError("give both src_segment_ids and tgt_segment_ids, or neither")
         encoded_BSD = self.encode(
             src, lengths=src_lengths, segment_ids=src_segment_ids, positions=src_positions,
             deterministic=deterministic)
@@ -271,7 +271,7 @@ class EncoderDecoder(PlainInit, _CachedDecoder):
     def _decode(self, tokens_BT, positions_BT, self_mask_BTS, cache, deterministic,
                 key_positions_BS=None):
         if cache.cross_k is None:
-            raise ValueError("encoder-decoder cache has no cross-attention keys: build it "
+            raise UserError("encoder-decoder cache has no cross-attention keys: build it "
                              "with model.apply(params, src, cache_len, method='init_cache')")
         beams = cache.batch_size // cache.cross_mask.shape[0]
         cross_mask_B1S = jnp.repeat(cache.cross_mask, beams, axis=0)[:, None, :]

@@ -35,6 +35,7 @@ import orbax.checkpoint as ocp
 
 from models import atomic
 from models.config import TransformerConfig
+from models.errors import UserError
 from models.pretrained import GenerationDefaults
 from models.tokenizer import ByteTokenizer, SentencePieceTokenizer, Tokenizer, load_tokenizer
 from train import integrity
@@ -66,7 +67,7 @@ def manager(workdir: str, keep: int = 3) -> ocp.CheckpointManager:
         item_handlers=_handlers())
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError):
     """Checkpoints that exist but cannot be used: none readable, or not this model's."""
 
 
@@ -89,7 +90,7 @@ def tokenizer_from_json(item: dict) -> Tokenizer:
     with tempfile.TemporaryDirectory() as d:
         for name, data in item["files"].items():
             if os.path.basename(name) != name:
-                raise ValueError(f"checkpoint tokenizer file name {name!r} is not a file name")
+                raise UserError(f"checkpoint tokenizer file name {name!r} is not a file name")
             with open(os.path.join(d, name), "wb") as f:
                 f.write(base64.b64decode(data))
         return load_tokenizer(d)
@@ -138,7 +139,7 @@ def _saved(x):
 
 
 def _is_storage_error(e: ValueError) -> bool:
-    """tensorstore reports a failed write (a full disk, no permission) as a ValueError
+    """tensorstore reports a failed write (a full disk, no permission) as a UserError
     carrying the status and the OS error code."""
     text = str(e)
     return "os_error_code" in text or text.startswith(

@@ -1,6 +1,6 @@
 """Every experiment-config value checked when the config is read, before any data is prepared.
 
-    check_config(configs.get("default"))       # None, or a ValueError naming key, value, rule
+    check_config(configs.get("default"))       # None, or a UserError naming key, value, rule
 
 Each message has the shape `KEY=VALUE must be RULE` (or `KEY=VALUE: WHAT IS WRONG`), e.g.
 
@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from models.checks import is_int
+from models.errors import UserError, is_int
 
 SPLITS = ("train", "validation", "test")
 SPM_MODEL_TYPES = ("unigram", "bpe", "char", "word")
@@ -223,10 +223,10 @@ def _flat(config) -> dict[str, Any]:
     return out
 
 
-def _fail(key: str, value, problem: str, sep: str = " ") -> ValueError:
+def _fail(key: str, value, problem: str, sep: str = " ") -> UserError:
     """`key=value problem`; with `sep=": "`, `key=value: problem` (a problem with a subject
     of its own, such as one of several files)."""
-    return ValueError(f"{key}={value!r}{sep}{problem}")
+    return UserError(f"{key}={value!r}{sep}{problem}")
 
 
 def check_config(config) -> None:
@@ -237,7 +237,7 @@ def check_config(config) -> None:
             `train.configs._base.base_config()`.
 
     Raises:
-        ValueError: naming the key, the value and the rule it breaks (the first one found).
+        UserError: naming the key, the value and the rule it breaks (the first one found).
     """
     from train.configs._base import base_config
     values = _flat(config)
@@ -255,7 +255,7 @@ def check_config(config) -> None:
             raise _fail(key, value, problem)
     missing = [k for k in known if k not in values]
     if missing:
-        raise ValueError(f"the config has no key {missing[0]!r} (every config starts from "
+        raise UserError(f"the config has no key {missing[0]!r} (every config starts from "
                          "train.configs._base.base_config())")
     for check in (_check_processes, _check_schedule, _check_masking, _check_tokenizer,
                   _check_files, _check_data_dir, _check_reverse, _check_init_from,
@@ -363,7 +363,7 @@ def _check_init_from(c: dict) -> None:
     try:        # its model type and every field, refused by name before any data work
         read_config(path)
     except (ValueError, FileNotFoundError) as e:
-        raise ValueError(f"init_from={path!r}: {e}") from None
+        raise UserError(f"init_from={path!r}: {e}") from None
 
 
 def _check_model(c: dict) -> None:

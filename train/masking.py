@@ -25,6 +25,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Int
 
+from models.errors import UserError
+
 
 @dataclasses.dataclass(frozen=True)
 class Masking:
@@ -39,11 +41,11 @@ class Masking:
         for name in ("rate", "mask_fraction", "random_fraction"):
             value = getattr(self, name)
             if not 0.0 <= value <= 1.0:
-                raise ValueError(f"masking {name}={value} must be in [0, 1]")
+                raise UserError(f"masking {name}={value} must be in [0, 1]")
         if not 0.0 < self.rate:
-            raise ValueError(f"masking rate={self.rate} must be > 0 (nothing would be learned)")
+            raise UserError(f"masking rate={self.rate} must be > 0 (nothing would be learned)")
         if self.mask_fraction + self.random_fraction > 1.0:
-            raise ValueError(f"masking mask_fraction={self.mask_fraction} plus random_fraction="
+            raise UserError(f"masking mask_fraction={self.mask_fraction} plus random_fraction="
                              f"{self.random_fraction} exceeds 1")
 
 

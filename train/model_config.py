@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 import models
+from models.errors import UserError
 from models.pretrained import RUNTIME_FIELDS, GenerationDefaults, read_config
 from models.pretrained.generation import with_generation
 
@@ -45,13 +46,13 @@ FITS_TEXT = ("translation needs an encoder-decoder, text a decoder-only model (n
 
 
 def check_fits(cfg: models.TransformerConfig, name: str, dataset: str, kind: str) -> None:
-    """Raises a ValueError naming the model and the dataset when the model cannot train on
+    """Raises a UserError naming the model and the dataset when the model cannot train on
     data of this kind: see `FITS`; an encoder-only classifier needs classification data."""
     if kind not in FITS[cfg.architecture] or (
             cfg.architecture == "encoder_only" and kind == "text" and cfg.num_labels):
         what = (f"an encoder-only classifier, num_labels={cfg.num_labels}"
                 if cfg.architecture == "encoder_only" and cfg.num_labels else cfg.architecture)
-        raise ValueError(f"model {name!r} ({what}) does not fit dataset {dataset!r} ({kind}): "
+        raise UserError(f"model {name!r} ({what}) does not fit dataset {dataset!r} ({kind}): "
                          + FITS_TEXT)
 
 
@@ -63,12 +64,12 @@ def with_labels(cfg: models.TransformerConfig, name: str, labels: tuple[str, ...
     labels are mapped to them by name, see `train.data.pipeline.label_ids`).
 
     Raises:
-        ValueError: a label count that does not match num_labels, naming both.
+        UserError: a label count that does not match num_labels, naming both.
     """
     if cfg.num_labels == 0:
         return cfg.replace(num_labels=len(labels), label_names=labels)
     if cfg.num_labels != len(labels):
-        raise ValueError(f"model {name!r} has num_labels={cfg.num_labels}, but dataset "
+        raise UserError(f"model {name!r} has num_labels={cfg.num_labels}, but dataset "
                          f"{dataset!r} has {len(labels)} labels {list(labels)[:10]}")
     return cfg if cfg.label_names else cfg.replace(label_names=labels)
 
@@ -82,7 +83,7 @@ def choose_model(config, vocab_size: int, kind: str = "", labels: tuple[str, ...
     (bos_id) is generation_config.json's decoder_start_token_id when it names one.
 
     Raises:
-        ValueError: an override that would change a loaded model's shapes, data longer than
+        UserError: an override that would change a loaded model's shapes, data longer than
             the loaded model's `max_len`, a tokenizer larger than its vocabulary, a model
             that does not fit the data, or a label count that differs from num_labels.
     """
@@ -96,7 +97,7 @@ def choose_model(config, vocab_size: int, kind: str = "", labels: tuple[str, ...
     overrides = dict(config.model_overrides.to_dict()) if config.model_overrides else {}
     fixed = sorted(set(overrides) - RUNTIME_FIELDS)
     if fixed:
-        raise ValueError(f"model_overrides {fixed} would change the architecture of "
+        raise UserError(f"model_overrides {fixed} would change the architecture of "
                          f"init_from={config.init_from!r}; only {sorted(RUNTIME_FIELDS)} "
                          "can be overridden when fine-tuning")
     family, cfg, hf = read_config(config.init_from, **{"dtype": config.dtype, **overrides})
@@ -108,9 +109,9 @@ def choose_model(config, vocab_size: int, kind: str = "", labels: tuple[str, ...
     need = max(config.max_source_length, config.max_target_length,
                config.max_decode_length + 1)
     if need > cfg.max_len:
-        raise ValueError(f"max_source_length / max_target_length / max_decode_length + 1 = "
+        raise UserError(f"max_source_length / max_target_length / max_decode_length + 1 = "
                          f"{need} exceed the max_len {cfg.max_len} of {config.init_from}")
     if vocab_size > cfg.vocab_size:
-        raise ValueError(f"the tokenizer has {vocab_size} ids but the model in "
+        raise UserError(f"the tokenizer has {vocab_size} ids but the model in "
                          f"{config.init_from} only {cfg.vocab_size}")
     return ModelChoice(cfg, family.model_type, generation)

@@ -12,6 +12,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from models.errors import UserError
 from train.step import AXIS
 
 
@@ -38,7 +39,7 @@ class DataParallel:
 
     def __init__(self, kind: str, train_step, eval_step):
         if kind not in ("pmap", "shard_map"):
-            raise ValueError(f"parallel={kind!r} must be 'pmap' or 'shard_map'")
+            raise UserError(f"parallel={kind!r} must be 'pmap' or 'shard_map'")
         self.kind = kind
         if kind == "pmap":
             self._train = jax.pmap(train_step, axis_name=AXIS, donate_argnums=(0,))

@@ -24,6 +24,7 @@ import ml_collections
 import orbax.checkpoint as ocp
 
 import models
+from models.errors import UserError
 from train import (
     checkpoint,
     data as data_lib,
@@ -174,7 +175,7 @@ def get_tokenizer(config, ds: data_lib.Dataset, workdir: str) -> data_lib.Tokeni
         if config.init_from:
             tok = data_lib.load_tokenizer(config.init_from, missing_ok=True)
             if tok is None:
-                raise ValueError(f"init_from={config.init_from!r} has no tokenizer files; "
+                raise UserError(f"init_from={config.init_from!r} has no tokenizer files; "
                                  "fine-tuning on text needs the model's own tokenizer")
         elif config.tokenizer == "byte":
             tok = data_lib.ByteTokenizer(mask=encoder, add_bos=encoder, add_eos=encoder)
@@ -187,7 +188,7 @@ def get_tokenizer(config, ds: data_lib.Dataset, workdir: str) -> data_lib.Tokeni
             if encoder:
                 tok = tok.with_specials(add_bos=True, add_eos=True)
         else:
-            raise ValueError(
+            raise UserError(
                 f"tokenizer={config.tokenizer!r} must be 'sentencepiece' or 'byte'")
         workdir_lib.write_dir(path, tok.save)
         return tok
@@ -240,7 +241,7 @@ def _start_run(config, workdir: str, lock: workdir_lib.Lock) -> tuple[Run, Start
     mcfg = choice.config
     objective = step_lib.objective_for(mcfg, tok, masking_of(config))
     if objective.kind == "next_token" and mcfg.bos_id is None:
-        raise ValueError(f"model {config.init_from or config.model!r} has no start token "
+        raise UserError(f"model {config.init_from or config.model!r} has no start token "
                          "(bos_id), which teacher forcing puts first in every sequence")
     model = models.build(mcfg)
     pcfg = pipeline_config(config, model=mcfg)
@@ -329,7 +330,7 @@ def _wrapper(config, model, objective, schedule, tx, abstract):
     over the config's mesh with the state's shardings derived from its logical axes.
 
     Raises:
-        ValueError: a mesh that does not match the device count, or attention heads that
+        UserError: a mesh that does not match the device count, or attention heads that
             do not divide the tensor axis (naming the numbers).
     """
     if config.parallel != "sharded":

@@ -47,6 +47,7 @@ from models.axes import (
     sharded_activations,
     shardings,
 )
+from models.errors import UserError
 from train import state as state_lib, step as step_lib
 
 __all__ = ["AXES", "DEFAULT_RULES", "Sharded", "check_model", "check_rules", "for_model",
@@ -57,23 +58,23 @@ def resolve_mesh_shape(mesh_shape: Sequence[int], num_devices: int) -> tuple[int
     """(data, fsdp, tensor) with the one -1 replaced by what the others leave.
 
     Raises:
-        ValueError: not three sizes, more than one -1, a size below 1, or a product that is
+        UserError: not three sizes, more than one -1, a size below 1, or a product that is
             not the device count (naming the shape and the count).
     """
     shape = tuple(int(s) for s in mesh_shape)
     if len(shape) != 3:
-        raise ValueError(f"mesh_shape={tuple(mesh_shape)} must be three sizes "
+        raise UserError(f"mesh_shape={tuple(mesh_shape)} must be three sizes "
                          f"(data, fsdp, tensor)")
     if shape.count(-1) > 1 or any(s < 1 and s != -1 for s in shape):
-        raise ValueError(f"mesh_shape={shape} must hold sizes >= 1 and at most one -1")
+        raise UserError(f"mesh_shape={shape} must hold sizes >= 1 and at most one -1")
     known = math.prod(s for s in shape if s != -1)
     if -1 in shape:
         if num_devices % known:
-            raise ValueError(f"mesh_shape={shape}: {num_devices} devices do not divide "
+            raise UserError(f"mesh_shape={shape}: {num_devices} devices do not divide "
                              f"over the fixed axes' {known}")
         shape = tuple(num_devices // known if s == -1 else s for s in shape)
     if math.prod(shape) != num_devices:
-        raise ValueError(f"mesh_shape={shape} has {math.prod(shape)} devices, but there are "
+        raise UserError(f"mesh_shape={shape} has {math.prod(shape)} devices, but there are "
                          f"{num_devices}")
     return shape
 
@@ -90,13 +91,13 @@ def check_model(config, mesh: Mesh, rules: dict) -> None:
     """Refuses attention heads that do not divide the mesh axes they are split over.
 
     Raises:
-        ValueError: naming the config field, its value and the axis size.
+        UserError: naming the config field, its value and the axis size.
     """
     for name, field in (("heads", "num_heads"), ("kv_heads", "num_kv_heads")):
         size = math.prod(mesh.shape[a] for a in rules.get(name, ()))
         value = getattr(config, field)
         if value % size:
-            raise ValueError(f"{field}={value} does not divide over the "
+            raise UserError(f"{field}={value} does not divide over the "
                              f"{'×'.join(rules[name])} axis of {size} devices; choose a "
                              f"tensor size that divides {value}")
 
@@ -184,7 +185,7 @@ class Sharded:
         `[rows, ...]` split over the batch axes.
 
         Raises:
-            ValueError: the global rows do not divide over data × fsdp, naming both.
+            UserError: the global rows do not divide over data × fsdp, naming both.
         """
         out = {}
         for k, v in batch.items():
@@ -200,7 +201,7 @@ class Sharded:
     def check_rows(self, rows: int) -> None:
         """Refuses a global batch of `rows` that does not divide over data × fsdp."""
         if rows % self.batch_ways:
-            raise ValueError(f"a batch of {rows} rows does not divide over data × fsdp "
+            raise UserError(f"a batch of {rows} rows does not divide over data × fsdp "
                              f"= {self.batch_ways} devices")
 
     def train_step(self, state, batch):
@@ -222,7 +223,7 @@ def for_model(model, config, schedule, tx, mesh: Mesh, rules: dict,
     `Sharded` on `mesh`, the state's shardings derived from the params' logical axes.
 
     Raises:
-        ValueError: heads or kv heads that do not divide their mesh axes (naming both).
+        UserError: heads or kv heads that do not divide their mesh axes (naming both).
     """
     check_model(model.config, mesh, rules)
     args, method = init_args(model.config)

@@ -10,6 +10,8 @@ import jax.numpy as jnp
 import optax
 from flax import struct
 
+from models.errors import UserError
+
 
 @struct.dataclass
 class TrainState:
@@ -63,7 +65,7 @@ def learning_rate_schedule(learning_rate: float, warmup_steps: int, decay: str,
                                                   max(total_steps, warmup + 1))
     if decay == "constant":
         return optax.linear_schedule(first, learning_rate, warmup)
-    raise ValueError(f"lr_decay={decay!r} must be 'rsqrt', 'cosine' or 'constant'")
+    raise UserError(f"lr_decay={decay!r} must be 'rsqrt', 'cosine' or 'constant'")
 
 
 def make_optimizer(config) -> tuple[optax.GradientTransformation, optax.Schedule]:
@@ -85,7 +87,7 @@ def make_optimizer(config) -> tuple[optax.GradientTransformation, optax.Schedule
                              weight_decay=config.weight_decay, mask=decay_mask))
     tx = optax.chain(*parts)
     if config.grad_accum_steps < 1:
-        raise ValueError(f"grad_accum_steps={config.grad_accum_steps} must be >= 1")
+        raise UserError(f"grad_accum_steps={config.grad_accum_steps} must be >= 1")
     if config.grad_accum_steps > 1:
         tx = optax.MultiSteps(tx, every_k_schedule=config.grad_accum_steps)
     return tx, schedule

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
+from models.errors import UserError
 from train import losses
 from train.masking import Masking, mask_tokens
 from train.state import TrainState
@@ -50,10 +51,10 @@ class Objective:
 
     def __post_init__(self):
         if self.kind not in ("next_token", "mlm", "classify"):
-            raise ValueError(f"objective {self.kind!r} must be 'next_token', 'mlm' or "
+            raise UserError(f"objective {self.kind!r} must be 'next_token', 'mlm' or "
                              "'classify'")
         if self.kind == "mlm" and self.mask_id is None:
-            raise ValueError("masked LM needs a mask token, and the tokenizer has none "
+            raise UserError("masked LM needs a mask token, and the tokenizer has none "
                              "(mask_id None)")
 
 
@@ -62,14 +63,14 @@ def objective_for(model_config, tokenizer, masking: Masking | None = None) -> Ob
     model masked LM (num_labels 0) or classification.
 
     Raises:
-        ValueError: masked LM with a tokenizer that has no mask token, naming it.
+        UserError: masked LM with a tokenizer that has no mask token, naming it.
     """
     if model_config.architecture != "encoder_only":
         return Objective()
     if model_config.num_labels:
         return Objective("classify")
     if tokenizer.mask_id is None:
-        raise ValueError(f"masked LM needs a mask token, and the tokenizer "
+        raise UserError(f"masked LM needs a mask token, and the tokenizer "
                          f"({tokenizer.identity[:40]}) has none (mask_id None)")
     return Objective("mlm", int(tokenizer.mask_id),
                      tuple(sorted(int(i) for i in tokenizer.special_ids)), masking or Masking())
@@ -119,7 +120,7 @@ def sampling_rate(step, config) -> jax.Array:
     elif ss.schedule == "inverse_sigmoid":
         frac = 1.0 - ss.k / (ss.k + jnp.exp(step / ss.k))
     else:
-        raise ValueError(f"scheduled_sampling.schedule={ss.schedule!r} must be 'linear', "
+        raise UserError(f"scheduled_sampling.schedule={ss.schedule!r} must be 'linear', "
                          "'exponential' or 'inverse_sigmoid'")
     return ss.max_rate * frac
 

@@ -19,6 +19,7 @@ import flax.linen as nn
 
 from models import atomic, axes
 from models.config import TransformerConfig
+from models.errors import UserError
 from models.pretrained import bart, bert, gpt2, llama, marian, mistral, qwen2, roberta, t5, zoo
 from models.pretrained.convert import read_params, theirs_tensors
 from models.pretrained.family import Family, Inexpressible
@@ -76,10 +77,10 @@ class Pretrained:
 def family_of(hf: dict, path: str) -> Family:
     model_type = hf.get("model_type")
     if "auto_map" in hf:
-        raise ValueError(f"{path} has auto_map={hf['auto_map']!r}: it asks to run code from "
+        raise UserError(f"{path} has auto_map={hf['auto_map']!r}: it asks to run code from "
                          "the directory, which this project never does")
     if model_type not in FAMILIES:
-        raise ValueError(f"{path}: model_type {model_type!r} is not supported; supported: "
+        raise UserError(f"{path}: model_type {model_type!r} is not supported; supported: "
                          f"{', '.join(sorted(FAMILIES))}")
     return FAMILIES[model_type]
 
@@ -91,7 +92,7 @@ def read_config(path: str, **runtime) -> tuple[Family, TransformerConfig, dict]:
     or untied head)."""
     unknown = set(runtime) - RUNTIME_FIELDS
     if unknown:
-        raise ValueError(f"a loaded model takes only {sorted(RUNTIME_FIELDS)} as overrides, "
+        raise UserError(f"a loaded model takes only {sorted(RUNTIME_FIELDS)} as overrides, "
                          f"not {sorted(unknown)}")
     if not os.path.isdir(path):
         raise FileNotFoundError(f"model directory {path!r} " + (
@@ -122,14 +123,14 @@ def load(path: str, *, mesh=None, rules=None, **runtime) -> Pretrained:
             `param_dtype` (default float32), `scan_layers`, `remat`, dropout rates.
 
     Raises:
-        ValueError: naming the field, value or tensor that cannot be loaded exactly.
+        UserError: naming the field, value or tensor that cannot be loaded exactly.
         FileNotFoundError: naming what is missing.
     """
     family, cfg, hf = read_config(path, **runtime)
     if os.path.exists(os.path.join(path, MANIFEST)):
         wrong = atomic.check_manifest(path, MANIFEST)
         if wrong:
-            raise ValueError(f"{path} has changed since it was saved: {wrong}")
+            raise UserError(f"{path} has changed since it was saved: {wrong}")
     shardings = None
     if mesh is not None:
         shardings = axes.param_shardings(build(cfg), mesh, rules or axes.DEFAULT_RULES)
@@ -178,7 +179,7 @@ def save(path: str, config: TransformerConfig, params, tokenizer: Tokenizer | No
 def _family_for(config: TransformerConfig, model_type: str | None) -> Family:
     if model_type is not None:
         if model_type not in FAMILIES:
-            raise ValueError(f"model_type {model_type!r} is not one of {sorted(FAMILIES)}")
+            raise UserError(f"model_type {model_type!r} is not one of {sorted(FAMILIES)}")
         return FAMILIES[model_type]
     for name in SAVE_ORDER:
         try:

@@ -24,6 +24,7 @@ normalize_embedding (True), static_position_embeddings (False), extra_pos_embedd
 from __future__ import annotations
 
 from models.config import TransformerConfig
+from models.errors import UserError
 from models.pretrained.family import ConfigReader, Family, Inexpressible, require
 from models.pretrained.mapping import (
     LINEAR_FROM_HEADS,
@@ -46,9 +47,9 @@ HEAD_FIELDS = ("classifier_dropout", "classif_dropout", "_num_labels", "output_p
 
 
 def _row(b, cfg):
-    """final_logits_bias [1, V] -> [V] (a ValueError for any other shape)."""
+    """final_logits_bias [1, V] -> [V] (a UserError for any other shape)."""
     if b.ndim != 2 or b.shape[0] != 1:
-        raise ValueError(f"final_logits_bias of shape {b.shape}")
+        raise UserError(f"final_logits_bias of shape {b.shape}")
     return b[0]
 
 

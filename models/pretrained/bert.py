@@ -29,6 +29,7 @@ question answering, ...). `roberta` (its own module) is this table with other po
 from __future__ import annotations
 
 from models.config import TransformerConfig
+from models.errors import UserError
 from models.pretrained.family import ConfigReader, Family, Inexpressible, require
 from models.pretrained.files import Weights
 from models.pretrained.mapping import (
@@ -164,7 +165,7 @@ def labels_from_weights(cfg: TransformerConfig, weights: Weights, key: str) -> T
         return cfg
     rows = weights.shape(key)[0]
     if cfg.num_labels and rows != cfg.num_labels:
-        raise ValueError(f"checkpoint {weights.directory}: {key} has {rows} rows, but "
+        raise UserError(f"checkpoint {weights.directory}: {key} has {rows} rows, but "
                          f"config.json's id2label names {cfg.num_labels} labels")
     return cfg.replace(num_labels=rows)
 

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.config import TransformerConfig
+from models.errors import UserError
 from models.pretrained.family import Family
 from models.pretrained.files import Weights
 from models.pretrained.mapping import (
@@ -71,7 +72,7 @@ def read_params(weights: Weights, family: Family, cfg: TransformerConfig,
     given, else on the default device.
 
     Raises:
-        ValueError: naming missing or unexpected tensors, or a tensor whose converted shape
+        UserError: naming missing or unexpected tensors, or a tensor whose converted shape
             differs from the model's, with both shapes.
     """
     if family.renames:
@@ -93,7 +94,7 @@ def read_params(weights: Weights, family: Family, cfg: TransformerConfig,
                          "(train it before use)")
     missing -= fresh
     if missing:
-        raise ValueError(f"{family.model_type} checkpoint {weights.directory} lacks "
+        raise UserError(f"{family.model_type} checkpoint {weights.directory} lacks "
                          f"{len(missing)} tensor(s) the config needs: {_show(missing)}")
     source = {k: keys[0] for k, keys in stored.items() if keys}
     _check_copies(weights, family, stored)
@@ -105,7 +106,7 @@ def read_params(weights: Weights, family: Family, cfg: TransformerConfig,
     skipped = {k for k in extra if family.is_skipped(k)}
     extra -= skipped
     if extra:
-        raise ValueError(f"{family.model_type} checkpoint {weights.directory} has "
+        raise UserError(f"{family.model_type} checkpoint {weights.directory} has "
                          f"{len(extra)} tensor(s) the config does not use: {_show(extra)}")
     leaves = parameter_shapes(cfg)
     expected = {p: expected_shape(p, leaves) for _, _, ours in entries for p in ours}
@@ -130,7 +131,7 @@ def read_params(weights: Weights, family: Family, cfg: TransformerConfig,
         read = [weights.read(source[k]) for k in theirs]
         for k, a in zip(theirs, read, strict=True):
             if not jnp.issubdtype(a.dtype, jnp.floating):      # bfloat16 included
-                raise ValueError(f"{family.model_type} checkpoint tensor {k} holds "
+                raise UserError(f"{family.model_type} checkpoint tensor {k} holds "
                                  f"{a.dtype}, not floating-point weights")
         try:
             arrays = rule.layout.to_ours(read, cfg)
@@ -142,7 +143,7 @@ def read_params(weights: Weights, family: Family, cfg: TransformerConfig,
             want = rule.layout.to_theirs([np.empty(expected[p], np.float32) for p in ours], cfg)
             bad = ", ".join(f"{k} has shape {tuple(a.shape)}, the config expects "
                             f"{tuple(w.shape)}" for k, a, w in zip(theirs, read, want, strict=True))
-            raise ValueError(f"{family.model_type} checkpoint {weights.directory}: {bad} (for "
+            raise UserError(f"{family.model_type} checkpoint {weights.directory}: {bad} (for "
                              f"{', '.join(ours)})")
         _place(tree, stacks, cfg, ours, arrays, shardings)
     return tree
@@ -177,7 +178,7 @@ class _Renamed:
         for key in sorted(weights.keys()):
             new = family.rename(key)
             if new in self._names:
-                raise ValueError(f"{family.model_type} checkpoint {weights.directory} holds "
+                raise UserError(f"{family.model_type} checkpoint {weights.directory} holds "
                                  f"both {self._names[new]} and {key}, two names of {new}")
             self._names[new] = key
 
@@ -197,7 +198,7 @@ def _check_copies(weights: Weights, family: Family, stored: dict[str, list[str]]
         for other in keys[1:]:
             a = weights.read(other)
             if a.shape != first.shape or a.dtype != first.dtype or not np.array_equal(a, first):
-                raise ValueError(
+                raise UserError(
                     f"{family.model_type} checkpoint {weights.directory}: {other} and "
                     f"{keys[0]} differ, but the config ties them (transformers would use them "
                     "as separate weights, which this model type cannot express)")
@@ -212,7 +213,7 @@ def _check_fixed(weights: Weights, family: Family, fixed: dict[str, np.ndarray])
         tol = 2 * float(jnp.finfo(got.dtype).eps) if jnp.issubdtype(got.dtype, jnp.floating) else 0
         if got.shape != want.shape or not np.allclose(
                 got.astype(np.float64), rounded.astype(np.float64), rtol=0, atol=tol):
-            raise ValueError(
+            raise UserError(
                 f"{family.model_type} checkpoint {weights.directory}: {key} (shape "
                 f"{got.shape}) is not the table the config determines (shape {want.shape}); "
                 "this project regenerates it and cannot load a different one")
@@ -248,6 +249,6 @@ def _get(tree, slot: tuple[str, ...], path: str):
         for key in slot:
             tree = tree[key]
     except (KeyError, TypeError):
-        raise ValueError(f"params have no {path!r} (looked for {'/'.join(slot)})") from None
+        raise UserError(f"params have no {path!r} (looked for {'/'.join(slot)})") from None
     return tree
 

@@ -9,6 +9,7 @@ import re
 from collections.abc import Callable
 
 from models.config import TransformerConfig
+from models.errors import UserError
 from models.pretrained.files import Weights
 from models.pretrained.generation import FIELDS as GENERATION_FIELDS
 from models.pretrained.mapping import Rule
@@ -84,7 +85,7 @@ class Family:
         return key
 
 
-class Inexpressible(ValueError):
+class Inexpressible(UserError):
     """A config that this model type's Hugging Face class cannot express."""
 
 
@@ -130,7 +131,7 @@ class ConfigReader:
         if key in self.hf and self.hf[key] is not None:
             return self.hf[key]
         if default is KeyError:
-            raise ValueError(f"{self.model_type} config.json has no {key!r}")
+            raise UserError(f"{self.model_type} config.json has no {key!r}")
         return default
 
     def expect(self, key: str, *supported) -> None:
@@ -140,14 +141,14 @@ class ConfigReader:
             self.refuse(key, value, f"supported: {', '.join(map(repr, supported))}")
 
     def refuse(self, key: str, value, why: str) -> None:
-        raise ValueError(f"{self.model_type} config.json: {key}={value!r} is not supported "
+        raise UserError(f"{self.model_type} config.json: {key}={value!r} is not supported "
                          f"({why})")
 
     def finish(self) -> None:
         left = sorted(set(self.hf) - self._seen)
         if left:
             shown = ", ".join(f"{k}={self.hf[k]!r}" for k in left[:8])
-            raise ValueError(
+            raise UserError(
                 f"{self.model_type} config.json has field(s) this project does not know, so "
                 f"it cannot tell whether they change the computation: {shown}")
 

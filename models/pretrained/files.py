@@ -18,6 +18,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from models.atomic import read_json
+from models.errors import UserError
 
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -52,7 +53,7 @@ class Weights(contextlib.AbstractContextManager):
         if os.path.exists(index):
             weight_map = read_json(index).get("weight_map")
             if not isinstance(weight_map, dict) or not weight_map:
-                raise ValueError(f"{index} has no weight_map")
+                raise UserError(f"{index} has no weight_map")
             for key, name in weight_map.items():
                 self._where[key] = self._checked_shard(name, index)
             for name in sorted(set(self._where.values())):
@@ -63,7 +64,7 @@ class Weights(contextlib.AbstractContextManager):
         else:
             pickled = [p for p in PICKLES if os.path.exists(os.path.join(directory, p))]
             if pickled:
-                raise ValueError(
+                raise UserError(
                     f"{directory} has weights only as {pickled[0]}, which loading would have to "
                     "unpickle (running code from the file); this project reads safetensors "
                     "only. Convert them once, where you trust the file: "
@@ -74,7 +75,7 @@ class Weights(contextlib.AbstractContextManager):
     def _checked_shard(self, name: str, index: str) -> str:
         if (not isinstance(name, str) or os.path.isabs(name) or os.sep in name
                 or "/" in name or name in ("", ".", "..")):
-            raise ValueError(f"{index} names shard file {name!r}, which is not a file name "
+            raise UserError(f"{index} names shard file {name!r}, which is not a file name "
                              f"inside {self.directory}; refusing to read outside the directory")
         return name
 
@@ -86,7 +87,7 @@ class Weights(contextlib.AbstractContextManager):
             handle = self._stack.enter_context(
                 safe_open(path, framework="numpy", backend="pread"))
         except Exception as e:          # safetensors raises its own error types
-            raise ValueError(f"{path} is not a readable safetensors file: {e}") from None
+            raise UserError(f"{path} is not a readable safetensors file: {e}") from None
         self._files[name] = handle
         return handle
 

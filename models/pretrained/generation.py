@@ -47,6 +47,7 @@ import numbers
 import os
 
 from models.config import TransformerConfig
+from models.errors import UserError
 from models.pretrained.files import read_json, write_json
 
 FILE = "generation_config.json"
@@ -135,7 +136,7 @@ class GenerationDefaults:
             where: the source, for error messages.
 
         Raises:
-            ValueError: naming the field, its value and what it must be (a bad_words_ids
+            UserError: naming the field, its value and what it must be (a bad_words_ids
                 entry of several tokens is refused).
 
             >>> GenerationDefaults.from_dict({"eos_token_id": [1, 2], "bad_words_ids": [[7]],
@@ -143,7 +144,7 @@ class GenerationDefaults:
             (7,)
         """
         if not isinstance(raw, dict):
-            raise ValueError(f"{where} must hold a JSON object, got {type(raw).__name__}")
+            raise UserError(f"{where} must hold a JSON object, got {type(raw).__name__}")
         model_config = model_config or {}
         fields = _Fields(raw, vocab_size, where)
         eos = raw.get("eos_token_id")
@@ -181,7 +182,7 @@ class GenerationDefaults:
                 forced_bos_token_id is set, unused for an encoder-decoder.
 
         Raises:
-            ValueError: a decoder-only setting that counts the prompt without prompt_len, or
+            UserError: a decoder-only setting that counts the prompt without prompt_len, or
                 a max_length that leaves no new token.
 
             encoder-decoder, max_length 142, min_length 56, forced_bos 0, forced_eos 2
@@ -202,7 +203,7 @@ class GenerationDefaults:
         elif self.max_length is not None:
             p = self._prompt_len(config, prompt_len, "max_length")
             if self.max_length <= p:
-                raise ValueError(f"max_length={self.max_length} leaves no new token after a "
+                raise UserError(f"max_length={self.max_length} leaves no new token after a "
                                  f"decoder prompt of {p} tokens")
             options["max_new_tokens"] = self.max_length - p
         if self.min_new_tokens:
@@ -302,11 +303,11 @@ class GenerationDefaults:
         if config.is_encoder_decoder:
             return 1
         if prompt_len is None:
-            raise ValueError(f"{name} counts a decoder-only model's prompt: pass prompt_len "
+            raise UserError(f"{name} counts a decoder-only model's prompt: pass prompt_len "
                              "(the batch's longest prompt, which transformers pads every "
                              "row to)")
         if not isinstance(prompt_len, numbers.Integral) or prompt_len < 1:
-            raise ValueError(f"prompt_len={prompt_len!r} must be a positive int")
+            raise UserError(f"prompt_len={prompt_len!r} must be a positive int")
         return int(prompt_len)
 
 
@@ -364,8 +365,8 @@ class _Fields:
     def __init__(self, raw: dict, vocab_size: int, where: str):
         self.raw, self.vocab_size, self.where = raw, vocab_size, where
 
-    def _error(self, name: str, must: str) -> ValueError:
-        return ValueError(f"{self.where}: {name}={self.raw[name]!r} must be {must}")
+    def _error(self, name: str, must: str) -> UserError:
+        return UserError(f"{self.where}: {name}={self.raw[name]!r} must be {must}")
 
     def id(self, name: str) -> int | None:
         value = self.raw.get(name)
@@ -429,7 +430,7 @@ class _Fields:
 
     def _check_id(self, name: str, value: int) -> None:
         if not 0 <= value < self.vocab_size:
-            raise ValueError(f"{self.where}: {name} {value!r} is outside [0, vocab_size="
+            raise UserError(f"{self.where}: {name} {value!r} is outside [0, vocab_size="
                              f"{self.vocab_size})")
 
 

@@ -26,6 +26,7 @@ activation) and a config without a pad id (the positions' offset).
 from __future__ import annotations
 
 from models.config import TransformerConfig
+from models.errors import UserError
 from models.pretrained.bert import (
     RENAMES,
     encoder_rules,
@@ -46,7 +47,7 @@ def _check_head_activation(cfg: TransformerConfig, act: str | None = None) -> No
     """RobertaLMHead applies exact GELU whatever hidden_act is; our head applies the config's
     activation, so a masked-LM RoBERTa must use exact GELU throughout."""
     if not cfg.num_labels and cfg.activation != "gelu_exact":
-        raise ValueError(
+        raise UserError(
             f"roberta config.json: hidden_act={act or cfg.activation!r} is not supported for "
             "a masked-LM model (RobertaLMHead applies exact GELU, 'gelu', whatever hidden_act "
             "says, and this project's head applies the layers' activation)")

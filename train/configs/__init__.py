@@ -14,6 +14,8 @@ import pkgutil
 
 import ml_collections
 
+from models.errors import UserError
+
 
 def names() -> list[str]:
     return sorted(m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_"))
@@ -30,6 +32,6 @@ def get(name_or_path: str) -> ml_collections.ConfigDict:
     elif name_or_path in names():
         module = importlib.import_module(f"train.configs.{name_or_path}")
     else:
-        raise ValueError(f"unknown config {name_or_path!r}; available: {', '.join(names())} "
+        raise UserError(f"unknown config {name_or_path!r}; available: {', '.join(names())} "
                          "or a path to a .py file with get_config()")
     return module.get_config()

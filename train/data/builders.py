@@ -24,6 +24,7 @@ import re
 import tensorflow_datasets as tfds
 from etils import epath
 
+from models.errors import UserError
 from train.data import grammar
 
 MAX_REPORTED_LINES = 20
@@ -203,7 +204,7 @@ def local_config(files: tuple[str, ...] | list[str]) -> LocalFilesConfig:
         FileNotFoundError / IsADirectoryError: naming the first path that is not a file.
     """
     if not files:
-        raise ValueError("local datasets need data_files: one or more comma-separated paths")
+        raise UserError("local datasets need data_files: one or more comma-separated paths")
     for path in files:
         check_data_file(path)
     digest, each = hashlib.sha256(), []
@@ -254,7 +255,7 @@ def _assign_splits(sources: list[list], key) -> dict[str, list]:
 def check_source_count(n: int) -> None:
     """Raises unless `n` (files, or file pairs) is 1, 2 or 3 sources."""
     if not 1 <= n <= 3:
-        raise ValueError(f"got {n} data sources; give 1 (split 90/5/5 by hash), "
+        raise UserError(f"got {n} data sources; give 1 (split 90/5/5 by hash), "
                          "2 (train, test) or 3 (train, validation, test)")
 
 
@@ -265,7 +266,7 @@ def translation_sources(files: tuple[str, ...] | list[str]) -> list[tuple[str, .
         ("a.tsv", "b.en", "b.de") -> [("a.tsv",), ("b.en", "b.de")]
 
     Raises:
-        ValueError: a non-`.tsv` path without a partner, or not 1 to 3 sources.
+        UserError: a non-`.tsv` path without a partner, or not 1 to 3 sources.
     """
     sources, i = [], 0
     while i < len(files):
@@ -274,7 +275,7 @@ def translation_sources(files: tuple[str, ...] | list[str]) -> list[tuple[str, .
             i += 1
         else:
             if i + 1 >= len(files) or files[i + 1].endswith(".tsv"):
-                raise ValueError(f"{files[i]!r} is not a .tsv file, so it needs a line-aligned "
+                raise UserError(f"{files[i]!r} is not a .tsv file, so it needs a line-aligned "
                                  "target file after it (source,target)")
             sources.append((files[i], files[i + 1]))
             i += 2
@@ -327,7 +328,7 @@ def _aligned_pairs(src_path: str, tgt_path: str, bad: BadLines):
     tgt = dict(_lines(tgt_path, bad))
     n_src, n_tgt = _count_lines(src_path), _count_lines(tgt_path)
     if n_src != n_tgt:
-        raise ValueError(f"line-aligned files differ in length: {src_path!r} has {n_src} "
+        raise UserError(f"line-aligned files differ in length: {src_path!r} has {n_src} "
                          f"lines, {tgt_path!r} has {n_tgt}")
     for number in range(1, n_src + 1):
         if number not in src or number not in tgt:
@@ -396,13 +397,13 @@ def classification_label_names(labels) -> tuple[str, ...]:
         ["01", "02"] -> ("01", "02") (not plain decimal: names)
 
     Raises:
-        ValueError: integer labels above `MAX_INTEGER_LABEL`.
+        UserError: integer labels above `MAX_INTEGER_LABEL`.
     """
     distinct = set(labels)
     if distinct and all(_DECIMAL.fullmatch(label) for label in distinct):
         top = max(int(label) for label in distinct)
         if top > MAX_INTEGER_LABEL:
-            raise ValueError(f"integer label {top} is above {MAX_INTEGER_LABEL}: integer labels "
+            raise UserError(f"integer label {top} is above {MAX_INTEGER_LABEL}: integer labels "
                              f"name the classes 0..{top}, so this would be {top + 1} classes; "
                              "number the classes from 0, or give them names that are not "
                              "integers")
@@ -428,7 +429,7 @@ class _LocalBuilder(_Builder):
         splits = self._read(self.builder_config.files, bad)
         self.info.metadata["bad_lines"] = bad.as_dict()
         if not any(splits.values()):
-            raise ValueError(f"no valid lines in {list(self.builder_config.files)}: "
+            raise UserError(f"no valid lines in {list(self.builder_config.files)}: "
                              + bad.summary())
         self._describe(splits)
         # A split with no lines (a tiny file split by hash) is left out, not written empty;
@@ -469,7 +470,7 @@ class LocalClassification(_LocalBuilder):
             names = classification_label_names(label for items in splits.values()
                                                for _, label in items)
         except ValueError as e:
-            raise ValueError(f"{self.name} {list(self.builder_config.files)}: {e}") from None
+            raise UserError(f"{self.name} {list(self.builder_config.files)}: {e}") from None
         self.info.metadata["label_names"] = list(names)
 
 

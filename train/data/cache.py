@@ -29,6 +29,8 @@ import tempfile
 
 import numpy as np
 
+from models.errors import UserError
+
 log = logging.getLogger(__name__)
 DONE = "done"
 _TEMPORARY = re.compile(r"\.tmp-(\d+)@(.*)-[^-]*$")    # after the final name: pid, host
@@ -44,7 +46,7 @@ def load(path: str, key: str) -> dict[str, np.ndarray] | None:
         files = done["files"]
         if done["key"] != key or any(os.path.getsize(os.path.join(path, name)) != size
                                      for name, size in files.items()):
-            raise ValueError("made for another key, or a file changed since")
+            raise UserError("made for another key, or a file changed since")
         return {name: np.load(os.path.join(path, name), mmap_mode="r") for name in files}
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         if os.path.exists(path):

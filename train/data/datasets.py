@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 import tensorflow_datasets as tfds
 
+from models.errors import UserError
 from train.data import builders
 
 log = logging.getLogger(__name__)
@@ -120,10 +121,10 @@ class Dataset:
         """The class index (into `label_names`) of each example, int32 [len(indices)].
 
         Raises:
-            ValueError: the dataset is not a classification dataset.
+            UserError: the dataset is not a classification dataset.
         """
         if self.kind != "classification":
-            raise ValueError(f"label_ids needs a classification dataset; {self.name!r} is "
+            raise UserError(f"label_ids needs a classification dataset; {self.name!r} is "
                              f"{self.kind}")
         ids = {name: i for i, name in enumerate(self.label_names)}
         key = self.keys[1]
@@ -134,12 +135,12 @@ class Dataset:
         """The random-access source of split `name`.
 
         Raises:
-            ValueError: the split is empty (the message names the files and every split's
+            UserError: the split is empty (the message names the files and every split's
                 example count).
             KeyError: the dataset has no such split.
         """
         if name in self.empty_splits:
-            raise ValueError(self.empty_splits[name])
+            raise UserError(self.empty_splits[name])
         if name not in self.splits:
             raise KeyError(f"dataset {self.name!r} has no split {name!r}; it has "
                            f"{sorted(self.splits)}")
@@ -156,10 +157,10 @@ def data_digest(dataset: Dataset, tokenizer) -> str:
     alike; a checkpoint keeps it so that a resumed run can tell (see `data_record`).
 
     Raises:
-        ValueError: the dataset has no digest (it was not made by `load_dataset`).
+        UserError: the dataset has no digest (it was not made by `load_dataset`).
     """
     if not dataset.digest:
-        raise ValueError(f"dataset {dataset.name!r} has no content digest (make it with "
+        raise UserError(f"dataset {dataset.name!r} has no content digest (make it with "
                          "load_dataset)")
     return _digest(dataset.digest, tokenizer.identity)
 
@@ -227,7 +228,7 @@ def load_dataset(name: str, data_dir: str | None = None, *, data_files: tuple[st
             error for the text and classification kinds.
 
     Raises:
-        ValueError: for an unknown name, listing what is available.
+        UserError: for an unknown name, listing what is available.
         FileNotFoundError: for a missing local file, naming it.
         ImportError: when a dataset needs TensorFlow to prepare and it is not installed.
     """
@@ -265,7 +266,7 @@ def load_dataset(name: str, data_dir: str | None = None, *, data_files: tuple[st
                      digest=_digest("tfds", name, config_name, str(builder.version),
                                     sorted((k, len(v)) for k, v in sources.items())))
         return _oriented(ds, reverse_translation)
-    raise ValueError(f"unknown dataset {name!r}; available: {', '.join(available())}")
+    raise UserError(f"unknown dataset {name!r}; available: {', '.join(available())}")
 
 
 def _names_part(kind: str, names: tuple[str, ...]) -> tuple:
@@ -289,7 +290,7 @@ def _oriented(ds: Dataset, reverse: bool) -> Dataset:
     if not reverse:
         return ds
     if ds.kind != "translation":
-        raise ValueError(f"reverse_translation needs a translation dataset; {ds.name!r} is "
+        raise UserError(f"reverse_translation needs a translation dataset; {ds.name!r} is "
                          f"{ds.kind}")
     return dataclasses.replace(ds, keys=ds.keys[::-1], digest=_digest(ds.digest, "reversed"))
 

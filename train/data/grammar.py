@@ -34,6 +34,8 @@ import dataclasses
 import hashlib
 import random
 
+from models.errors import UserError
+
 # ---------------------------------------------------------------------------------------------
 # Lexicon. Nouns: (singular, plural). Verbs: (base, third person singular, past).
 
@@ -409,11 +411,11 @@ def generate_splits(task: str, sizes: dict[str, int], seed: int = 0
     apart the same way by their text.
 
     Raises:
-        ValueError: if the task cannot produce that many distinct sources.
+        UserError: if the task cannot produce that many distinct sources.
     """
     tasks = {**TASKS, **CLASSIFICATION_TASKS}
     if task not in tasks:
-        raise ValueError(f"unknown generated task {task!r}; available: {sorted(tasks)}")
+        raise UserError(f"unknown generated task {task!r}; available: {sorted(tasks)}")
     make, draw, seen = tasks[task], _Draw(seed), set()
     out: dict[str, list[tuple[str, str]]] = {}
     for split in ("test", "validation", "train"):
@@ -423,7 +425,7 @@ def generate_splits(task: str, sizes: dict[str, int], seed: int = 0
             if src in seen:
                 misses += 1
                 if misses > 100 * sizes[split] + 10_000:
-                    raise ValueError(f"task {task!r} ran out of distinct examples at "
+                    raise UserError(f"task {task!r} ran out of distinct examples at "
                                      f"{len(seen)}; asked for {sum(sizes.values())}")
                 continue
             seen.add(src)

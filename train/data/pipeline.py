@@ -58,6 +58,7 @@ from collections.abc import Sequence
 import grain
 import numpy as np
 
+from models.errors import UserError
 from models.tokenizer import Tokenizer
 from train.data import cache as cache_lib
 from train.data.datasets import Dataset, data_digest
@@ -104,17 +105,17 @@ class PipelineConfig:
 
     def __post_init__(self):
         if self.per_device_batch_size < 1:
-            raise ValueError(f"per_device_batch_size={self.per_device_batch_size} must be >= 1")
+            raise UserError(f"per_device_batch_size={self.per_device_batch_size} must be >= 1")
         for name in ("max_source_length", "max_target_length"):
             if getattr(self, name) < 2:
-                raise ValueError(f"{name}={getattr(self, name)} must be >= 2 (a token and EOS)")
+                raise UserError(f"{name}={getattr(self, name)} must be >= 2 (a token and EOS)")
         if self.overlong not in ("drop", "truncate"):
-            raise ValueError(f"overlong={self.overlong!r} must be 'drop' or 'truncate'")
+            raise UserError(f"overlong={self.overlong!r} must be 'drop' or 'truncate'")
         if self.text_role not in ("text", "sentence"):
-            raise ValueError(f"text_role={self.text_role!r} must be 'text' or 'sentence'")
+            raise UserError(f"text_role={self.text_role!r} must be 'text' or 'sentence'")
         if list(self.bucket_boundaries) != sorted(set(self.bucket_boundaries)) or any(
                 b < 2 for b in self.bucket_boundaries):
-            raise ValueError(f"bucket_boundaries={self.bucket_boundaries} must be increasing "
+            raise UserError(f"bucket_boundaries={self.bucket_boundaries} must be increasing "
                              "and >= 2")
 
 
@@ -147,7 +148,7 @@ class TokenizedSplit:
 def shard_indices(num_examples: int, shard_index: int, shard_count: int) -> np.ndarray:
     """Example indices of one process: `shard_index, shard_index + count, ...` (disjoint)."""
     if not 0 <= shard_index < shard_count:
-        raise ValueError(f"shard_index={shard_index} must be in [0, shard_count={shard_count})")
+        raise UserError(f"shard_index={shard_index} must be in [0, shard_count={shard_count})")
     return np.arange(shard_index, num_examples, shard_count, dtype=np.int64)
 
 
@@ -175,7 +176,7 @@ def label_ids(dataset: Dataset, split: str, ids: np.ndarray,
     `label_names` (the dataset's own when empty).
 
     Raises:
-        ValueError: a label of the data that `label_names` lacks, naming both.
+        UserError: a label of the data that `label_names` lacks, naming both.
     """
     labels = np.asarray(dataset.label_ids(split, ids), np.int32)
     if not label_names or tuple(label_names) == tuple(dataset.label_names):
@@ -183,7 +184,7 @@ def label_ids(dataset: Dataset, split: str, ids: np.ndarray,
     order = {name: i for i, name in enumerate(label_names)}
     unknown = [n for n in dataset.label_names if n not in order]
     if unknown:
-        raise ValueError(f"dataset {dataset.name!r} has label(s) {unknown} that the model's "
+        raise UserError(f"dataset {dataset.name!r} has label(s) {unknown} that the model's "
                          f"labels {list(label_names)} do not name")
     remap = np.asarray([order[n] for n in dataset.label_names], np.int32)
     return remap[labels]
@@ -227,7 +228,7 @@ def tokenize_split(dataset: Dataset, split: str, tokenizer: Tokenizer, *, shard_
     """
     roles = side_roles(dataset, text_role)
     if roles != ("sentence",) and tokenizer.eos_id is None:
-        raise ValueError(f"the tokenizer ({tokenizer.identity[:40]}) has no end token "
+        raise UserError(f"the tokenizer ({tokenizer.identity[:40]}) has no end token "
                          "(eos_id None); the pipeline ends every example with one")
     end_id = sentence_end(tokenizer) if roles == ("sentence",) else tokenizer.eos_id
     source = dataset.split(split)
@@ -484,9 +485,9 @@ class BatchSource:
     def __init__(self, data: TokenizedSplit, items: Items, kind: str, cfg: PipelineConfig,
                  num_devices: int, shard_index: int = 0, shard_count: int = 1):
         if len(items) == 0:
-            raise ValueError("no examples left to batch after the length rules")
+            raise UserError("no examples left to batch after the length rules")
         if not 0 <= shard_index < shard_count:
-            raise ValueError(f"shard_index={shard_index} must be in [0, shard_count="
+            raise UserError(f"shard_index={shard_index} must be in [0, shard_count="
                              f"{shard_count})")
         self._data, self._items, self._cfg = data, items, cfg
         self._devices = num_devices
@@ -500,7 +501,7 @@ class BatchSource:
         self._starts = [0]            # first step of each epoch computed so far
         self._plans: dict[int, list] = {}
         if not self._plan(0):
-            raise ValueError(f"an epoch has {len(items)} usable examples, fewer than one batch "
+            raise UserError(f"an epoch has {len(items)} usable examples, fewer than one batch "
                              f"of {self._global_rows} rows ({shard_count} processes x "
                              f"{num_devices} devices x {cfg.per_device_batch_size})")
 
@@ -623,7 +624,7 @@ def _agreed_batches(needed: int, shard_count: int, dataset: Dataset, tokenizer: 
     them stop with the same error instead.
 
     Raises:
-        ValueError: the processes read different data (on every process).
+        UserError: the processes read different data (on every process).
     """
     import jax
     if not shard_count == jax.process_count() > 1:
@@ -638,7 +639,7 @@ def _agreed_batches(needed: int, shard_count: int, dataset: Dataset, tokenizer: 
         seen = "; ".join(f"process {p}: {row[1]} examples, digest "
                          f"{row[2:].astype(np.int32).tobytes().hex()}"
                          for p, row in enumerate(every))
-        raise ValueError(f"the processes read different data for split {split!r} of "
+        raise UserError(f"the processes read different data for split {split!r} of "
                          f"{dataset.name!r} ({seen}); every process must read the same files "
                          "(data_files, data_dir) with the same tokenizer")
     return int(every[:, 0].max())
@@ -693,7 +694,7 @@ def eval_batches(dataset: Dataset, tokenizer: Tokenizer, cfg: PipelineConfig, sp
     if num_batches is None:
         num_batches = _agreed_batches(needed, shard_count, dataset, tokenizer, split)
     elif num_batches < needed:
-        raise ValueError(f"num_batches={num_batches} is fewer than the {needed} batches of "
+        raise UserError(f"num_batches={num_batches} is fewer than the {needed} batches of "
                          f"{rows_per_batch} rows that shard {shard_index} of {shard_count} "
                          f"needs for its {len(items)} items of split {split!r}")
     names = side_names(dataset.kind)

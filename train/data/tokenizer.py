@@ -8,6 +8,7 @@ from collections.abc import Iterable
 
 import sentencepiece as spm
 
+from models.errors import UserError
 from models.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, SentencePieceTokenizer
 
 MIN_SENTENCEPIECE_VOCAB = 300   # 4 specials + 256 byte-fallback pieces + some characters
@@ -26,15 +27,15 @@ def train_sentencepiece(texts: Iterable[str], vocab_size: int, *,
         mask: add masked LM's mask token, the piece "[MASK]" (kept whole in text).
 
     Raises:
-        ValueError: for a vocabulary below 300 or a corpus with no text.
+        UserError: for a vocabulary below 300 or a corpus with no text.
     """
     if vocab_size < MIN_SENTENCEPIECE_VOCAB:
-        raise ValueError(f"sentencepiece vocab_size={vocab_size} is below "
+        raise UserError(f"sentencepiece vocab_size={vocab_size} is below "
                          f"{MIN_SENTENCEPIECE_VOCAB}: byte fallback alone needs 260 ids; use the "
                          "byte tokenizer for smaller vocabularies")
     texts = [t for t in texts if t]
     if not texts:
-        raise ValueError("cannot train a sentencepiece model on an empty corpus")
+        raise UserError("cannot train a sentencepiece model on an empty corpus")
     model = io.BytesIO()
     spm.SentencePieceTrainer.train(
         sentence_iterator=iter(texts), model_writer=model, vocab_size=vocab_size,
