@@ -1,92 +1,32 @@
-"""Attention: one pure function under thin projection modules.
+"""Attention: thin projection modules over one attention call (`models.kernels.attend`).
 
-`dot_product_attention` is the only place where attention is computed. Its call sites:
-encoder self-attention (padding mask), causal self-attention (causal mask, with or without
+Its call sites: encoder self-attention (padding), causal self-attention (with or without
 a cache) and cross-attention (queries from the decoder, keys/values projected once from the
-encoder output). Grouped-query attention is native: N query heads share K key/value heads
-in groups of G = N / K, so multi-head (K = N) and multi-query (K = 1) are the same code.
+encoder output). Each passes a description of what each query sees (`MaskSpec`) and, for
+T5, of its relative bias; the config's `attention_impl` picks the implementation that
+computes it (`xla`, the materialised `dot_product_attention`; `chunked`; `cudnn`).
+Grouped-query attention is native: N query heads share K key/value heads in groups of
+G = N / K, so multi-head (K = N) and multi-query (K = 1) are the same code. The attention
+output is named "attention_out" for remat policies (`jax.ad_checkpoint.checkpoint_name`).
 """
 
 from __future__ import annotations
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Bool, Float, Int
+from jax.ad_checkpoint import checkpoint_name
+from jaxtyping import Array, Float, Int
 
 from models.axes import named
 from models.cache import KVCache
 from models.config import Llama3RopeScaling, TransformerConfig
-from models.errors import UserError
-from models.numerics import MASKED_LOGIT
+from models.kernels import attend, dot_product_attention
+from models.masks import MaskSpec
+from models.relative import RelativeBias
 
-
-def dot_product_attention(
-    q_BTNH: Float[Array, "B T N H"],
-    k_BSKH: Float[Array, "Bk S K H"],
-    v_BSKH: Float[Array, "Bk S K H"],
-    mask_BTS: Bool[Array, "B T S"] | None = None,
-    *,
-    bias_BNTS: Float[Array, "B N T S"] | None = None,
-    scale: float | None = None,
-    dropout_rate: float = 0.0,
-    dropout_rng: jax.Array | None = None,
-) -> tuple[Float[Array, "B T N H"], Float[Array, "B N T S"]]:
-    """softmax(scale * q k^T + bias, masked) v, with the softmax in float32.
-
-    Args:
-        q_BTNH: queries.
-        k_BSKH, v_BSKH: keys and values with K heads, N % K == 0. Their batch Bk may divide
-            B: then B = Bk * W and the W query rows of one key row (beams sharing one encoded
-            source) attend to it without the keys being copied.
-        mask_BTS: True where a query may see a key; broadcastable to [B, T, S]; None means
-            everything is visible. A query row with no visible key returns zeros, not NaN.
-        bias_BNTS: added to the logits before masking (T5's relative position bias);
-            broadcastable to [B, N, T, S], float32 preferred; None adds nothing.
-        scale: the logits' scale; None means 1 / sqrt(H).
-        dropout_rate, dropout_rng: dropout on the probabilities (training only).
-
-    Returns:
-        out_BTNH in the dtype of v, and probs_BNTS (float32) for inspection.
-    """
-    B, T, N, H = q_BTNH.shape
-    Bk, S, K, Hk = k_BSKH.shape
-    if k_BSKH.shape != v_BSKH.shape:
-        raise UserError(f"keys {k_BSKH.shape} and values {v_BSKH.shape} differ in shape")
-    if H != Hk or N % K or B % Bk:
-        raise UserError(
-            f"incompatible attention shapes: q {q_BTNH.shape} [B,T,N,H] vs k {k_BSKH.shape} "
-            "[Bk,S,K,H] needs equal H, N divisible by K, B divisible by Bk")
-    if mask_BTS is not None:
-        if mask_BTS.ndim != 3:
-            raise UserError(f"mask must be [B, T, S] (rank 3), got shape {mask_BTS.shape}")
-        mask_BTS = jnp.broadcast_to(mask_BTS, (B, T, S))
-    W, G = B // Bk, N // K
-    scale = H ** -0.5 if scale is None else scale
-    # Fold the W query rows that share one key row into its time axis.
-    q_BQKGH = q_BTNH.reshape(Bk, W * T, K, G, H)
-    if scale != 1.0:
-        q_BQKGH = q_BQKGH * jnp.asarray(scale, q_BTNH.dtype)
-    logits_BKGQS = jnp.einsum(
-        "BQKGH,BSKH->BKGQS", q_BQKGH, k_BSKH, preferred_element_type=jnp.float32)
-    if bias_BNTS is not None:
-        bias_BWKGTS = jnp.broadcast_to(bias_BNTS, (B, N, T, S)).reshape(Bk, W, K, G, T, S)
-        bias_BKGQS = bias_BWKGTS.transpose(0, 2, 3, 1, 4, 5).reshape(Bk, K, G, W * T, S)
-        logits_BKGQS = logits_BKGQS + bias_BKGQS.astype(jnp.float32)
-    if mask_BTS is not None:
-        mask_B11QS = mask_BTS.reshape(Bk, 1, 1, W * T, S)
-        logits_BKGQS = jnp.where(mask_B11QS, logits_BKGQS, MASKED_LOGIT)
-    probs_BKGQS = jax.nn.softmax(logits_BKGQS, axis=-1)
-    if mask_BTS is not None:
-        probs_BKGQS = jnp.where(mask_B11QS, probs_BKGQS, 0.0)
-    if dropout_rate > 0.0 and dropout_rng is not None:
-        keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, probs_BKGQS.shape)
-        probs_BKGQS = jnp.where(keep, probs_BKGQS / (1.0 - dropout_rate), 0.0)
-    out_BQKGH = jnp.einsum("BKGQS,BSKH->BQKGH", probs_BKGQS.astype(v_BSKH.dtype), v_BSKH)
-    out_BTNH = out_BQKGH.reshape(B, T, N, H)
-    probs_BNTS = probs_BKGQS.reshape(Bk, K * G, W, T, S).transpose(0, 2, 1, 3, 4)
-    return out_BTNH, probs_BNTS.reshape(B, N, T, S)
+__all__ = ["CrossAttention", "CrossKVProjection", "SelfAttention", "apply_rope",
+           "dot_product_attention", "rope_frequencies"]
 
 
 def rope_frequencies(head_dim: int, theta: float,
@@ -147,24 +87,29 @@ def _dense_out(config: TransformerConfig) -> nn.DenseGeneral:
         bias_init=named(nn.initializers.zeros, "embed"), name="out")
 
 
-def _attend(module: nn.Module, config, q, k, v, mask, deterministic, bias=None):
-    """The attention core plus dropout rng and the sown weights, shared by both modules."""
-    rate = 0.0 if deterministic else config.attention_dropout_rate
+def _attend(module: nn.Module, q, k, v, spec: MaskSpec, *, bias=None, deterministic: bool):
+    """The attention core by the config's implementation, with the dropout rng and the
+    sown weights, shared by both modules. The probabilities exist (and are sown) only when
+    the caller applies with mutable=["intermediates"]: `auto` then runs `xla`."""
+    cfg = module.config
+    rate = 0.0 if deterministic else cfg.attention_dropout_rate
     rng = module.make_rng("dropout") if rate > 0.0 else None
-    out_BTNH, probs_BNTS = dot_product_attention(
-        q, k, v, mask, bias_BNTS=bias, scale=None if config.scale_attention else 1.0,
-        dropout_rate=rate, dropout_rng=rng)
-    # A no-op unless the caller applies with mutable=["intermediates"].
-    module.sow("intermediates", "attention_weights", probs_BNTS)
-    return out_BTNH
+    with_probs = module.is_mutable_collection("intermediates")
+    out_BTNH, probs_BNTS = attend(
+        q, k, v, spec, bias, impl=cfg.attention_impl,
+        scale=q.shape[-1] ** -0.5 if cfg.scale_attention else 1.0, dropout_rate=rate,
+        dropout_rng=rng, with_probs=with_probs, block=cfg.attention_block)
+    if probs_BNTS is not None:
+        module.sow("intermediates", "attention_weights", probs_BNTS)
+    return checkpoint_name(out_BTNH, "attention_out")
 
 
 class SelfAttention(nn.Module):
-    """Self-attention projections; bidirectional or causal depending on the mask given.
+    """Self-attention projections; bidirectional or causal as the mask description says.
 
     With a cache, the new keys/values are written into `cache` for `layer` at `positions`
-    and the queries attend over all cache slots (the mask hides unwritten ones). `bias_BNTS`
-    (relative positions) is added to the logits.
+    and the queries attend over all cache slots (the description hides unwritten ones).
+    `bias` (relative positions, a `RelativeBias`) is added to the logits.
     """
 
     config: TransformerConfig
@@ -173,12 +118,13 @@ class SelfAttention(nn.Module):
     def __call__(
         self,
         x_BTD: Float[Array, "B T D"],
-        mask_BTS: Bool[Array, "B T S"] | None,
+        *,
+        spec: MaskSpec,
         positions_BT: Int[Array, "B T"],
         cache: KVCache | None,
         layer,
         deterministic: bool,
-        bias_BNTS: Float[Array, "B N T S"] | None = None,
+        bias: RelativeBias | None = None,
     ) -> tuple[Float[Array, "B T D"], KVCache | None]:
         cfg = self.config
         q_BTNH = _dense_heads(cfg, cfg.num_heads, "query")(x_BTD)
@@ -193,8 +139,8 @@ class SelfAttention(nn.Module):
         else:
             cache = cache.write(layer, k_BTKH, v_BTKH, positions_BT)
             k_BSKH, v_BSKH = cache.read(layer)
-        out_BTNH = _attend(self, cfg, q_BTNH, k_BSKH, v_BSKH, mask_BTS, deterministic,
-                           bias_BNTS)
+        out_BTNH = _attend(self, q_BTNH, k_BSKH, v_BSKH, spec, bias=bias,
+                           deterministic=deterministic)
         return _dense_out(cfg)(out_BTNH), cache
 
 
@@ -205,10 +151,10 @@ class CrossAttention(nn.Module):
     config: TransformerConfig
 
     @nn.compact
-    def __call__(self, x_BTD, k_BSKH, v_BSKH, mask_BTS, deterministic: bool):
+    def __call__(self, x_BTD, k_BSKH, v_BSKH, *, spec: MaskSpec, deterministic: bool):
         cfg = self.config
         q_BTNH = _dense_heads(cfg, cfg.num_heads, "query")(x_BTD)
-        out_BTNH = _attend(self, cfg, q_BTNH, k_BSKH, v_BSKH, mask_BTS, deterministic)
+        out_BTNH = _attend(self, q_BTNH, k_BSKH, v_BSKH, spec, deterministic=deterministic)
         return _dense_out(cfg)(out_BTNH)
 
 

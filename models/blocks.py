@@ -13,13 +13,22 @@ from typing import Any
 
 import flax.linen as nn
 import flax.struct
+import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array, Float, Int
 
 from models.attention import CrossAttention, SelfAttention
 from models.config import TransformerConfig
 from models.layers import MLP, make_norm, residual
-from models.relative import RelativePositionBias
+from models.masks import MaskSpec
+from models.relative import RelativeBias, RelativePositionBias
+
+# What a rematerialised layer keeps for its backward pass (`TransformerConfig.remat_policy`).
+REMAT_POLICIES = {
+    "full": None,                                 # nothing but the layer's input
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "names": jax.checkpoint_policies.save_only_these_names("attention_out", "mlp_in"),
+}
 
 
 @flax.struct.dataclass
@@ -27,26 +36,26 @@ class LayerInputs:
     """What every layer of a stack reads and nobody writes (broadcast under `nn.scan`).
 
     Attributes:
-        self_mask: bool[B, T, S] self-attention mask (S = T without a cache).
-        positions: int32[B, T] absolute positions of the T tokens (for rotary and relative
+        self_spec: what each self-attention query sees (S = T without a cache).
+        positions: int32[B, T] positions of the T tokens (for rotary and relative
             positions).
         key_positions: int32[B, S] positions of the self-attention keys (the cache slots
             when decoding), or None: the same tokens as the queries.
         cross_k, cross_v: float[L, Bs, K, Ssrc, H] cross-attention keys/values of all
             layers (`KVCache` layout), or None in a stack without cross-attention.
-        cross_mask: bool[B, T or 1, Ssrc] cross-attention mask, or None.
-        self_bias: float32[B, N, T, S] added to the self-attention logits (relative
-            positions; the stack computes it), or None.
+        cross_spec: what each cross-attention query sees of the source, or None.
+        self_bias: the relative position bias of self-attention (the stack describes
+            it), or None.
         deterministic: no dropout (static).
     """
 
-    self_mask: Bool[Array, "B T S"] | None
+    self_spec: MaskSpec
     positions: Int[Array, "B T"]
     cross_k: Float[Array, "L Bs K Ssrc H"] | None = None
     cross_v: Float[Array, "L Bs K Ssrc H"] | None = None
-    cross_mask: Bool[Array, "B T Ssrc"] | None = None
+    cross_spec: MaskSpec | None = None
     key_positions: Int[Array, "B S"] | None = None
-    self_bias: Float[Array, "B N T S"] | None = None
+    self_bias: RelativeBias | None = None
     deterministic: bool = flax.struct.field(pytree_node=False, default=True)
 
 
@@ -55,8 +64,8 @@ def _self_attention_sublayer(cfg, x_BTD, inputs: LayerInputs, cache, layer):
     attn = SelfAttention(cfg, name="self_attention")
     return residual(
         cfg, x_BTD,
-        lambda y: attn(y, inputs.self_mask, inputs.positions, cache, layer, inputs.deterministic,
-                       inputs.self_bias),
+        lambda y: attn(y, spec=inputs.self_spec, positions_BT=inputs.positions, cache=cache,
+                       layer=layer, deterministic=inputs.deterministic, bias=inputs.self_bias),
         make_norm(cfg, "self_attention_norm"), inputs.deterministic)
 
 
@@ -95,7 +104,8 @@ class DecoderLayer(nn.Module):
         k_BSKH = jnp.swapaxes(inputs.cross_k[layer], 1, 2)
         v_BSKH = jnp.swapaxes(inputs.cross_v[layer], 1, 2)
         x_BTD, _ = residual(
-            cfg, x_BTD, lambda y: (cross(y, k_BSKH, v_BSKH, inputs.cross_mask, det), None),
+            cfg, x_BTD,
+            lambda y: (cross(y, k_BSKH, v_BSKH, spec=inputs.cross_spec, deterministic=det), None),
             make_norm(cfg, "cross_attention_norm"), det)
         x_BTD = _mlp_sublayer(cfg, x_BTD, inputs)
         return (x_BTD, cache, layer + 1), None
@@ -106,9 +116,10 @@ class LayerStack(nn.Module):
 
     With `config.scan_layers` the layers run as one `nn.scan` (compiles once, parameters
     under "layers" with a leading L axis); otherwise as "layer_0" .. "layer_{L-1}".
-    `config.remat` rematerialises each layer in the backward pass. With relative positions
-    the stack computes the position bias once ("relative_bias", bidirectional unless
-    `causal`) and every layer adds it.
+    `config.remat` rematerialises each layer in the backward pass, keeping what
+    `config.remat_policy` names (`REMAT_POLICIES`). With relative positions the stack
+    describes the position bias once ("relative_bias", bidirectional unless `causal`) and
+    every layer adds it.
     """
 
     config: TransformerConfig
@@ -126,7 +137,8 @@ class LayerStack(nn.Module):
             inputs = inputs.replace(self_bias=bias)
         layer_type = self.layer_type
         if cfg.remat:
-            layer_type = nn.remat(layer_type, prevent_cse=not cfg.scan_layers)
+            layer_type = nn.remat(layer_type, prevent_cse=not cfg.scan_layers,
+                                  policy=REMAT_POLICIES[cfg.remat_policy])
         if cfg.scan_layers:
             scanned = nn.scan(
                 layer_type,

@@ -32,6 +32,8 @@ PositionKind = Literal["sinusoidal", "sinusoidal_paper", "learned", "rope", "rel
 NormKind = Literal["layernorm", "rmsnorm"]
 NormPosition = Literal["pre", "post"]
 Activation = Literal["relu", "gelu", "gelu_exact", "silu", "swiglu", "geglu"]
+AttentionImpl = Literal["auto", "xla", "chunked", "cudnn"]
+RematPolicy = Literal["full", "dots", "names"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +64,7 @@ class Llama3RopeScaling:
 
 _POSITIVE = ("vocab_size", "d_model", "num_heads", "num_kv_heads", "head_dim", "mlp_dim",
              "max_len", "num_layers", "num_encoder_layers", "num_decoder_layers",
-             "sliding_window", "relative_buckets", "relative_max_distance")
+             "sliding_window", "relative_buckets", "relative_max_distance", "attention_block")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,6 +138,18 @@ class TransformerConfig:
             dtypes, stored as `jnp.dtype`s (pass them straight to Flax).
         scan_layers: run the layers with `nn.scan` (parameters stacked over layers).
         remat: rematerialise each layer in the backward pass (`nn.remat`).
+        remat_policy: with `remat`, what a layer keeps from its forward pass for the
+            backward: "full" (nothing but its input: the whole layer runs again), "dots"
+            (every matmul output without batch dimensions: the projections and the MLP;
+            attention and elementwise work run again), "names" (the points named
+            "attention_out" and "mlp_in": the attention output and the MLP's input).
+        attention_impl: how attention is computed (`models.kernels`): "xla" (the
+            materialised [B, N, T, S] core; the only one that returns probabilities),
+            "chunked" (exact, blockwise, no T x S array in either pass, any backend),
+            "cudnn" (cuDNN's fused kernel on a GPU, where the mask allows it), "auto" (the
+            fastest exact choice per call). Like `dtype`, a loaded model may take it.
+        attention_block: the query and key block size of "chunked" attention (a sequence
+            shorter than one block is one block).
         pad_id, eos_id, bos_id: special token ids, any values in [0, V), equal ones allowed
             (GPT-2 ends and starts with 50256 and has no pad: pad_id None). bos is the first
             decoder input (the encoder-decoder's start token; required there and for
@@ -185,6 +199,9 @@ class TransformerConfig:
     param_dtype: Any = "float32"
     scan_layers: bool = False
     remat: bool = False
+    remat_policy: RematPolicy = "full"
+    attention_impl: AttentionImpl = "auto"
+    attention_block: int = 512
     pad_id: int | None = 0
     eos_id: int | None = 1
     bos_id: int | None = 2
@@ -225,6 +242,9 @@ class TransformerConfig:
         if self.positions == "rope" and self.head_dim % 2:
             raise UserError(
                 f"TransformerConfig.head_dim={self.head_dim} must be even for rope positions")
+        if self.remat_policy != "full" and not self.remat:
+            raise UserError(f"TransformerConfig.remat_policy={self.remat_policy!r} chooses "
+                            "what remat keeps, and needs remat=True")
         if self.rope_theta <= 0:
             raise UserError(f"TransformerConfig.rope_theta={self.rope_theta} must be > 0")
         if not self.norm_eps > 0:

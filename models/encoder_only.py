@@ -30,13 +30,7 @@ from models.checks import check_same_shape, check_tokens
 from models.config import TransformerConfig
 from models.errors import UserError
 from models.layers import ACTIVATIONS, InputEmbedding, make_norm, token_embedding
-from models.masks import (
-    combine_masks,
-    padding_mask,
-    positions_like,
-    segment_mask,
-    valid_from_lengths,
-)
+from models.masks import MaskSpec, positions_like, valid_from_lengths
 
 
 def _dense(cfg: TransformerConfig, features: int, name: str, out_axis: str) -> nn.Dense:
@@ -115,10 +109,10 @@ class EncoderOnly(PlainInit, nn.Module):
             raise UserError("token_types given, but the config has num_token_types=0")
         positions = positions_like(tokens) if positions is None else positions
         valid_BT = valid_from_lengths(tokens, lengths, "lengths")
-        seg = None if segment_ids is None else segment_mask(segment_ids, segment_ids)
-        mask = combine_masks(padding_mask(valid_BT, valid_BT), seg)
+        spec = MaskSpec(q_segment=segment_ids, k_segment=segment_ids, q_valid=valid_BT,
+                        k_valid=valid_BT, aligned=True)
         x_BTD = self.embed(tokens, positions, deterministic, token_types)
-        x_BTD, _ = self.encoder(x_BTD, LayerInputs(mask, positions, deterministic=deterministic))
+        x_BTD, _ = self.encoder(x_BTD, LayerInputs(spec, positions, deterministic=deterministic))
         return x_BTD
 
     def __call__(self, tokens: Int[Array, "B T"], **kwargs) -> Float[Array, "B T V"]:

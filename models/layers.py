@@ -9,6 +9,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, Int
 
 from models.axes import constrain, named
@@ -117,7 +118,8 @@ GATED = {"swiglu": jax.nn.silu, "geglu": ACTIVATIONS["gelu"]}
 class MLP(nn.Module):
     """D -> F -> D, either act(x W_up) W_down (ReLU, GELU tanh or exact, SiLU) or gated:
     (act(x W_gate) * x W_up) W_down (SwiGLU with SiLU, GeGLU with tanh GELU). Dropout at
-    `mlp_dropout_rate` on the hidden activations."""
+    `mlp_dropout_rate` on the hidden activations. The input is named "mlp_in" for remat
+    policies."""
 
     config: TransformerConfig
 
@@ -134,6 +136,7 @@ class MLP(nn.Module):
                 bias_init=named(nn.initializers.zeros, axes[1]), name=name)
 
         up, down = ("embed", "mlp"), ("mlp", "embed")
+        x_BTD = checkpoint_name(x_BTD, "mlp_in")
         if cfg.activation in GATED:
             gate_BTF = GATED[cfg.activation](dense(cfg.mlp_dim, "gate", up)(x_BTD))
             h_BTF = gate_BTF * dense(cfg.mlp_dim, "up", up)(x_BTD)

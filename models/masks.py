@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import functools
 
+import flax.struct
 import jax.numpy as jnp
+from jax import lax
 from jaxtyping import Array, Bool, Int
 
 from models.checks import check_int_array, check_new_lengths
@@ -90,3 +92,106 @@ def positions_like(tokens_BT: Int[Array, "B T"]) -> Int[Array, "B T"]:
     """0, 1, ..., T-1 for every row."""
     B, T = tokens_BT.shape
     return jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32)[None, :], (B, T))
+
+
+@flax.struct.dataclass
+class MaskSpec:
+    """Which keys each query may see, described rather than materialised.
+
+    Every attention implementation reads this one description: `xla` materialises it
+    (`materialize`), `chunked` evaluates one block of it at a time (`block`), so no
+    `[B, T, S]` array exists unless an implementation asks for one. A query sees a key when
+    every rule given holds:
+
+        causal    k_index <= q_index                          (static flag)
+        window    k_index >  q_index - window                 (static; with causal: the
+                                                               `window` most recent keys)
+        segments  q_segment == k_segment and q_segment > 0    (packed rows; 0 is padding)
+        validity  q_valid and k_valid                         (right padding, by lengths)
+
+    Query-side arrays are [B, T]; key-side arrays are [Bk, S], where Bk divides B: the
+    B / Bk consecutive query rows of one key row (the beams of one source) share its keys.
+    Indices are the order positions of tokens in their row (0 .. T-1 for a teacher-forced
+    sequence; absolute positions and cache slots when decoding), not per-segment
+    positions.
+
+        causal, q_index [[0 1 2]], k_index [[0 1 2]]   ->   [[1 0 0]
+                                                             [1 1 0]
+                                                             [1 1 1]]
+
+    Attributes:
+        q_index, k_index: int32 [B, T] and [Bk, S], needed by causal and window.
+        q_segment, k_segment: int32 [B, T] and [Bk, S] segment ids, or None.
+        q_valid, k_valid: bool [B, T] and [Bk, S], or None (all real).
+        causal: keys after the query are hidden.
+        window: None, or W: only keys with k_index > q_index - W are seen.
+        aligned: the indices are 0 .. T-1 and 0 .. S-1 in every row (a teacher-forced
+            sequence, T = S), which fused kernels' own causal masks assume.
+    """
+
+    q_index: Int[Array, "B T"] | None = None
+    k_index: Int[Array, "Bk S"] | None = None
+    q_segment: Int[Array, "B T"] | None = None
+    k_segment: Int[Array, "Bk S"] | None = None
+    q_valid: Bool[Array, "B T"] | None = None
+    k_valid: Bool[Array, "Bk S"] | None = None
+    causal: bool = flax.struct.field(pytree_node=False, default=False)
+    window: int | None = flax.struct.field(pytree_node=False, default=None)
+    aligned: bool = flax.struct.field(pytree_node=False, default=False)
+
+    @property
+    def is_empty(self) -> bool:
+        """No rule at all: every query sees every key."""
+        return (not self.causal and self.window is None and self.q_segment is None
+                and self.q_valid is None and self.k_valid is None)
+
+    def rows(self, fold: int) -> MaskSpec:
+        """The spec with each query-side array folded to [Bk, fold * T]: query row b's
+        tokens follow row b - 1's within its key row (as the attention core folds the
+        beams that share one source's keys)."""
+        if fold == 1:
+            return self
+
+        def f(x):
+            return None if x is None else x.reshape(x.shape[0] // fold, -1)
+        return self.replace(q_index=f(self.q_index), q_segment=f(self.q_segment),
+                            q_valid=f(self.q_valid))
+
+    def block(self, q_slice: tuple, k_slice: tuple) -> Bool[Array, "B t s"] | None:
+        """bool[B, t, s] of the queries `q_slice` = (start, size) and the keys `k_slice`,
+        starts traced or static (a `lax.dynamic_slice` of each array); None when the spec
+        hides nothing."""
+        def q(x):
+            return None if x is None else _slice(x, q_slice)
+
+        def k(x):
+            return None if x is None else _slice(x, k_slice)
+        return _visible(self, q(self.q_index), k(self.k_index), q(self.q_segment),
+                        k(self.k_segment), q(self.q_valid), k(self.k_valid))
+
+    def materialize(self) -> Bool[Array, "B T S"] | None:
+        """The whole bool[B, T, S] mask (query and key rows equal in number), or None
+        when it hides nothing."""
+        return _visible(self, self.q_index, self.k_index, self.q_segment, self.k_segment,
+                        self.q_valid, self.k_valid)
+
+
+def _slice(x, where: tuple):
+    start, size = where
+    return lax.dynamic_slice_in_dim(x, start, size, axis=1)
+
+
+def _visible(spec: MaskSpec, q_index, k_index, q_segment, k_segment, q_valid, k_valid):
+    """The rules of `spec` on (slices of) its arrays, ANDed; None when none applies."""
+    rules = []
+    if spec.causal:
+        rules.append(causal_mask(q_index, k_index))
+    if spec.window is not None:
+        rules.append(window_mask(q_index, k_index, spec.window))
+    if q_segment is not None:
+        rules.append(segment_mask(q_segment, k_segment))
+    if q_valid is not None or k_valid is not None:
+        q_ok = True if q_valid is None else q_valid[:, :, None]
+        k_ok = True if k_valid is None else k_valid[:, None, :]
+        rules.append(jnp.logical_and(q_ok, k_ok))
+    return combine_masks(*rules)

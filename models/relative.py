@@ -21,8 +21,10 @@ import functools
 import math
 
 import flax.linen as nn
+import flax.struct
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jaxtyping import Array, Float, Int
 
 from models.axes import named
@@ -62,23 +64,66 @@ def relative_buckets(relative_BTS: Int[Array, "B T S"], *, bidirectional: bool,
     return table[jnp.clip(relative_BTS, -max_distance, max_distance) + max_distance]
 
 
+@flax.struct.dataclass
+class RelativeBias:
+    """T5's bias of queries at `q_pos` over keys at `k_pos`, described: the [buckets, N]
+    table and the positions. `materialize` gives float32[B, N, T, S] at once (the `xla`
+    attention); `block` gives one block of it, so `chunked` attention never holds a whole
+    T x S table. Its gradient reaches `table` through either.
+
+    Attributes:
+        table: float[buckets, N] the learned bias of each bucket and head.
+        q_pos: int32[B, T] query positions; k_pos: int32[Bk, S] key positions (Bk divides
+            B, as in `models.masks.MaskSpec`).
+        bidirectional, num_buckets, max_distance: the bucketing (static).
+    """
+
+    table: Float[Array, "b N"]
+    q_pos: Int[Array, "B T"]
+    k_pos: Int[Array, "Bk S"]
+    bidirectional: bool = flax.struct.field(pytree_node=False, default=True)
+    num_buckets: int = flax.struct.field(pytree_node=False, default=32)
+    max_distance: int = flax.struct.field(pytree_node=False, default=128)
+
+    def _bias(self, q_pos_BT, k_pos_BS) -> Float[Array, "B N T S"]:
+        B = q_pos_BT.shape[0]
+        fold = B // k_pos_BS.shape[0]
+        k_pos_BS = jnp.repeat(k_pos_BS, fold, axis=0) if fold > 1 else k_pos_BS
+        bucket_BTS = relative_buckets(
+            k_pos_BS[:, None, :] - q_pos_BT[:, :, None], bidirectional=self.bidirectional,
+            num_buckets=self.num_buckets, max_distance=self.max_distance)
+        bias_BTSN = jnp.take(self.table.astype(jnp.float32), bucket_BTS, axis=0)
+        return bias_BTSN.transpose(0, 3, 1, 2)
+
+    def materialize(self) -> Float[Array, "B N T S"]:
+        return self._bias(self.q_pos, self.k_pos)
+
+    def block(self, q_slice: tuple, k_slice: tuple) -> Float[Array, "B N t s"]:
+        """The bias of the queries `q_slice` = (start, size) over the keys `k_slice`."""
+        return self._bias(lax.dynamic_slice_in_dim(self.q_pos, *q_slice, axis=1),
+                          lax.dynamic_slice_in_dim(self.k_pos, *k_slice, axis=1))
+
+    def rows(self, fold: int) -> RelativeBias:
+        """Query positions folded to [Bk, fold * T], as `MaskSpec.rows`."""
+        if fold == 1:
+            return self
+        return self.replace(q_pos=self.q_pos.reshape(self.q_pos.shape[0] // fold, -1))
+
+
 class RelativePositionBias(nn.Module):
-    """The bias [B, N, T, S] of queries at `q_pos_BT` over keys at `k_pos_BS`, from one
-    [buckets, N] table (named "embedding" under this module)."""
+    """The bias of queries at `q_pos_BT` over keys at `k_pos_BS`, described (a
+    `RelativeBias` over one [buckets, N] table, named "embedding" under this module)."""
 
     config: TransformerConfig
     bidirectional: bool
 
     @nn.compact
-    def __call__(self, q_pos_BT: Int[Array, "B T"],
-                 k_pos_BS: Int[Array, "B S"]) -> Float[Array, "B N T S"]:
+    def __call__(self, q_pos_BT: Int[Array, "B T"], k_pos_BS: Int[Array, "B S"]) -> RelativeBias:
         cfg = self.config
         table_bN = self.param(
             "embedding", named(nn.initializers.normal(1.0), "buckets", "heads"),
             (cfg.relative_buckets, cfg.num_heads),
             cfg.param_dtype)
-        bucket_BTS = relative_buckets(
-            k_pos_BS[:, None, :] - q_pos_BT[:, :, None], bidirectional=self.bidirectional,
-            num_buckets=cfg.relative_buckets, max_distance=cfg.relative_max_distance)
-        bias_BTSN = jnp.take(table_bN.astype(jnp.float32), bucket_BTS, axis=0)
-        return bias_BTSN.transpose(0, 3, 1, 2)
+        return RelativeBias(table_bN, q_pos_BT, k_pos_BS, bidirectional=self.bidirectional,
+                            num_buckets=cfg.relative_buckets,
+                            max_distance=cfg.relative_max_distance)

@@ -35,37 +35,28 @@ from models.config import TransformerConfig
 from models.encoder_only import EncoderOnly
 from models.errors import UserError, check_positive_int
 from models.layers import InputEmbedding, token_embedding
-from models.masks import (
-    causal_mask,
-    combine_masks,
-    padding_mask,
-    positions_like,
-    segment_mask,
-    valid_from_lengths,
-    window_mask,
-)
+from models.masks import MaskSpec, positions_like, valid_from_lengths
 
 
-def _self_mask(config: TransformerConfig, q_pos_BT, k_pos_BS):
-    """The decoder's self-attention mask over absolute positions: causal, and the sliding
-    window when the config has one."""
-    window = (None if config.sliding_window is None
-              else window_mask(q_pos_BT, k_pos_BS, config.sliding_window))
-    return combine_masks(causal_mask(q_pos_BT, k_pos_BS), window)
+def _causal_spec(config: TransformerConfig, q_index_BT, k_index_BS, **fields) -> MaskSpec:
+    """The decoder's self-attention: causal over the indices, within the sliding window
+    when the config has one."""
+    return MaskSpec(q_index_BT, k_index_BS, causal=True, window=config.sliding_window,
+                    **fields)
 
 
-def _forward_masks(config, tokens_BT, segment_ids_BT, positions_BT):
-    """Positions (given or 0..T-1) and the causal (windowed, segment) mask of a full
-    sequence. Within a packed segment, index distances are position distances."""
+def _forward_spec(config, tokens_BT, segment_ids_BT, positions_BT):
+    """Positions (given or 0..T-1) and the causal (windowed, segment) description of a
+    full sequence. Within a packed segment, index distances are position distances."""
     index_BT = positions_like(tokens_BT)
     positions_BT = index_BT if positions_BT is None else positions_BT
-    seg = None if segment_ids_BT is None else segment_mask(segment_ids_BT, segment_ids_BT)
-    return positions_BT, combine_masks(_self_mask(config, index_BT, index_BT), seg)
+    return positions_BT, _causal_spec(config, index_BT, index_BT, q_segment=segment_ids_BT,
+                                      k_segment=segment_ids_BT, aligned=True)
 
 
 class _CachedDecoder(nn.Module):
     """prefill / step over a `KVCache`, shared by both families; subclasses supply
-    `_decode(tokens_BT, positions_BT, self_mask_BTS, cache, deterministic, key_positions_BS)`
+    `_decode(tokens_BT, *, positions_BT, spec, cache, deterministic, key_positions_BS)`
     (key positions: the cache slots, for relative positions)."""
 
     config: TransformerConfig
@@ -124,9 +115,10 @@ class _CachedDecoder(nn.Module):
         check_cache_room(cache.lengths, lengths_B, S)
         positions_BT = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
         slots_BS = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32)[None, :], (B, S))
-        mask_BTS = _self_mask(self.config, positions_BT, slots_BS)
-        logits_BTV, cache = self._decode(tokens_BT, positions_BT, mask_BTS, cache, True,
-                                         slots_BS)
+        spec = _causal_spec(self.config, positions_BT, slots_BS)
+        logits_BTV, cache = self._decode(tokens_BT, positions_BT=positions_BT, spec=spec,
+                                         cache=cache, deterministic=True,
+                                         key_positions_BS=slots_BS)
         return logits_BTV, cache.replace(lengths=cache.lengths + lengths_B.astype(jnp.int32))
 
     def step(self, tokens_B: Int[Array, " B"],
@@ -161,14 +153,15 @@ class DecoderOnly(PlainInit, _CachedDecoder):
         check_tokens(self.config, tokens, "tokens")
         check_same_shape(segment_ids, tokens, "segment_ids", "tokens")
         check_same_shape(positions, tokens, "positions", "tokens")
-        positions, mask = _forward_masks(self.config, tokens, segment_ids, positions)
-        logits, _ = self._decode(tokens, positions, mask, None, deterministic)
+        positions, spec = _forward_spec(self.config, tokens, segment_ids, positions)
+        logits, _ = self._decode(tokens, positions_BT=positions, spec=spec, cache=None,
+                                 deterministic=deterministic)
         return logits
 
-    def _decode(self, tokens_BT, positions_BT, self_mask_BTS, cache, deterministic,
+    def _decode(self, tokens_BT, *, positions_BT, spec, cache, deterministic,
                 key_positions_BS=None):
         x_BTD = self.embed(tokens_BT, positions_BT, deterministic)
-        inputs = LayerInputs(self_mask_BTS, positions_BT, key_positions=key_positions_BS,
+        inputs = LayerInputs(spec, positions_BT, key_positions=key_positions_BS,
                              deterministic=deterministic)
         x_BTD, cache = self.decoder(x_BTD, inputs, cache)
         return self._logits(x_BTD), cache
@@ -208,10 +201,10 @@ class EncoderDecoder(PlainInit, _CachedDecoder):
         check_same_shape(positions, src, "src_positions", "src")
         positions = positions_like(src) if positions is None else positions
         valid_BS = valid_from_lengths(src, lengths, "src_lengths")
-        seg = None if segment_ids is None else segment_mask(segment_ids, segment_ids)
-        mask = combine_masks(padding_mask(valid_BS, valid_BS), seg)
+        spec = MaskSpec(q_segment=segment_ids, k_segment=segment_ids, q_valid=valid_BS,
+                        k_valid=valid_BS, aligned=True)
         x_BSD = self.src_embed(src, positions, deterministic)
-        x_BSD, _ = self.encoder(x_BSD, LayerInputs(mask, positions, deterministic=deterministic))
+        x_BSD, _ = self.encoder(x_BSD, LayerInputs(spec, positions, deterministic=deterministic))
         return x_BSD
 
     def __call__(
@@ -242,12 +235,11 @@ class EncoderDecoder(PlainInit, _CachedDecoder):
             src, lengths=src_lengths, segment_ids=src_segment_ids, positions=src_positions,
             deterministic=deterministic)
         cross_k, cross_v = self.cross_kv(encoded_BSD)
-        seg = None if tgt_segment_ids is None else segment_mask(tgt_segment_ids, src_segment_ids)
-        valid_BS = valid_from_lengths(src, src_lengths, "src_lengths")
-        cross_mask = combine_masks(valid_BS[:, None, :], seg)
-        positions, self_mask = _forward_masks(cfg, tgt_in, tgt_segment_ids, tgt_positions)
+        cross_spec = MaskSpec(q_segment=tgt_segment_ids, k_segment=src_segment_ids,
+                              k_valid=valid_from_lengths(src, src_lengths, "src_lengths"))
+        positions, self_spec = _forward_spec(cfg, tgt_in, tgt_segment_ids, tgt_positions)
         x_BTD = self.tgt_embed(tgt_in, positions, deterministic)
-        inputs = LayerInputs(self_mask, positions, cross_k, cross_v, cross_mask,
+        inputs = LayerInputs(self_spec, positions, cross_k, cross_v, cross_spec,
                              deterministic=deterministic)
         x_BTD, _ = self.decoder(x_BTD, inputs)
         return self._logits(x_BTD)
@@ -268,16 +260,16 @@ class EncoderDecoder(PlainInit, _CachedDecoder):
         return cache.replace(cross_k=cross_k, cross_v=cross_v,
                              cross_mask=valid_from_lengths(src, src_lengths, "src_lengths"))
 
-    def _decode(self, tokens_BT, positions_BT, self_mask_BTS, cache, deterministic,
+    def _decode(self, tokens_BT, *, positions_BT, spec, cache, deterministic,
                 key_positions_BS=None):
         if cache.cross_k is None:
             raise UserError("encoder-decoder cache has no cross-attention keys: build it "
-                             "with model.apply(params, src, cache_len, method='init_cache')")
-        beams = cache.batch_size // cache.cross_mask.shape[0]
-        cross_mask_B1S = jnp.repeat(cache.cross_mask, beams, axis=0)[:, None, :]
+                            "with model.apply(params, src, cache_len, method='init_cache')")
+        # One source row for the beams that share it: the key side has Bs rows.
+        cross_spec = MaskSpec(k_valid=cache.cross_mask)
         x_BTD = self.tgt_embed(tokens_BT, positions_BT, deterministic)
-        inputs = LayerInputs(self_mask_BTS, positions_BT, cache.cross_k, cache.cross_v,
-                             cross_mask_B1S, key_positions_BS, deterministic=deterministic)
+        inputs = LayerInputs(spec, positions_BT, cache.cross_k, cache.cross_v,
+                             cross_spec, key_positions_BS, deterministic=deterministic)
         x_BTD, cache = self.decoder(x_BTD, inputs, cache)
         return self._logits(x_BTD), cache
 

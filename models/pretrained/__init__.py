@@ -49,7 +49,8 @@ SAVE_ORDER = ("gpt2", "llama", "mistral", "qwen2", "bart", "marian", "t5", "bert
 # Written last by `save`; `load` checks the files against it when it is there.
 MANIFEST = "zoo_integrity.json"
 # Fields a loaded config may be given: how to run it, not what it computes.
-RUNTIME_FIELDS = frozenset({"dtype", "param_dtype", "scan_layers", "remat", "dropout_rate",
+RUNTIME_FIELDS = frozenset({"dtype", "param_dtype", "scan_layers", "remat", "remat_policy",
+                            "attention_impl", "attention_block", "dropout_rate",
                             "attention_dropout_rate", "mlp_dropout_rate"})
 
 

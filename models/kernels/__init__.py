@@ -1,0 +1,84 @@
+"""Attention implementations behind one call, chosen per call by `TransformerConfig.attention_impl`.
+
+    out_BTNH, probs_BNTS = attend(q_BTNH, k_BSKH, v_BSKH, spec, bias, impl="auto", scale=s)
+
+Every implementation reads the same descriptions: which keys each query sees
+(`models.masks.MaskSpec`) and an optional bias (`models.relative.RelativeBias`). None is
+handed a materialised [T, S] mask it did not ask for.
+
+    xla      the materialised core (`kernels.xla`): [B, N, T, S] logits and probabilities;
+             the only one that returns the probabilities.
+    chunked  exact attention over key blocks with an online softmax (`kernels.chunked`),
+             in pure JAX on any backend; no [T, S] array in the forward or backward pass.
+    cudnn    cuDNN's fused kernel on a GPU (`kernels.cudnn`), where the mask is one it
+             expresses; anything else is refused by name.
+    auto     the fastest exact choice for the backend, the shapes and the mask: xla when
+             the probabilities are asked for or the attention is small (a decoding step,
+             short sequences), cudnn on a GPU where it applies, chunked for long ones.
+
+What an implementation cannot compute is refused (`UserError` naming it), never changed.
+"""
+
+from __future__ import annotations
+
+from models.errors import UserError
+from models.kernels import cudnn
+from models.kernels.chunked import chunked_attention
+from models.kernels.xla import dot_product_attention, xla_attention
+from models.masks import MaskSpec
+
+IMPLEMENTATIONS = ("auto", "xla", "chunked", "cudnn")
+# `auto` picks `chunked` over `xla` from this many query-key pairs per row and head
+# (measured on CPU by `python -m bench.memory`; below it the materialised core is faster).
+CHUNKED_FROM = 2048 * 2048
+
+
+def choose(impl: str, q_BTNH, k_BSKH, spec: MaskSpec, bias=None, *, dropout_rate: float = 0.0,
+           with_probs: bool = False) -> str:
+    """The implementation `attend` runs for `impl` ("auto" resolved).
+
+    Raises:
+        UserError: an explicit implementation that cannot compute this attention, naming
+            why (chunked and cudnn cannot return probabilities; cudnn's limits).
+    """
+    if impl not in IMPLEMENTATIONS:
+        raise UserError(f"attention_impl={impl!r} must be one of {IMPLEMENTATIONS}")
+    T, S = q_BTNH.shape[1], k_BSKH.shape[1]
+    if impl == "auto":
+        if with_probs:
+            return "xla"
+        if cudnn.unsupported(q_BTNH, k_BSKH, spec, bias, dropout_rate=dropout_rate) is None:
+            return "cudnn"
+        return "chunked" if T > 1 and T * S >= CHUNKED_FROM else "xla"
+    if with_probs and impl != "xla":
+        raise UserError(f"attention_impl={impl!r} does not compute the attention "
+                        "probabilities that were asked for (mutable 'intermediates'); only "
+                        "'xla' does")
+    if impl == "cudnn":
+        why = cudnn.unsupported(q_BTNH, k_BSKH, spec, bias, dropout_rate=dropout_rate)
+        if why is not None:
+            raise UserError(f"attention_impl='cudnn' cannot compute this attention: {why}; "
+                            "use 'chunked' or 'xla'")
+    return impl
+
+
+def attend(q_BTNH, k_BSKH, v_BSKH, spec: MaskSpec, bias=None, *, impl: str = "auto",
+           scale: float, dropout_rate: float = 0.0, dropout_rng=None,
+           with_probs: bool = False, block: int = 512):
+    """Attention by the implementation `choose` picks: (out_BTNH in v's dtype,
+    probs_BNTS float32 from `xla`, else None). Shapes as `dot_product_attention`;
+    `block` is chunked attention's query and key block size."""
+    chosen = choose(impl, q_BTNH, k_BSKH, spec, bias, dropout_rate=dropout_rate,
+                    with_probs=with_probs)
+    if chosen == "xla":
+        return xla_attention(q_BTNH, k_BSKH, v_BSKH, spec, bias, scale=scale,
+                             dropout_rate=dropout_rate, dropout_rng=dropout_rng)
+    if chosen == "chunked":
+        return chunked_attention(q_BTNH, k_BSKH, v_BSKH, spec, bias, scale=scale,
+                                 dropout_rate=dropout_rate, dropout_rng=dropout_rng,
+                                 q_block=block, k_block=block), None
+    return cudnn.cudnn_attention(q_BTNH, k_BSKH, v_BSKH, spec, scale=scale), None
+
+
+__all__ = ["CHUNKED_FROM", "IMPLEMENTATIONS", "attend", "choose", "chunked_attention",
+           "dot_product_attention", "xla_attention"]

@@ -1,0 +1,101 @@
+"""The materialised attention core (`xla`): the whole [B, N, T, S] logits and probabilities.
+
+The reference the other implementations are held to, and the only one that can return the
+probabilities (for inspection: the notebooks and tests sow them). Its memory grows with
+T x S; `models.kernels.chunked` computes the same without that array.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float
+
+from models.errors import UserError
+from models.masks import MaskSpec
+from models.numerics import MASKED_LOGIT
+
+
+def dot_product_attention(
+    q_BTNH: Float[Array, "B T N H"],
+    k_BSKH: Float[Array, "Bk S K H"],
+    v_BSKH: Float[Array, "Bk S K H"],
+    mask_BTS: Bool[Array, "B T S"] | None = None,
+    *,
+    bias_BNTS: Float[Array, "B N T S"] | None = None,
+    scale: float | None = None,
+    dropout_rate: float = 0.0,
+    dropout_rng: jax.Array | None = None,
+) -> tuple[Float[Array, "B T N H"], Float[Array, "B N T S"]]:
+    """softmax(scale * q k^T + bias, masked) v, with the softmax in float32.
+
+    Args:
+        q_BTNH: queries.
+        k_BSKH, v_BSKH: keys and values with K heads, N % K == 0. Their batch Bk may divide
+            B: then B = Bk * W and the W query rows of one key row (beams sharing one encoded
+            source) attend to it without the keys being copied.
+        mask_BTS: True where a query may see a key; broadcastable to [B, T, S]; None means
+            everything is visible. A query row with no visible key returns zeros, not NaN.
+        bias_BNTS: added to the logits before masking (T5's relative position bias);
+            broadcastable to [B, N, T, S], float32 preferred; None adds nothing.
+        scale: the logits' scale; None means 1 / sqrt(H).
+        dropout_rate, dropout_rng: dropout on the probabilities (training only).
+
+    Returns:
+        out_BTNH in the dtype of v, and probs_BNTS (float32) for inspection.
+    """
+    B, T, N, H = q_BTNH.shape
+    Bk, S, K, Hk = k_BSKH.shape
+    if k_BSKH.shape != v_BSKH.shape:
+        raise UserError(f"keys {k_BSKH.shape} and values {v_BSKH.shape} differ in shape")
+    if H != Hk or N % K or B % Bk:
+        raise UserError(
+            f"incompatible attention shapes: q {q_BTNH.shape} [B,T,N,H] vs k {k_BSKH.shape} "
+            "[Bk,S,K,H] needs equal H, N divisible by K, B divisible by Bk")
+    if mask_BTS is not None:
+        if mask_BTS.ndim != 3:
+            raise UserError(f"mask must be [B, T, S] (rank 3), got shape {mask_BTS.shape}")
+        mask_BTS = jnp.broadcast_to(mask_BTS, (B, T, S))
+    W, G = B // Bk, N // K
+    scale = H ** -0.5 if scale is None else scale
+    # Fold the W query rows that share one key row into its time axis.
+    q_BQKGH = q_BTNH.reshape(Bk, W * T, K, G, H)
+    if scale != 1.0:
+        q_BQKGH = q_BQKGH * jnp.asarray(scale, q_BTNH.dtype)
+    logits_BKGQS = jnp.einsum(
+        "BQKGH,BSKH->BKGQS", q_BQKGH, k_BSKH, preferred_element_type=jnp.float32)
+    if bias_BNTS is not None:
+        bias_BWKGTS = jnp.broadcast_to(bias_BNTS, (B, N, T, S)).reshape(Bk, W, K, G, T, S)
+        bias_BKGQS = bias_BWKGTS.transpose(0, 2, 3, 1, 4, 5).reshape(Bk, K, G, W * T, S)
+        logits_BKGQS = logits_BKGQS + bias_BKGQS.astype(jnp.float32)
+    if mask_BTS is not None:
+        mask_B11QS = mask_BTS.reshape(Bk, 1, 1, W * T, S)
+        logits_BKGQS = jnp.where(mask_B11QS, logits_BKGQS, MASKED_LOGIT)
+    probs_BKGQS = jax.nn.softmax(logits_BKGQS, axis=-1)
+    if mask_BTS is not None:
+        probs_BKGQS = jnp.where(mask_B11QS, probs_BKGQS, 0.0)
+    if dropout_rate > 0.0 and dropout_rng is not None:
+        keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, probs_BKGQS.shape)
+        probs_BKGQS = jnp.where(keep, probs_BKGQS / (1.0 - dropout_rate), 0.0)
+    out_BQKGH = jnp.einsum("BKGQS,BSKH->BQKGH", probs_BKGQS.astype(v_BSKH.dtype), v_BSKH)
+    out_BTNH = out_BQKGH.reshape(B, T, N, H)
+    probs_BNTS = probs_BKGQS.reshape(Bk, K * G, W, T, S).transpose(0, 2, 1, 3, 4)
+    return out_BTNH, probs_BNTS.reshape(B, N, T, S)
+
+
+def xla_attention(q_BTNH, k_BSKH, v_BSKH, spec: MaskSpec, bias=None, *, scale: float,
+                  dropout_rate: float = 0.0, dropout_rng=None):
+    """`dot_product_attention` of a mask description (`MaskSpec`) and a bias description
+    (None, or a `models.relative.RelativeBias`), both materialised here."""
+    B, Bk = q_BTNH.shape[0], k_BSKH.shape[0]
+    if Bk != B:          # key-side rows repeated for the query rows that share them
+        def rows(x):
+            return None if x is None else jnp.repeat(x, B // Bk, axis=0)
+        spec = spec.replace(k_index=rows(spec.k_index), k_segment=rows(spec.k_segment),
+                            k_valid=rows(spec.k_valid))
+    mask = spec.materialize()
+    return dot_product_attention(
+        q_BTNH, k_BSKH, v_BSKH, None if mask is None else jnp.broadcast_to(
+            mask, (B, q_BTNH.shape[1], k_BSKH.shape[1])),
+        bias_BNTS=None if bias is None else bias.materialize(), scale=scale,
+        dropout_rate=dropout_rate, dropout_rng=dropout_rng)
