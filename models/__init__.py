@@ -15,6 +15,7 @@ from models.cache import KVCache
 from models.config import Llama3RopeScaling, TransformerConfig
 from models.encoder_only import EncoderOnly
 from models.masks import (
+    MaskSpec,
     causal_mask,
     combine_masks,
     length_mask,
@@ -23,6 +24,7 @@ from models.masks import (
     segment_mask,
     window_mask,
 )
+from models.prefill import prefill_in_chunks
 from models.presets import get_config, list_configs
 from models.pretrained import GenerationDefaults, Pretrained, load, save
 from models.transformer import DecoderOnly, EncoderDecoder, build
@@ -30,9 +32,10 @@ from models.transformer import DecoderOnly, EncoderDecoder, build
 __all__ = [
     "axes", "DecoderOnly", "EncoderDecoder", "EncoderOnly", "KVCache", "Llama3RopeScaling",
     "TransformerConfig",
-    "apply_rope", "build", "rope_frequencies",
+    "MaskSpec", "apply_rope", "build", "rope_frequencies",
     "causal_mask", "combine_masks", "dot_product_attention", "get_config", "list_configs",
-    "padding_mask", "positions_like", "segment_mask", "length_mask", "window_mask",
+    "padding_mask", "positions_like", "prefill_in_chunks", "segment_mask", "length_mask",
+    "window_mask",
     "GenerationDefaults", "Pretrained",
     "load", "save",
 ]

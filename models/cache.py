@@ -76,7 +76,8 @@ class KVCache:
         return jnp.swapaxes(self.k[layer], 1, 2), jnp.swapaxes(self.v[layer], 1, 2)
 
     def write(self, layer, k_BTKH, v_BTKH, positions_BT) -> KVCache:
-        """Writes the new keys/values of `layer` at each row's `positions_BT`.
+        """Writes the new keys/values of `layer` at each row's `positions_BT`; positions
+        past the last slot are not written (the padding of a block that ends there).
 
         A scatter of B*T slots: with the buffers donated (or carried by a loop) XLA updates
         them in place, so a step never copies the whole cache.
@@ -84,8 +85,10 @@ class KVCache:
         B = k_BTKH.shape[0]
         rows_B1 = jnp.arange(B, dtype=jnp.int32)[:, None]
         # Indices [B, 1] and [B, T] around the head slice: the update is [B, T, K, H].
-        k = self.k.at[layer, rows_B1, :, positions_BT].set(k_BTKH.astype(self.k.dtype))
-        v = self.v.at[layer, rows_B1, :, positions_BT].set(v_BTKH.astype(self.v.dtype))
+        k = self.k.at[layer, rows_B1, :, positions_BT].set(k_BTKH.astype(self.k.dtype),
+                                                           mode="drop")
+        v = self.v.at[layer, rows_B1, :, positions_BT].set(v_BTKH.astype(self.v.dtype),
+                                                           mode="drop")
         return self.replace(k=k, v=v)
 
     def take_rows(self, rows_B) -> KVCache:

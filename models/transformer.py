@@ -56,8 +56,9 @@ def _forward_spec(config, tokens_BT, segment_ids_BT, positions_BT):
 
 class _CachedDecoder(nn.Module):
     """prefill / step over a `KVCache`, shared by both families; subclasses supply
-    `_decode(tokens_BT, *, positions_BT, spec, cache, deterministic, key_positions_BS)`
-    (key positions: the cache slots, for relative positions)."""
+    `_hidden(tokens_BT, *, positions_BT, spec, cache, deterministic, key_positions_BS)`,
+    the last hidden states and the cache (key positions: the cache slots, for relative
+    positions)."""
 
     config: TransformerConfig
 
@@ -89,19 +90,28 @@ class _CachedDecoder(nn.Module):
                 cfg.param_dtype)
 
     def prefill(
-        self, tokens_BT: Int[Array, "B T"], lengths_B: Int[Array, " B"], cache: KVCache
-    ) -> tuple[Float[Array, "B T V"], KVCache]:
+        self, tokens_BT: Int[Array, "B T"], lengths_B: Int[Array, " B"], cache: KVCache,
+        logits_at: Int[Array, " B"] | None = None,
+    ) -> tuple[Float[Array, "B T V"] | Float[Array, "B V"], KVCache]:
         """Runs a right-padded block of tokens through the decoder, writing the cache.
 
         Row b's tokens go to slots cache.lengths[b] .. cache.lengths[b] + T - 1 (positions
         likewise); only its first lengths[b] count, so afterwards
         cache.lengths[b] += lengths[b] and the padding is overwritten by the next tokens.
+        Slots past the cache's end are not written (the padding of a row whose tokens end
+        before them).
 
             cache.lengths = [0, 0], tokens = [[5 6 7], [5 0 0]], lengths = [3, 1]
             -> cache.lengths = [3, 1]; the next token of row 1 goes to slot 1.
 
+        Args:
+            logits_at: None for the logits of every token, or int32[B]: one index into
+                each row's block whose logits alone are computed (its last real token,
+                lengths[b] - 1, for the next token), so no [B, T, V] array is made.
+
         Returns:
-            float32 logits_BTV (row b's next-token logits are at lengths[b] - 1) and the cache.
+            float32 logits_BTV (row b's next-token logits are at lengths[b] - 1), or
+            logits_BV at `logits_at`; and the cache.
         """
         S = cache.cache_len
         check_tokens(self.config, tokens_BT, "tokens", max_len=S)
@@ -116,10 +126,13 @@ class _CachedDecoder(nn.Module):
         positions_BT = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
         slots_BS = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32)[None, :], (B, S))
         spec = _causal_spec(self.config, positions_BT, slots_BS)
-        logits_BTV, cache = self._decode(tokens_BT, positions_BT=positions_BT, spec=spec,
-                                         cache=cache, deterministic=True,
-                                         key_positions_BS=slots_BS)
-        return logits_BTV, cache.replace(lengths=cache.lengths + lengths_B.astype(jnp.int32))
+        x_BTD, cache = self._hidden(tokens_BT, positions_BT=positions_BT, spec=spec,
+                                    cache=cache, deterministic=True, key_positions_BS=slots_BS)
+        cache = cache.replace(lengths=cache.lengths + lengths_B.astype(jnp.int32))
+        if logits_at is None:
+            return self._logits(x_BTD), cache
+        x_B1D = jnp.take_along_axis(x_BTD, logits_at.astype(jnp.int32)[:, None, None], axis=1)
+        return self._logits(x_B1D)[:, 0], cache
 
     def step(self, tokens_B: Int[Array, " B"],
              cache: KVCache) -> tuple[Float[Array, "B V"], KVCache]:
@@ -154,17 +167,16 @@ class DecoderOnly(PlainInit, _CachedDecoder):
         check_same_shape(segment_ids, tokens, "segment_ids", "tokens")
         check_same_shape(positions, tokens, "positions", "tokens")
         positions, spec = _forward_spec(self.config, tokens, segment_ids, positions)
-        logits, _ = self._decode(tokens, positions_BT=positions, spec=spec, cache=None,
-                                 deterministic=deterministic)
-        return logits
+        x_BTD, _ = self._hidden(tokens, positions_BT=positions, spec=spec, cache=None,
+                                deterministic=deterministic)
+        return self._logits(x_BTD)
 
-    def _decode(self, tokens_BT, *, positions_BT, spec, cache, deterministic,
+    def _hidden(self, tokens_BT, *, positions_BT, spec, cache, deterministic,
                 key_positions_BS=None):
         x_BTD = self.embed(tokens_BT, positions_BT, deterministic)
         inputs = LayerInputs(spec, positions_BT, key_positions=key_positions_BS,
                              deterministic=deterministic)
-        x_BTD, cache = self.decoder(x_BTD, inputs, cache)
-        return self._logits(x_BTD), cache
+        return self.decoder(x_BTD, inputs, cache)
 
 
 class EncoderDecoder(PlainInit, _CachedDecoder):
@@ -260,7 +272,7 @@ class EncoderDecoder(PlainInit, _CachedDecoder):
         return cache.replace(cross_k=cross_k, cross_v=cross_v,
                              cross_mask=valid_from_lengths(src, src_lengths, "src_lengths"))
 
-    def _decode(self, tokens_BT, *, positions_BT, spec, cache, deterministic,
+    def _hidden(self, tokens_BT, *, positions_BT, spec, cache, deterministic,
                 key_positions_BS=None):
         if cache.cross_k is None:
             raise UserError("encoder-decoder cache has no cross-attention keys: build it "
@@ -270,8 +282,7 @@ class EncoderDecoder(PlainInit, _CachedDecoder):
         x_BTD = self.tgt_embed(tokens_BT, positions_BT, deterministic)
         inputs = LayerInputs(spec, positions_BT, cache.cross_k, cache.cross_v,
                              cross_spec, key_positions_BS, deterministic=deterministic)
-        x_BTD, cache = self.decoder(x_BTD, inputs, cache)
-        return self._logits(x_BTD), cache
+        return self.decoder(x_BTD, inputs, cache)
 
 
 def build(config: TransformerConfig) -> nn.Module:

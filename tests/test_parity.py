@@ -6,10 +6,14 @@ must overwrite) and then stepped token by token; every logit must equal the teac
 forward pass of the same sequence.
 """
 
+import functools
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import models
 from tests.helpers import fns, random_tokens, tiny
 
 ATOL = 1e-5
@@ -147,3 +151,27 @@ def test_chunked_prefill_equals_one_prefill():
     b, c2 = f.prefill(params, tokens[:, 3:], jnp.array([4, 4]), c2)
     np.testing.assert_allclose(jnp.concatenate([a, b], 1), full, atol=ATOL, rtol=0)
     np.testing.assert_allclose(c2.k[:, :, :, :7], c1.k[:, :, :, :7], atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("chunk", [3, 4, 16])
+@pytest.mark.parametrize("impl", ["xla", "chunked"])
+def test_prefill_in_chunks_equals_one_prefill_then_steps_continue(chunk, impl):
+    """A ragged batch (10 and 4 real tokens of a width-10 prompt) prefilled `chunk` tokens
+    at a time gives each row's next-token logits and a cache the steps continue from as
+    after one prefill; the cache (12 slots) is shorter than the padded chunks (12 or 16)."""
+    cfg = tiny(positions="rope", num_kv_heads=2, sliding_window=5, attention_impl=impl,
+               attention_block=4)
+    f = fns(cfg)
+    params = f.init()
+    tokens = random_tokens(9, (2, 12), cfg.vocab_size)
+    full = f.forward(params, tokens)
+    lengths = jnp.array([10, 4], jnp.int32)
+    prompt = jnp.where(jnp.arange(10)[None, :] < lengths[:, None], tokens[:, :10], 0)
+    logits, cache = jax.jit(functools.partial(models.prefill_in_chunks, f.model, chunk=chunk))(
+        params, prompt, lengths, f.init_cache(params, 2, 12))
+    np.testing.assert_array_equal(cache.lengths, lengths)
+    np.testing.assert_allclose(logits, full[np.arange(2), lengths - 1], atol=ATOL, rtol=0)
+    for i in range(2):
+        step_logits, cache = f.step(params, tokens[np.arange(2), lengths + i], cache)
+        np.testing.assert_allclose(step_logits, full[np.arange(2), lengths + i], atol=ATOL,
+                                   rtol=0)

@@ -163,8 +163,21 @@ def _visible(plan: _Plan, spec: MaskSpec, i, j):
     return True if mask is None else jnp.any(mask)
 
 
+def _tied(q, spec: MaskSpec, bias):
+    """`spec` and `bias` passed through one optimisation barrier with `q`.
+
+    Their arrays are often the same in every layer (positions 0 .. T-1), so without the
+    barrier JAX's scan partial evaluation finds every block's mask loop-invariant and
+    hoists them out of a scanned stack: all [q_block, k_block] masks at once, a [T, S]
+    array. Tied to `q`, which differs per layer, they are computed block by block.
+    """
+    q, spec, bias = lax.optimization_barrier((q, spec, bias))
+    return q, spec, bias
+
+
 def _forward(plan: _Plan, q, k, v, spec, bias, key_data):
     """(out float32 [Bk, Q, K, G, H], lse float32 [Bk, K, G, Q]) of padded inputs."""
+    q, spec, bias = _tied(q, spec, bias)
     Bk, Qp, K, G, H = q.shape
     q_blocks = q.reshape(Bk, plan.nq, plan.bq, K, G, H)
     k_blocks = k.reshape(Bk, plan.nk, plan.bk, K, H)
@@ -224,6 +237,7 @@ def _attention_fwd(plan, q, k, v, spec, bias, key_data):
 
 def _attention_bwd(plan, residuals, d_out):
     q, k, v, spec, bias, key_data, out, lse = residuals
+    q, spec, bias = _tied(q, spec, bias)
     Bk, Qp, K, G, H = q.shape
     q_blocks = q.reshape(Bk, plan.nq, plan.bq, K, G, H)
     k_blocks = k.reshape(Bk, plan.nk, plan.bk, K, H)

@@ -1,0 +1,21 @@
+"""bench/memory.py's code paths on tiny lengths (nothing timed is asserted)."""
+
+import json
+
+from bench import memory
+
+
+def test_memory_benchmark_prints_grad_prefill_and_summary_lines(capsys):
+    memory.main(["--lengths", "64", "128", "2048", "--time-up-to", "0", "--policies", "full",
+                 "names"])
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    grads = [x for x in lines if x["case"] == "grad"]
+    assert {(x["impl"], x["policy"]) for x in grads} == {
+        ("xla", "full"), ("chunked", "full"), ("auto", "full"), ("chunked", "names")}
+    assert all(x["temp_bytes"] > 0 and x["argument_bytes"] > 0 for x in grads)
+    by = {(x["impl"], x["T"]): x["temp_bytes"] for x in grads if x["policy"] == "full"}
+    assert by["chunked", 2048] < by["xla", 2048]           # no T x S array to keep
+    prefills = {(x["impl"], x["mode"]) for x in lines if x["case"] == "prefill"}
+    assert prefills == {(i, m) for i in ("xla", "chunked") for m in ("one_block", "chunks")}
+    ratio = [x for x in lines if x.get("what") == "ratio_at_4096"]
+    assert not ratio                                        # 4096 was not measured
