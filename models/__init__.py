@@ -12,6 +12,7 @@
 from models import axes
 from models.attention import apply_rope, dot_product_attention, rope_frequencies
 from models.cache import KVCache
+from models.compile_cache import use_compile_cache
 from models.config import Llama3RopeScaling, TransformerConfig
 from models.encoder_only import EncoderOnly
 from models.masks import (
@@ -37,5 +38,5 @@ __all__ = [
     "padding_mask", "positions_like", "prefill_in_chunks", "segment_mask", "length_mask",
     "window_mask",
     "GenerationDefaults", "Pretrained",
-    "load", "save",
+    "load", "save", "use_compile_cache",
 ]
