@@ -24,15 +24,18 @@ normalize_embedding (True), static_position_embeddings (False), extra_pos_embedd
 from __future__ import annotations
 
 from models.config import TransformerConfig
-from models.errors import UserError
 from models.pretrained.family import ConfigReader, Family, Inexpressible, require
-from models.pretrained.mapping import (
-    LINEAR_FROM_HEADS,
-    TRANSPOSE,
-    Layout,
-    Rule,
-    bias_to_heads,
-    linear_to_heads,
+from models.pretrained.mapping import Rule
+from models.pretrained.rules import (
+    Attention,
+    Mlp,
+    Scope,
+    cross_attention,
+    embeddings,
+    logits_bias,
+    mlp,
+    norm,
+    self_attention,
 )
 
 ACTIVATIONS = {"gelu": "gelu_exact", "gelu_new": "gelu", "gelu_pytorch_tanh": "gelu",
@@ -44,16 +47,6 @@ NORM_EPS = 1e-5                       # torch.nn.LayerNorm's default, which BART
 # first token, now forced_bos_token_id): none changes the logits.
 HEAD_FIELDS = ("classifier_dropout", "classif_dropout", "_num_labels", "output_past",
                "force_bos_token_to_be_generated")
-
-
-def _row(b, cfg):
-    """final_logits_bias [1, V] -> [V] (a UserError for any other shape)."""
-    if b.ndim != 2 or b.shape[0] != 1:
-        raise UserError(f"final_logits_bias of shape {b.shape}")
-    return b[0]
-
-
-LOGITS_BIAS = Layout(lambda xs, cfg: [_row(xs[0], cfg)], lambda xs, cfg: [xs[0][None, :]])
 
 
 def read_common(r: ConfigReader, *, default_act: str, default_eos: int) -> dict:
@@ -149,63 +142,32 @@ def config_to_hf(cfg: TransformerConfig) -> dict:
     return {**hf, "bos_token_id": cfg.bos_id}
 
 
-def layer_rules() -> list[Rule]:
-    """The encoder and decoder layers of BART and Marian (torch `nn.Linear` [out, in] with
-    biases; the decoder's cross-attention keys/values go to the stacked `cross_kv`)."""
-    def layer(stack: str, theirs: str, ours: str, layout=None) -> Rule:
-        return Rule(f"model.{stack}.layers.{{i}}.{theirs}", f"{stack}/layer_{{i}}/{ours}",
-                    layout, stack=stack)
+ATTENTION = Attention.apart("self_attn.{}_proj", o="out")
+CROSS_ATTENTION = Attention.apart("encoder_attn.{}_proj", o="out")
+MLP = Mlp(up="fc1", down="fc2")
 
-    def attention(stack: str, theirs: str, ours: str) -> list[Rule]:
-        table = []
-        for proj, name, heads in (("q", "query", "q"), ("k", "key", "kv"), ("v", "value", "kv")):
-            table += [layer(stack, f"{theirs}.{proj}_proj.weight", f"{ours}/{name}/kernel",
-                            linear_to_heads(heads)),
-                      layer(stack, f"{theirs}.{proj}_proj.bias", f"{ours}/{name}/bias",
-                            bias_to_heads(heads))]
-        return table + [
-            layer(stack, f"{theirs}.out_proj.weight", f"{ours}/out/kernel", LINEAR_FROM_HEADS),
-            layer(stack, f"{theirs}.out_proj.bias", f"{ours}/out/bias")]
 
-    def norm(stack: str, theirs: str, ours: str) -> list[Rule]:
-        return [layer(stack, f"{theirs}.weight", f"{ours}/scale"),
-                layer(stack, f"{theirs}.bias", f"{ours}/bias")]
-
-    def mlp(stack: str) -> list[Rule]:
-        return [layer(stack, "fc1.weight", "mlp/up/kernel", TRANSPOSE),
-                layer(stack, "fc1.bias", "mlp/up/bias"),
-                layer(stack, "fc2.weight", "mlp/down/kernel", TRANSPOSE),
-                layer(stack, "fc2.bias", "mlp/down/bias"),
-                *norm(stack, "final_layer_norm", "mlp_norm")]
-
-    table = [*attention("encoder", "self_attn", "self_attention"),
-             *norm("encoder", "self_attn_layer_norm", "self_attention_norm"), *mlp("encoder")]
-    table += [*attention("decoder", "self_attn", "self_attention"),
-              *norm("decoder", "self_attn_layer_norm", "self_attention_norm")]
-    cross = "model.decoder.layers.{i}.encoder_attn"
-    table += [layer("decoder", f"encoder_attn.q_proj.{w}", f"cross_attention/query/{o}", lay)
-              for w, o, lay in (("weight", "kernel", linear_to_heads("q")),
-                                ("bias", "bias", bias_to_heads("q")))]
-    for proj, name in (("k", "key"), ("v", "value")):
-        table += [Rule(f"{cross}.{proj}_proj.weight", f"cross_kv/{name}_kernel[{{i}}]",
-                       linear_to_heads("kv"), stack="decoder"),
-                  Rule(f"{cross}.{proj}_proj.bias", f"cross_kv/{name}_bias[{{i}}]",
-                       bias_to_heads("kv"), stack="decoder")]
-    table += [layer("decoder", "encoder_attn.out_proj.weight", "cross_attention/out/kernel",
-                    LINEAR_FROM_HEADS),
-              layer("decoder", "encoder_attn.out_proj.bias", "cross_attention/out/bias"),
-              *norm("decoder", "encoder_attn_layer_norm", "cross_attention_norm"),
-              *mlp("decoder")]
-    return table + [Rule("final_logits_bias", "logits_bias", LOGITS_BIAS)]
+def layer_rules(cfg: TransformerConfig) -> list[Rule]:
+    """The encoder and decoder layers of BART and Marian (post-norm: each sublayer's norm
+    is named after it), and the logits bias."""
+    table = []
+    for stack in ("encoder", "decoder"):
+        layer = Scope.layers(f"model.{stack}.layers.{{i}}", stack)
+        table += [*self_attention(cfg, layer, ATTENTION),
+                  *norm(cfg, layer, "self_attn_layer_norm", "self_attention_norm")]
+        if stack == "decoder":
+            table += [*cross_attention(cfg, layer, CROSS_ATTENTION),
+                      *norm(cfg, layer, "encoder_attn_layer_norm", "cross_attention_norm")]
+        table += [*mlp(cfg, layer, MLP), *norm(cfg, layer, "final_layer_norm", "mlp_norm")]
+    return table + logits_bias("final_logits_bias")
 
 
 def rules(cfg: TransformerConfig) -> list[Rule]:
-    table = [Rule("model.shared.weight", "src_tokens/embedding")]
-    for stack, ours in (("encoder", "src_embed"), ("decoder", "tgt_embed")):
-        table += [Rule(f"model.{stack}.embed_positions.weight", f"{ours}/positions/embedding"),
-                  Rule(f"model.{stack}.layernorm_embedding.weight", f"{ours}/norm/scale"),
-                  Rule(f"model.{stack}.layernorm_embedding.bias", f"{ours}/norm/bias")]
-    return table + layer_rules()
+    table = embeddings(cfg, stack="encoder", tokens="model.shared")
+    for stack in ("encoder", "decoder"):
+        table += embeddings(cfg, stack=stack, positions=f"model.{stack}.embed_positions",
+                            embedding_norm=f"model.{stack}.layernorm_embedding")
+    return table + layer_rules(cfg)
 
 
 # transformers ties each stack's embed_tokens and the head to the shared table.

@@ -32,12 +32,17 @@ from models.config import TransformerConfig
 from models.errors import UserError
 from models.pretrained.family import ConfigReader, Family, Inexpressible, require
 from models.pretrained.files import Weights
-from models.pretrained.mapping import (
-    LINEAR_FROM_HEADS,
-    TRANSPOSE,
-    Rule,
-    bias_to_heads,
-    linear_to_heads,
+from models.pretrained.mapping import Rule
+from models.pretrained.rules import (
+    Attention,
+    Mlp,
+    Scope,
+    classifier,
+    embeddings,
+    mlm_head,
+    mlp,
+    norm,
+    self_attention,
 )
 
 ACTIVATIONS = {"gelu": "gelu_exact", "gelu_new": "gelu", "gelu_pytorch_tanh": "gelu",
@@ -184,63 +189,33 @@ def config_to_hf(cfg: TransformerConfig) -> dict:
     return encoder_to_hf(cfg, "bert", "Bert")
 
 
+ATTENTION = Attention(q="attention.self.query", k="attention.self.key",
+                      v="attention.self.value", o="attention.output.dense")
+MLP = Mlp(up="intermediate.dense", down="output.dense")
+
+
 def encoder_rules(cfg: TransformerConfig, base: str) -> list[Rule]:
     """The embeddings and layers of BERT and RoBERTa under `base` ("bert", "roberta"):
-    torch `nn.Linear` [out, in] with biases, post-norm LayerNorms after attention
-    (`attention.output.LayerNorm`) and after the MLP (`output.LayerNorm`)."""
-    def layer(theirs: str, ours: str, layout=None) -> Rule:
-        return Rule(f"{base}.encoder.layer.{{i}}.{theirs}", f"encoder/layer_{{i}}/{ours}",
-                    layout, stack="encoder")
-
-    def linear(theirs: str, ours: str) -> list[Rule]:
-        return [layer(f"{theirs}.weight", f"{ours}/kernel", TRANSPOSE),
-                layer(f"{theirs}.bias", f"{ours}/bias")]
-
-    def norm(theirs: str, ours: str) -> list[Rule]:
-        return [layer(f"{theirs}.weight", f"{ours}/scale"), layer(f"{theirs}.bias", f"{ours}/bias")]
-
-    embeddings = f"{base}.embeddings"
-    table = [Rule(f"{embeddings}.word_embeddings.weight", "tokens/embedding"),
-             Rule(f"{embeddings}.position_embeddings.weight", "embed/positions/embedding")]
-    if cfg.num_token_types:
-        table.append(Rule(f"{embeddings}.token_type_embeddings.weight",
-                          "embed/token_types/embedding"))
-    table += [Rule(f"{embeddings}.LayerNorm.weight", "embed/norm/scale"),
-              Rule(f"{embeddings}.LayerNorm.bias", "embed/norm/bias")]
-    for proj in ("query", "key", "value"):
-        heads = "q" if proj == "query" else "kv"
-        table += [layer(f"attention.self.{proj}.weight", f"self_attention/{proj}/kernel",
-                        linear_to_heads(heads)),
-                  layer(f"attention.self.{proj}.bias", f"self_attention/{proj}/bias",
-                        bias_to_heads(heads))]
-    return table + [
-        layer("attention.output.dense.weight", "self_attention/out/kernel", LINEAR_FROM_HEADS),
-        layer("attention.output.dense.bias", "self_attention/out/bias"),
-        *norm("attention.output.LayerNorm", "self_attention_norm"),
-        *linear("intermediate.dense", "mlp/up"), *linear("output.dense", "mlp/down"),
-        *norm("output.LayerNorm", "mlp_norm")]
-
-
-def head_rules(transform: str, norm: str, bias: str, pooler: str, classifier: str):
-    """The rules of either head: (the masked-LM head: its transform, norm and bias keys)
-    and (the classifier: its pooler and output layer), torch Linears and a LayerNorm."""
-    def linear(theirs: str, ours: str) -> list[Rule]:
-        return [Rule(f"{theirs}.weight", f"{ours}/kernel", TRANSPOSE),
-                Rule(f"{theirs}.bias", f"{ours}/bias")]
-
-    mlm = [*linear(transform, "mlm_head/transform"), Rule(f"{norm}.weight", "mlm_head/norm/scale"),
-           Rule(f"{norm}.bias", "mlm_head/norm/bias"), Rule(bias, "mlm_head/bias")]
-    classify = [*linear(pooler, "classifier/pooler"), *linear(classifier, "classifier/classifier")]
-    return mlm, classify
-
-
-MLM_HEAD, CLASSIFIER_HEAD = head_rules(
-    "cls.predictions.transform.dense", "cls.predictions.transform.LayerNorm",
-    "cls.predictions.bias", "bert.pooler.dense", "classifier")
+    post-norm LayerNorms after attention (`attention.output.LayerNorm`) and after the MLP
+    (`output.LayerNorm`)."""
+    layer = Scope.layers(f"{base}.encoder.layer.{{i}}", "encoder")
+    e = f"{base}.embeddings"
+    return [*embeddings(cfg, tokens=f"{e}.word_embeddings", positions=f"{e}.position_embeddings",
+                        token_types=f"{e}.token_type_embeddings",
+                        embedding_norm=f"{e}.LayerNorm"),
+            *self_attention(cfg, layer, ATTENTION),
+            *norm(cfg, layer, "attention.output.LayerNorm", "self_attention_norm"),
+            *mlp(cfg, layer, MLP), *norm(cfg, layer, "output.LayerNorm", "mlp_norm")]
 
 
 def rules(cfg: TransformerConfig) -> list[Rule]:
-    return encoder_rules(cfg, "bert") + (CLASSIFIER_HEAD if cfg.num_labels else MLM_HEAD)
+    if cfg.num_labels:
+        head = classifier(pooler="bert.pooler.dense", out="classifier")
+    else:
+        head = mlm_head(cfg, transform="cls.predictions.transform.dense",
+                        transform_norm="cls.predictions.transform.LayerNorm",
+                        bias="cls.predictions.bias")
+    return encoder_rules(cfg, "bert") + head
 
 
 FAMILY = Family(

@@ -12,11 +12,16 @@ from models.pretrained.family import (
     require,
     special_ids,
 )
-from models.pretrained.mapping import (
-    CONV1D_FROM_HEADS,
-    CONV1D_FUSED_QKV,
-    FUSED_QKV_BIAS,
-    Rule,
+from models.pretrained.mapping import Rule
+from models.pretrained.rules import (
+    Attention,
+    Mlp,
+    Scope,
+    embeddings,
+    final_norm,
+    mlp,
+    norm,
+    self_attention,
     untied_head,
 )
 
@@ -74,32 +79,18 @@ def config_to_hf(cfg: TransformerConfig) -> dict:
     }
 
 
-def rules(cfg: TransformerConfig) -> list[Rule]:
-    def layer(theirs: str, ours, layout=None) -> Rule:
-        ours = [f"decoder/layer_{{i}}/{o}" for o in ([ours] if isinstance(ours, str) else ours)]
-        return Rule(f"transformer.h.{{i}}.{theirs}", ours, layout, stack="decoder")
+LAYER = Scope.layers("transformer.h.{i}", "decoder")
+ATTENTION = Attention(qkv="attn.c_attn", o="attn.c_proj")
+MLP = Mlp(up="mlp.c_fc", down="mlp.c_proj")
 
-    table = [
-        Rule("transformer.wte.weight", "tokens/embedding"),
-        Rule("transformer.wpe.weight", "embed/positions/embedding"),
-        layer("ln_1.weight", "self_attention_norm/scale"),
-        layer("ln_1.bias", "self_attention_norm/bias"),
-        layer("attn.c_attn.weight", [f"self_attention/{p}/kernel"
-                                     for p in ("query", "key", "value")], CONV1D_FUSED_QKV),
-        layer("attn.c_attn.bias", [f"self_attention/{p}/bias"
-                                   for p in ("query", "key", "value")], FUSED_QKV_BIAS),
-        layer("attn.c_proj.weight", "self_attention/out/kernel", CONV1D_FROM_HEADS),
-        layer("attn.c_proj.bias", "self_attention/out/bias"),
-        layer("ln_2.weight", "mlp_norm/scale"),
-        layer("ln_2.bias", "mlp_norm/bias"),
-        layer("mlp.c_fc.weight", "mlp/up/kernel"),         # Conv1D [in, out]: as ours
-        layer("mlp.c_fc.bias", "mlp/up/bias"),
-        layer("mlp.c_proj.weight", "mlp/down/kernel"),
-        layer("mlp.c_proj.bias", "mlp/down/bias"),
-        Rule("transformer.ln_f.weight", "decoder/final_norm/scale"),
-        Rule("transformer.ln_f.bias", "decoder/final_norm/bias"),
-    ]
-    return table + untied_head(cfg)
+
+def rules(cfg: TransformerConfig) -> list[Rule]:
+    """GPT-2's weights are `Conv1D`s ([in, out]); its head is an `nn.Linear`."""
+    return [*embeddings(cfg, tokens="transformer.wte", positions="transformer.wpe"),
+            *norm(cfg, LAYER, "ln_1", "self_attention_norm"),
+            *self_attention(cfg, LAYER, ATTENTION, conv1d=True),
+            *norm(cfg, LAYER, "ln_2", "mlp_norm"), *mlp(cfg, LAYER, MLP, conv1d=True),
+            *final_norm(cfg, "decoder", "transformer.ln_f"), *untied_head(cfg)]
 
 
 FAMILY = Family(

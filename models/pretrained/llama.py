@@ -16,12 +16,16 @@ from models.pretrained.family import (
     require,
     special_ids,
 )
-from models.pretrained.mapping import (
-    LINEAR_FROM_HEADS,
-    TRANSPOSE,
-    Rule,
-    bias_to_heads,
-    linear_to_heads,
+from models.pretrained.mapping import Rule
+from models.pretrained.rules import (
+    Attention,
+    Mlp,
+    Scope,
+    embeddings,
+    final_norm,
+    mlp,
+    norm,
+    self_attention,
     untied_head,
 )
 
@@ -129,33 +133,18 @@ def config_to_hf(cfg: TransformerConfig) -> dict:
             "mlp_bias": cfg.use_bias}
 
 
+LAYER = Scope.layers("model.layers.{i}", "decoder")
+ATTENTION = Attention.apart("self_attn.{}_proj")
+MLP = Mlp(gate="mlp.gate_proj", up="mlp.up_proj", down="mlp.down_proj")
+
+
 def rules(cfg: TransformerConfig) -> list[Rule]:
     """The weight map of every Llama-like family (biases where the config has them)."""
-    def layer(theirs: str, ours: str, layout=None) -> Rule:
-        return Rule(f"model.layers.{{i}}.{theirs}", f"decoder/layer_{{i}}/{ours}", layout,
-                    stack="decoder")
-
-    table = [Rule("model.embed_tokens.weight", "tokens/embedding")]
-    qkv_bias = cfg.use_bias or cfg.qkv_bias
-    for proj, ours, heads in (("q", "query", "q"), ("k", "key", "kv"), ("v", "value", "kv")):
-        table.append(layer(f"self_attn.{proj}_proj.weight", f"self_attention/{ours}/kernel",
-                           linear_to_heads(heads)))
-        if qkv_bias:
-            table.append(layer(f"self_attn.{proj}_proj.bias", f"self_attention/{ours}/bias",
-                               bias_to_heads(heads)))
-    table.append(layer("self_attn.o_proj.weight", "self_attention/out/kernel",
-                       LINEAR_FROM_HEADS))
-    for proj in ("gate", "up", "down"):
-        table.append(layer(f"mlp.{proj}_proj.weight", f"mlp/{proj}/kernel", TRANSPOSE))
-    if cfg.use_bias:
-        table += [layer("self_attn.o_proj.bias", "self_attention/out/bias")]
-        table += [layer(f"mlp.{p}_proj.bias", f"mlp/{p}/bias") for p in ("gate", "up", "down")]
-    table += [
-        layer("input_layernorm.weight", "self_attention_norm/scale"),
-        layer("post_attention_layernorm.weight", "mlp_norm/scale"),
-        Rule("model.norm.weight", "decoder/final_norm/scale"),
-    ]
-    return table + untied_head(cfg)
+    return [*embeddings(cfg, tokens="model.embed_tokens"),
+            *self_attention(cfg, LAYER, ATTENTION), *mlp(cfg, LAYER, MLP),
+            *norm(cfg, LAYER, "input_layernorm", "self_attention_norm"),
+            *norm(cfg, LAYER, "post_attention_layernorm", "mlp_norm"),
+            *final_norm(cfg, "decoder", "model.norm"), *untied_head(cfg)]
 
 
 def family(model_type: str, architecture: str, config_from_hf, config_to_hf) -> Family:

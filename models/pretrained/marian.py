@@ -35,6 +35,7 @@ from models.layers import paper_sinusoid_table
 from models.pretrained import bart
 from models.pretrained.family import ConfigReader, Family
 from models.pretrained.mapping import Rule
+from models.pretrained.rules import embeddings
 
 POSITION_TABLES = tuple(f"model.{stack}.embed_positions.weight"
                         for stack in ("encoder", "decoder"))
@@ -72,11 +73,11 @@ def config_to_hf(cfg: TransformerConfig) -> dict:
 
 def rules(cfg: TransformerConfig) -> list[Rule]:
     if cfg.share_embeddings:
-        table = [Rule("model.shared.weight", "src_tokens/embedding")]
+        table = embeddings(cfg, stack="encoder", tokens="model.shared")
     else:
-        table = [Rule("model.encoder.embed_tokens.weight", "src_tokens/embedding"),
-                 Rule("model.decoder.embed_tokens.weight", "tgt_tokens/embedding")]
-    return table + bart.layer_rules()
+        table = [*embeddings(cfg, stack="encoder", tokens="model.encoder.embed_tokens"),
+                 *embeddings(cfg, stack="decoder", tokens="model.decoder.embed_tokens")]
+    return table + bart.layer_rules(cfg)
 
 
 def position_tables(cfg: TransformerConfig) -> dict:

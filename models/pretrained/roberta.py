@@ -31,16 +31,12 @@ from models.pretrained.bert import (
     RENAMES,
     encoder_rules,
     encoder_to_hf,
-    head_rules,
     labels_from_weights,
     read_encoder,
 )
 from models.pretrained.family import ConfigReader, Family, Inexpressible
 from models.pretrained.files import Weights
-
-MLM_HEAD, CLASSIFIER_HEAD = head_rules(
-    "lm_head.dense", "lm_head.layer_norm", "lm_head.bias", "classifier.dense",
-    "classifier.out_proj")
+from models.pretrained.rules import classifier, mlm_head
 
 
 def _check_head_activation(cfg: TransformerConfig, act: str | None = None) -> None:
@@ -89,7 +85,12 @@ def config_to_hf(cfg: TransformerConfig) -> dict:
 
 
 def rules(cfg: TransformerConfig) -> list:
-    return encoder_rules(cfg, "roberta") + (CLASSIFIER_HEAD if cfg.num_labels else MLM_HEAD)
+    if cfg.num_labels:
+        head = classifier(pooler="classifier.dense", out="classifier.out_proj")
+    else:
+        head = mlm_head(cfg, transform="lm_head.dense", transform_norm="lm_head.layer_norm",
+                        bias="lm_head.bias")
+    return encoder_rules(cfg, "roberta") + head
 
 
 FAMILY = Family(

@@ -36,11 +36,18 @@ import numpy as np
 from models.config import TransformerConfig
 from models.pretrained.family import ConfigReader, Family, Inexpressible, require
 from models.pretrained.files import Weights
-from models.pretrained.mapping import (
-    LINEAR_FROM_HEADS,
-    TRANSPOSE,
-    Rule,
-    linear_to_heads,
+from models.pretrained.mapping import Rule
+from models.pretrained.rules import (
+    Attention,
+    Mlp,
+    Scope,
+    cross_attention,
+    embeddings,
+    final_norm,
+    mlp,
+    norm,
+    relative_bias,
+    self_attention,
     untied_head,
 )
 
@@ -205,43 +212,34 @@ def config_from_weights(cfg: TransformerConfig, weights: Weights) -> Transformer
     return cfg.replace(tie_embeddings=tied)
 
 
+def _layer(stack: str) -> Scope:
+    return Scope.layers(f"{stack}.block.{{i}}.layer", stack)
+
+
+def _mlp(cfg: TransformerConfig, stack: str, sub: int) -> list[Rule]:
+    """Sublayer `sub` of each block: the MLP (wi_0 gates wi_1 when gated) and its norm."""
+    ff = f"{sub}.DenseReluDense"
+    names = (Mlp(gate=f"{ff}.wi_0", up=f"{ff}.wi_1", down=f"{ff}.wo") if cfg.activation
+             in ("geglu", "swiglu") else Mlp(up=f"{ff}.wi", down=f"{ff}.wo"))
+    return [*mlp(cfg, _layer(stack), names),
+            *norm(cfg, _layer(stack), f"{sub}.layer_norm", "mlp_norm")]
+
+
 def rules(cfg: TransformerConfig) -> list[Rule]:
-    def block(stack: str, theirs: str, ours: str, layout=None) -> Rule:
-        return Rule(f"{stack}.block.{{i}}.layer.{theirs}", f"{stack}/layer_{{i}}/{ours}",
-                    layout, stack=stack)
-
-    def attention(stack: str, sub: str, name: str, ours: str) -> list[Rule]:
-        table = [block(stack, f"{sub}.{name}.q.weight", f"{ours}/query/kernel",
-                       linear_to_heads("q"))]
-        if ours == "cross_attention":        # keys/values: slices of the stacked kernels
-            table += [Rule(f"{stack}.block.{{i}}.layer.{sub}.{name}.{p}.weight",
-                           f"cross_kv/{kv}_kernel[{{i}}]", linear_to_heads("kv"), stack=stack)
-                      for p, kv in (("k", "key"), ("v", "value"))]
-        else:
-            table += [block(stack, f"{sub}.{name}.{p}.weight", f"{ours}/{kv}/kernel",
-                            linear_to_heads("kv")) for p, kv in (("k", "key"), ("v", "value"))]
-        return table + [
-            block(stack, f"{sub}.{name}.o.weight", f"{ours}/out/kernel", LINEAR_FROM_HEADS),
-            block(stack, f"{sub}.layer_norm.weight", f"{ours}_norm/scale")]
-
-    def mlp(stack: str, sub: int) -> list[Rule]:
-        ff = f"{sub}.DenseReluDense"
-        gated = cfg.activation in ("geglu", "swiglu")
-        table = ([block(stack, f"{ff}.wi_0.weight", "mlp/gate/kernel", TRANSPOSE),
-                  block(stack, f"{ff}.wi_1.weight", "mlp/up/kernel", TRANSPOSE)] if gated
-                 else [block(stack, f"{ff}.wi.weight", "mlp/up/kernel", TRANSPOSE)])
-        return table + [block(stack, f"{ff}.wo.weight", "mlp/down/kernel", TRANSPOSE),
-                        block(stack, f"{sub}.layer_norm.weight", "mlp_norm/scale")]
-
-    table = [Rule(EMBEDDING, "src_tokens/embedding")]
+    """Each block's sublayers are numbered: 0 self-attention, then (decoder) 1
+    cross-attention, then the MLP; each with its (pre-)norm. The relative position bias
+    table is held by the first block's self-attention."""
+    table = embeddings(cfg, stack="encoder", tokens="shared")        # EMBEDDING
     for stack in ("encoder", "decoder"):
-        # torch Embedding [buckets, N], as ours; only the first block holds it.
-        table += [Rule(f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight",
-                       f"{stack}/relative_bias/embedding"),
-                  *attention(stack, "0", "SelfAttention", "self_attention"),
-                  Rule(f"{stack}.final_layer_norm.weight", f"{stack}/final_norm/scale")]
-    table += [*mlp("encoder", 1), *attention("decoder", "1", "EncDecAttention", "cross_attention"),
-              *mlp("decoder", 2)]
+        table += [*relative_bias(stack, f"{stack}.block.0.layer.0.SelfAttention."
+                                        "relative_attention_bias"),
+                  *self_attention(cfg, _layer(stack), Attention.apart("0.SelfAttention.{}")),
+                  *norm(cfg, _layer(stack), "0.layer_norm", "self_attention_norm"),
+                  *final_norm(cfg, stack, f"{stack}.final_layer_norm")]
+    table += [*_mlp(cfg, "encoder", 1),
+              *cross_attention(cfg, _layer("decoder"), Attention.apart("1.EncDecAttention.{}")),
+              *norm(cfg, _layer("decoder"), "1.layer_norm", "cross_attention_norm"),
+              *_mlp(cfg, "decoder", 2)]
     return table + untied_head(cfg)
 
 
