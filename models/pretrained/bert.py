@@ -30,7 +30,8 @@ from __future__ import annotations
 
 from models.config import TransformerConfig
 from models.errors import UserError
-from models.pretrained.family import ConfigReader, Family, Inexpressible, require
+from models.pretrained.config_map import D_OVER_N, MULTI_HEAD, ConfigMap, Field, SpecialIds
+from models.pretrained.family import ConfigReader, Family, Inexpressible
 from models.pretrained.files import Weights
 from models.pretrained.mapping import Rule
 from models.pretrained.rules import (
@@ -97,42 +98,43 @@ def default_label_names(num_labels: int) -> tuple[str, ...]:
     return tuple(f"LABEL_{i}" for i in range(num_labels))
 
 
-def read_encoder(r: ConfigReader, name: str, default_pad: int | None) -> dict:
-    """The TransformerConfig fields BERT and RoBERTa read alike (all but the positions'
-    offset and max_len): sizes, post-norm LayerNorm layers with biases, an embedding norm,
-    the activation, token types, dropout rates, the head, and the pad id."""
+FIELDS = (
+    Field("vocab_size", "vocab_size"), Field("hidden_size", "d_model"),
+    Field("num_attention_heads", "num_heads"), Field("intermediate_size", "mlp_dim"),
+    Field("num_hidden_layers", "num_layers"), Field("layer_norm_eps", "norm_eps", 1e-12),
+    Field("type_vocab_size", "num_token_types", 2),
+    Field("hidden_dropout_prob", "dropout_rate", 0.1, float),
+    Field("attention_probs_dropout_prob", "attention_dropout_rate", 0.1, float))
+MAP = ConfigMap(
+    fields=FIELDS,
+    fixed=dict(architecture="encoder_only", positions="learned", norm="layernorm",
+               norm_position="post", use_bias=True, qkv_bias=False, sliding_window=None,
+               num_kv_heads=MULTI_HEAD, head_dim=D_OVER_N, tie_embeddings=True,
+               scale_embeddings=False, embedding_norm=True),
+    constants=dict(position_embedding_type="absolute", is_decoder=False,
+                   add_cross_attention=False, tie_word_embeddings=True),
+    unread=UNREAD_FIELDS,
+    ids=SpecialIds(pad=0, null_is_none=True))
+
+
+def read_encoder(r: ConfigReader, name: str, cmap: ConfigMap) -> dict:
+    """The TransformerConfig fields of BERT or RoBERTa (`cmap`, its map; `name`, its class
+    names' prefix) but the positions' offset and max_len: the map's, the activation and
+    the head."""
     act = r.take("hidden_act", "gelu")
     if act not in ACTIVATIONS:
         r.refuse("hidden_act", act, f"supported: {sorted(ACTIVATIONS)}")
-    r.expect("position_embedding_type", "absolute")
-    r.expect("is_decoder", False)
-    r.expect("add_cross_attention", False)
-    r.expect("tie_word_embeddings", True)
-    for key in UNREAD_FIELDS:
-        r.take(key, None)
+    fields = cmap.read(r)
     labels = heads_of(r, name)
-    return dict(
-        architecture="encoder_only", vocab_size=r.take("vocab_size"),
-        d_model=r.take("hidden_size"), num_heads=r.take("num_attention_heads"),
-        mlp_dim=r.take("intermediate_size"), num_layers=r.take("num_hidden_layers"),
-        positions="learned", norm="layernorm", norm_position="post",
-        norm_eps=r.take("layer_norm_eps", 1e-12), activation=ACTIVATIONS[act], use_bias=True,
-        tie_embeddings=True, scale_embeddings=False, embedding_norm=True,
-        num_token_types=r.take("type_vocab_size", 2), num_labels=labels,
-        label_names=label_names_of(r, labels),
-        dropout_rate=float(r.take("hidden_dropout_prob", 0.1)),
-        attention_dropout_rate=float(r.take("attention_probs_dropout_prob", 0.1)),
-        pad_id=r.take("pad_token_id", None) if "pad_token_id" in r.hf else default_pad)
+    return {**fields, "activation": ACTIVATIONS[act], "num_labels": labels,
+            "label_names": label_names_of(r, labels)}
 
 
-def encoder_to_hf(cfg: TransformerConfig, model_type: str, name: str, **fields) -> dict:
-    """config.json fields BERT and RoBERTa write alike; `fields` are the family's own
-    `require` values (its position offset). `architectures` follows the head."""
-    require(cfg, model_type, architecture="encoder_only", positions="learned",
-            norm="layernorm", norm_position="post", use_bias=True, qkv_bias=False,
-            sliding_window=None, num_kv_heads=cfg.num_heads,
-            head_dim=cfg.d_model // cfg.num_heads, tie_embeddings=True,
-            scale_embeddings=False, embedding_norm=True, **fields)
+def encoder_to_hf(cfg: TransformerConfig, model_type: str, name: str, *, cmap: ConfigMap,
+                  **required) -> dict:
+    """config.json of a BERT or RoBERTa config (`cmap`, its map; `required`, values the
+    family computes: its position offset). `architectures` follows the head."""
+    hf = cmap.write(cfg, model_type, **required)
     if cfg.activation not in HF_ACTIVATIONS:
         raise Inexpressible(f"{model_type} cannot express activation={cfg.activation!r}")
     if cfg.d_model % cfg.num_heads:
@@ -140,19 +142,9 @@ def encoder_to_hf(cfg: TransformerConfig, model_type: str, name: str, **fields) 
                             f"d_model={cfg.d_model}")
     if not cfg.num_token_types:
         raise Inexpressible(f"{model_type} always has token types (num_token_types=0)")
-    hf = {
-        "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
-        "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
-        "intermediate_size": cfg.mlp_dim, "hidden_act": HF_ACTIVATIONS[cfg.activation],
-        "hidden_dropout_prob": cfg.dropout_rate,
-        "attention_probs_dropout_prob": cfg.attention_dropout_rate,
-        "max_position_embeddings": cfg.max_len + cfg.position_offset,
-        "type_vocab_size": cfg.num_token_types, "layer_norm_eps": cfg.norm_eps,
-        "position_embedding_type": "absolute", "is_decoder": False,
-        "add_cross_attention": False, "tie_word_embeddings": True,
-        "pad_token_id": cfg.pad_id, "bos_token_id": cfg.bos_id, "eos_token_id": cfg.eos_id,
-        "architectures": [f"{name}ForMaskedLM"],
-    }
+    hf.update(hidden_act=HF_ACTIVATIONS[cfg.activation],
+              max_position_embeddings=cfg.max_len + cfg.position_offset,
+              architectures=[f"{name}ForMaskedLM"])
     if cfg.num_labels:
         labels = cfg.label_names or default_label_names(cfg.num_labels)
         hf.update(architectures=[f"{name}ForSequenceClassification"],
@@ -177,16 +169,14 @@ def labels_from_weights(cfg: TransformerConfig, weights: Weights, key: str) -> T
 
 def config_from_hf(hf: dict) -> TransformerConfig:
     r = ConfigReader(hf, "bert")
-    fields = read_encoder(r, "Bert", default_pad=0)
-    cfg = TransformerConfig(**fields, max_len=r.take("max_position_embeddings", 512),
-                            bos_id=r.take("bos_token_id", None),
-                            eos_id=r.take("eos_token_id", None))
+    cfg = TransformerConfig(**read_encoder(r, "Bert", MAP),
+                            max_len=r.take("max_position_embeddings", 512))
     r.finish()
     return cfg
 
 
 def config_to_hf(cfg: TransformerConfig) -> dict:
-    return encoder_to_hf(cfg, "bert", "Bert")
+    return encoder_to_hf(cfg, "bert", "Bert", cmap=MAP)
 
 
 ATTENTION = Attention(q="attention.self.query", k="attention.self.key",

@@ -91,7 +91,8 @@ class Inexpressible(UserError):
 
 # Fields of Hugging Face's base config class (and of older config.json files) that do not
 # change what the model computes from its weights: bookkeeping, outputs, and generation
-# defaults (read by `models.pretrained.generation`; the special ids each family reads).
+# defaults (read by `models.pretrained.generation`; the special ids, which
+# `config_map.SpecialIds` reads).
 HARMLESS = frozenset({
     "architectures", "model_type", "transformers_version", "dtype", "torch_dtype",
     "use_cache", "initializer_range", "_name_or_path", "name_or_path", "output_attentions",
@@ -112,6 +113,9 @@ HARMLESS = frozenset({
 }) | (GENERATION_FIELDS - {"pad_token_id", "bos_token_id", "eos_token_id"})
 
 
+REQUIRED = object()             # `ConfigReader.take`'s default: the key must be there
+
+
 class ConfigReader:
     """Reads one config.json: every key must be taken, checked or known to be harmless.
 
@@ -125,12 +129,13 @@ class ConfigReader:
         self.hf, self.model_type = dict(hf), model_type
         self._seen = set(HARMLESS)
 
-    def take(self, key: str, default=KeyError):
-        """The value of `key`; a missing key is an error unless a default is given."""
+    def take(self, key: str, default=REQUIRED):
+        """The value of `key`; a missing key (or null) is an error unless a default is
+        given."""
         self._seen.add(key)
         if key in self.hf and self.hf[key] is not None:
             return self.hf[key]
-        if default is KeyError:
+        if default is REQUIRED:
             raise UserError(f"{self.model_type} config.json has no {key!r}")
         return default
 
@@ -151,23 +156,6 @@ class ConfigReader:
             raise UserError(
                 f"{self.model_type} config.json has field(s) this project does not know, so "
                 f"it cannot tell whether they change the computation: {shown}")
-
-
-def special_ids(r: ConfigReader) -> dict:
-    """bos/eos/pad ids; a list of end ids (Llama 3) keeps its first as the config's eos
-    (the full list is a generation default)."""
-    eos = r.take("eos_token_id", None)
-    if isinstance(eos, list):
-        eos = eos[0] if eos else None
-    bos = r.take("bos_token_id", None)
-    # No start token (Qwen2): a sequence starts where a previous one ended.
-    return {"pad_id": r.take("pad_token_id", None), "eos_id": eos,
-            "bos_id": eos if bos is None else bos}
-
-
-def hf_special_ids(cfg: TransformerConfig) -> dict:
-    return {"bos_token_id": cfg.bos_id, "eos_token_id": cfg.eos_id,
-            "pad_token_id": cfg.pad_id}
 
 
 # The variants a family expresses only when it says so: `require` holds every other family

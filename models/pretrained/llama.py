@@ -9,13 +9,8 @@ permuted them when converting Meta's checkpoints), so they load as they are.
 from __future__ import annotations
 
 from models.config import Llama3RopeScaling, TransformerConfig
-from models.pretrained.family import (
-    ConfigReader,
-    Family,
-    hf_special_ids,
-    require,
-    special_ids,
-)
+from models.pretrained.config_map import ConfigMap, Field, SpecialIds
+from models.pretrained.family import ConfigReader, Family
 from models.pretrained.mapping import Rule
 from models.pretrained.rules import (
     Attention,
@@ -80,42 +75,44 @@ def write_rope(cfg: TransformerConfig) -> dict:
     return {"rope_parameters": params}
 
 
-def common_config(r: ConfigReader, **fields) -> TransformerConfig:
-    """The fields the Llama-like families share; `fields` are the family's own."""
+FIELDS = (
+    Field("vocab_size", "vocab_size"), Field("hidden_size", "d_model"),
+    Field("num_attention_heads", "num_heads"),
+    Field("num_key_value_heads", "num_kv_heads", None),            # None: num_heads
+    Field("head_dim", "head_dim", None),                           # None: d_model / heads
+    Field("intermediate_size", "mlp_dim"), Field("num_hidden_layers", "num_layers"),
+    Field("max_position_embeddings", "max_len"), Field("rms_norm_eps", "norm_eps", 1e-6),
+    Field("tie_word_embeddings", "tie_embeddings", False),
+    Field("attention_dropout", "attention_dropout_rate", 0.0, float))
+FIXED = dict(architecture="decoder_only", positions="rope", norm="rmsnorm", norm_position="pre",
+             activation="swiglu", scale_embeddings=False, dropout_rate=0.0)
+
+
+def config_map(*fields: Field, **fixed) -> ConfigMap:
+    """The map of a Llama-like family: the shared fields plus its own `fields` and `fixed`
+    values (checked first when writing). The RoPE settings and hidden_act are read and
+    written by `common_config` and `common_to_hf`."""
+    return ConfigMap(fields=FIELDS + fields, fixed={**fixed, **FIXED},
+                     unread=("pretraining_tp",),         # a way of splitting the same matmuls
+                     ids=SpecialIds(start="eos"))
+
+
+MAP = config_map(qkv_bias=False, sliding_window=None)
+
+
+def common_config(r: ConfigReader, cmap: ConfigMap, **fields) -> TransformerConfig:
+    """A Llama-like family's config by its map; `fields` are those it reads itself."""
     act = r.take("hidden_act", "silu")
     if act != "silu":
         r.refuse("hidden_act", act, "Llama-style models gate with silu (SwiGLU)")
-    r.take("pretraining_tp", 1)              # a way of splitting the same matmuls
-    heads = r.take("num_attention_heads")
-    max_len = r.take("max_position_embeddings")
-    cfg = TransformerConfig(
-        architecture="decoder_only", vocab_size=r.take("vocab_size"),
-        d_model=r.take("hidden_size"), num_heads=heads,
-        num_kv_heads=r.take("num_key_value_heads", heads), head_dim=r.take("head_dim", None),
-        mlp_dim=r.take("intermediate_size"), num_layers=r.take("num_hidden_layers"),
-        max_len=max_len, positions="rope", **read_rope(r, max_len), norm="rmsnorm",
-        norm_position="pre", norm_eps=r.take("rms_norm_eps", 1e-6), activation="swiglu",
-        tie_embeddings=r.take("tie_word_embeddings", False), scale_embeddings=False,
-        dropout_rate=0.0, attention_dropout_rate=float(r.take("attention_dropout", 0.0)),
-        **special_ids(r), **fields)
+    mapped = cmap.read(r)
+    cfg = TransformerConfig(**mapped, **read_rope(r, mapped["max_len"]), **fields)
     r.finish()
     return cfg
 
 
-def common_to_hf(cfg: TransformerConfig, model_type: str) -> dict:
-    require(cfg, model_type, architecture="decoder_only", positions="rope", norm="rmsnorm",
-            norm_position="pre", activation="swiglu", scale_embeddings=False,
-            dropout_rate=0.0)
-    return {
-        "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
-        "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
-        "head_dim": cfg.head_dim, "intermediate_size": cfg.mlp_dim,
-        "num_hidden_layers": cfg.num_layers, "max_position_embeddings": cfg.max_len,
-        "rms_norm_eps": cfg.norm_eps, "hidden_act": "silu",
-        "tie_word_embeddings": cfg.tie_embeddings,
-        "attention_dropout": cfg.attention_dropout_rate, **write_rope(cfg),
-        **hf_special_ids(cfg),
-    }
+def common_to_hf(cfg: TransformerConfig, model_type: str, cmap: ConfigMap) -> dict:
+    return {**cmap.write(cfg, model_type), "hidden_act": "silu", **write_rope(cfg)}
 
 
 def config_from_hf(hf: dict) -> TransformerConfig:
@@ -124,12 +121,11 @@ def config_from_hf(hf: dict) -> TransformerConfig:
     if attention_bias != mlp_bias:
         r.refuse("mlp_bias", mlp_bias, f"biases on the attention and the MLP together "
                  f"(attention_bias={attention_bias})")
-    return common_config(r, use_bias=bool(attention_bias))
+    return common_config(r, MAP, use_bias=bool(attention_bias))
 
 
 def config_to_hf(cfg: TransformerConfig) -> dict:
-    require(cfg, "llama", qkv_bias=False, sliding_window=None)
-    return {**common_to_hf(cfg, "llama"), "attention_bias": cfg.use_bias,
+    return {**common_to_hf(cfg, "llama", MAP), "attention_bias": cfg.use_bias,
             "mlp_bias": cfg.use_bias}
 
 
