@@ -15,8 +15,9 @@ is given, so both stay the same token); generation_config.json, written from the
 (forced_eos_token_id, num_beams, ...) go to generation_config.json only: config.json gets
 forced_eos_token_id null so that BartConfig's default (2) does not add one.
 
-Fields of older configs (mBART-style switches that transformers' BART no longer reads) are
-accepted at the values BART computes with, and refused by name otherwise: normalize_before,
+config.json files written by transformers 3 (facebook/bart-large's among them) hold
+BartConfig's mBART-style switches, which later BartConfigs do not have: they are accepted at
+the values BART computes with, and refused by name otherwise: normalize_before,
 add_final_layer_norm, add_bias_logits, do_blenderbot_90_layernorm (False),
 normalize_embedding (True), static_position_embeddings (False), extra_pos_embeddings (2).
 """
@@ -68,11 +69,13 @@ FIXED = dict(architecture="encoder_decoder", norm="layernorm", norm_position="po
              num_kv_heads=MULTI_HEAD, head_dim=D_OVER_N, tie_embeddings=True, logits_bias=True)
 CONSTANTS = dict(encoder_layerdrop=0.0, decoder_layerdrop=0.0, is_encoder_decoder=True,
                  tie_word_embeddings=True)
-# mBART-style switches of older configs, at the values BART computes with.
+# BartConfig's mBART-style switches in config.json files of transformers 3, at the values
+# BART computes with.
 LEGACY = dict(normalize_before=False, add_final_layer_norm=False, add_bias_logits=False,
               do_blenderbot_90_layernorm=False)
-# Initialisation, the classification heads, training, and old generation code (a forced
-# first token, now forced_bos_token_id): none changes the logits.
+# Initialisation, the classification heads, training, and a forced first token as
+# force_bos_token_to_be_generated (which generation's forced_bos_token_id replaced): none
+# changes the logits.
 UNREAD = ("init_std", "classifier_dropout", "classif_dropout", "_num_labels", "output_past",
           "force_bos_token_to_be_generated")
 MAP = ConfigMap(

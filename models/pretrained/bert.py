@@ -16,9 +16,10 @@ alone (BertModel: no cls.* tensors) loads as a masked-LM model whose head is new
 initialised, with a warning naming it; its pooler (and a pre-training file's next-sentence
 head) are skipped with a warning too. `problem_type` picks the training loss only.
 
-Old checkpoints spell LayerNorm's weight and bias "gamma" and "beta" (`Family.renames`),
-keep `position_ids` buffers (ignored) and a copy of the tied embedding and of the bias in
-`cls.predictions.decoder` (`Family.copies`: they must equal the tensors read).
+Checkpoints converted from the original TensorFlow BERT spell LayerNorm's weight and bias
+"gamma" and "beta" (`Family.renames`); files may keep `position_ids` buffers (ignored) and
+a copy of the tied embedding and of the bias in `cls.predictions.decoder`
+(`Family.copies`: they must equal the tensors read).
 Special ids: pad `pad_token_id` (0 by default); BERT has no start or end token of its own
 (bos and eos None unless config.json names them). Refused by name: another `hidden_act`,
 `position_embedding_type` other than "absolute", a decoder (`is_decoder`,
@@ -49,12 +50,13 @@ from models.pretrained.rules import (
 ACTIVATIONS = {"gelu": "gelu_exact", "gelu_new": "gelu", "gelu_pytorch_tanh": "gelu",
                "relu": "relu"}
 HF_ACTIVATIONS = {"gelu_exact": "gelu", "gelu": "gelu_new", "relu": "relu"}
-# Fields of older config.json files that transformers never reads (the original TF code's
-# pooler description, text direction) or that only train (the classifier's dropout).
+# Fields that config.json files converted from the original TensorFlow BERT hold and
+# transformers never reads (that code's pooler description, the text direction), or that
+# only train (the classifier's dropout).
 UNREAD_FIELDS = ("directionality", "pooler_fc_size", "pooler_num_attention_heads",
                  "pooler_num_fc_layers", "pooler_size_per_head", "pooler_type",
                  "classifier_dropout", "output_past")
-# Old spellings of LayerNorm's parameters (TF-converted checkpoints).
+# LayerNorm's parameters as checkpoints converted from TensorFlow spell them.
 RENAMES = ((r"(LayerNorm|layer_norm)\.gamma$", r"\1.weight"),
            (r"(LayerNorm|layer_norm)\.beta$", r"\1.bias"))
 

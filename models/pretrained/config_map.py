@@ -139,8 +139,8 @@ class ConfigMap:
             TransformerConfig's defaults when reading.
         constants: config.json keys at the one value this project computes with: another
             value is refused by name, and the value is written.
-        accepted: like `constants`, but not written (transformers' defaults, or switches of
-            older config.json files).
+        accepted: like `constants`, but not written (transformers' defaults, or switches
+            that config.json files of earlier transformers versions hold).
         unread: config.json keys that change nothing the model computes (initialisation,
             heads the project does not build): accepted with any value, not written.
         ids: the special ids.

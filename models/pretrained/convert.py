@@ -1,7 +1,7 @@
 """Parameters from a checkpoint's tensors and back, by a family's rules (see `mapping`).
 
 Reading checks the whole file against the table before converting anything:
-- its keys are taken under today's names (`Family.renames`);
+- its keys are taken under the names the rules use (`Family.renames`);
 - every tensor the rules need must be there (missing ones are named), unless a whole
   optional head is absent (`Family.optional_heads`: it is initialised, with a warning);
 - every tensor there must be needed, ignorable, another head's (`Family.skipped`, with a
@@ -200,7 +200,7 @@ class _Tree:
 
 
 class _Renamed:
-    """`weights` with its keys under today's names (`Family.renames`)."""
+    """`weights` with its keys under the names the rules use (`Family.renames`)."""
 
     def __init__(self, weights: Weights, family: Family):
         self.directory, self._weights, self._names = weights.directory, weights, {}

@@ -45,8 +45,9 @@ class Family:
             head is tied unless the file holds a different `lm_head.weight`). Applied by
             `read_config`, so `load` and a fine-tuning run see the same config.
         renames: (regex, replacement) pairs applied with `re.sub`, in order, to every key
-            of a file before anything else reads it: older spellings of today's names
-            (BERT's "LayerNorm.gamma" / "LayerNorm.beta" for ".weight" / ".bias"). Two
+            of a file before anything else reads it: other spellings of the names the rules
+            use (TF-converted BERT checkpoints' "LayerNorm.gamma" / "LayerNorm.beta" for
+            ".weight" / ".bias"). Two
             keys of one file that rename to the same name are refused.
         optional_heads: a prefix of the rules' keys -> the head it holds ("cls.predictions."
             -> "the masked-LM head"). A file with none of the tensors under a prefix (a base
@@ -79,7 +80,7 @@ class Family:
         return any(re.fullmatch(p, key) for p in self.skipped)
 
     def rename(self, key: str) -> str:
-        """A file's key under today's name (`renames`)."""
+        """A file's key under the name the rules use (`renames`)."""
         for pattern, replacement in self.renames:
             key = re.sub(pattern, replacement, key)
         return key
@@ -89,7 +90,7 @@ class Inexpressible(UserError):
     """A config that this model type's Hugging Face class cannot express."""
 
 
-# Fields of Hugging Face's base config class (and of older config.json files) that do not
+# Fields of Hugging Face's base config class (and of earlier versions of it) that do not
 # change what the model computes from its weights: bookkeeping, outputs, and generation
 # defaults (read by `models.pretrained.generation`; the special ids, which
 # `config_map.SpecialIds` reads).

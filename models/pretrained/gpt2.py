@@ -22,7 +22,6 @@ from models.pretrained.rules import (
 ACTIVATIONS = {"gelu_new": "gelu", "gelu_pytorch_tanh": "gelu", "gelu": "gelu_exact",
                "relu": "relu"}
 
-
 MAP = ConfigMap(
     fields=(Field("vocab_size", "vocab_size"), Field("n_embd", "d_model"),
             Field("n_head", "num_heads"), Field("n_layer", "num_layers"),
@@ -52,7 +51,7 @@ def config_from_hf(hf: dict) -> TransformerConfig:
         r.refuse("embd_pdrop", embd, f"one dropout rate for embeddings and residuals: "
                  f"resid_pdrop={resid}")
     fields = MAP.read(r)
-    r.expect("n_ctx", fields["max_len"])         # an old spelling of the same number
+    r.expect("n_ctx", fields["max_len"])         # the original GPT-2 config's name for it
     fields["mlp_dim"] = fields["mlp_dim"] or 4 * fields["d_model"]
     cfg = TransformerConfig(**fields, activation=ACTIVATIONS[act])
     r.finish()
@@ -85,5 +84,5 @@ def rules(cfg: TransformerConfig) -> list[Rule]:
 FAMILY = Family(
     model_type="gpt2", architectures=("GPT2LMHeadModel",), config_from_hf=config_from_hf,
     config_to_hf=config_to_hf, rules=rules, prefix="transformer.",
-    # Causal-mask buffers that old checkpoints stored.
+    # Causal-mask buffers that files saved while transformers kept them persistent hold.
     ignored=(r"(transformer\.)?h\.\d+\.(attn|crossattention)\.(bias|masked_bias)",))

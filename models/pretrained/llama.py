@@ -28,7 +28,7 @@ from models.pretrained.rules import (
 def read_rope(r: ConfigReader, max_len: int) -> dict:
     """`rope_theta` and `rope_scaling` fields from either spelling of the RoPE settings:
     transformers v5's `rope_parameters` dict, or v4's top-level `rope_theta` plus a
-    `rope_scaling` dict (its kind under `rope_type`, or the older `type`)."""
+    `rope_scaling` dict (its kind under `rope_type`, or `type` as earlier v4 files spell it)."""
     v5, v4 = r.take("rope_parameters", None), r.take("rope_scaling", None)
     params = v5 if v5 is not None else v4 if v4 is not None else {}
     if not isinstance(params, dict) or any(isinstance(v, dict) for v in params.values()):

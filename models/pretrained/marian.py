@@ -11,22 +11,24 @@ either way source and target have one vocabulary (`decoder_vocab_size` must be
 Special ids: pad is the last vocabulary entry (58100 of 58101 in opus-mt-en-de), not 0;
 the decoder starts from `decoder_start_token_id`, which is pad (our `bos_id`; MarianConfig's
 default when config.json omits it is 58100, its default pad id too); eos is 0.
-`bos_token_id` (none, or 0 in older files) is never read by the model and is written as
-null.
+`bos_token_id` (none, or 0 in files written when MarianConfig took BartConfig's defaults)
+is never read by the model and is written as null.
 
 The position tables (`model.{encoder,decoder}.embed_positions.weight`) are functions of
 max_position_embeddings and d_model. transformers does not save them
 (`_keys_to_ignore_on_save`) and regenerates them when a file lacks them
-(`_keys_to_ignore_on_load_missing`, then `_init_weights`), but a file that has them (older
-checkpoints do) is loaded into the model, whose frozen embedding then uses the stored
-values. So we regenerate them (`paper_sinusoid_table`), check a stored table against ours
-(`Family.fixed`: equal to the file dtype's rounding, or the checkpoint is refused naming
-the tensor) and, like transformers, never write them.
+(`_keys_to_ignore_on_load_missing`, then `_init_weights`), but a file that has them (files
+saved before transformers listed them in `_keys_to_ignore_on_save` do) is loaded into the
+model, whose frozen embedding then uses the stored values. So we regenerate them
+(`paper_sinusoid_table`), check a stored table against ours (`Family.fixed`: equal to the
+file dtype's rounding, or the checkpoint is refused naming the tensor) and, like
+transformers, never write them.
 
-Older configs' mBART-style switches are accepted at Marian's values and refused by name
-otherwise: normalize_before, add_final_layer_norm, add_bias_logits,
-do_blenderbot_90_layernorm, normalize_embedding (False), static_position_embeddings (True);
-extra_pos_embeddings (an offset of learned positions) means nothing for sinusoids.
+BartConfig's mBART-style switches in config.json files of transformers 3 are accepted at
+Marian's values and refused by name otherwise: normalize_before, add_final_layer_norm,
+add_bias_logits, do_blenderbot_90_layernorm, normalize_embedding (False),
+static_position_embeddings (True); extra_pos_embeddings (an offset of learned positions)
+means nothing for sinusoids.
 """
 
 from __future__ import annotations

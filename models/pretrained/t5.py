@@ -22,8 +22,9 @@ default the pad id) is our `bos_id`; pad 0 and eos 1 by default. T5 has no maxim
 `max_len` is `n_positions` (512 when absent), written back as such.
 
 Files may also hold `encoder.embed_tokens.weight` / `decoder.embed_tokens.weight` (copies
-of `shared.weight`, which they stand in for when it is absent) and old checkpoints an unused
-cross-attention position table in decoder block 0 (skipped, as transformers does).
+of `shared.weight`, which they stand in for when it is absent), and files written by
+earlier versions of transformers' T5 an unused cross-attention position table in decoder
+block 0 (skipped, as transformers does).
 Refused by name: any other activation, a gated exact GELU, an encoder-only config, umT5
 (its own model_type, a bias table in every layer) and config fields this module does not
 know.
@@ -82,7 +83,7 @@ def derived_activation(proj: str) -> tuple[str, bool] | None:
     parts = proj.split("-")
     if len(parts) > 2 or (len(parts) == 2 and parts[0] != "gated"):
         return None
-    if proj == "gated-gelu":                 # kept for old checkpoints: tanh GELU
+    if proj == "gated-gelu":                 # T5 v1.1's spelling of tanh GELU
         return "gelu_new", True
     return parts[-1], len(parts) == 2
 
@@ -238,7 +239,8 @@ def family(model_type: str, architecture: str) -> Family:
         model_type=model_type, architectures=(architecture,),
         config_from_hf=reader(model_type), config_to_hf=writer(model_type), rules=rules,
         copies={EMBEDDING: STACK_EMBEDDINGS}, config_from_weights=config_from_weights,
-        # Old checkpoints: a cross-attention position table nothing reads.
+        # Files of earlier versions of transformers' T5: a cross-attention position table
+        # nothing reads.
         ignored=(r"decoder\.block\.0\.layer\.1\.EncDecAttention\.relative_attention_bias\.weight",))
 
 
