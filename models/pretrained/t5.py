@@ -35,6 +35,7 @@ from __future__ import annotations
 import numpy as np
 
 from models.config import TransformerConfig
+from models.layers import GATED
 from models.pretrained.config_map import DECODER_START, MULTI_HEAD, ConfigMap, Field, SpecialIds
 from models.pretrained.family import ConfigReader, Family, Inexpressible
 from models.pretrained.files import Weights
@@ -72,7 +73,8 @@ DEFAULTS = {
                 num_heads=6, feed_forward_proj="gated-gelu"),
 }
 MAX_LEN = 512                        # T5's training length, when n_positions is absent
-EMBEDDING = "shared.weight"
+SHARED = "shared"                    # the one embedding table: both stacks' and a tied head's
+EMBEDDING = f"{SHARED}.weight"
 STACK_EMBEDDINGS = ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight")
 HEAD = "lm_head.weight"
 
@@ -211,7 +213,7 @@ def _mlp(cfg: TransformerConfig, stack: str, sub: int) -> list[Rule]:
     """Sublayer `sub` of each block: the MLP (wi_0 gates wi_1 when gated) and its norm."""
     ff = f"{sub}.DenseReluDense"
     names = (Mlp(gate=f"{ff}.wi_0", up=f"{ff}.wi_1", down=f"{ff}.wo") if cfg.activation
-             in ("geglu", "swiglu") else Mlp(up=f"{ff}.wi", down=f"{ff}.wo"))
+             in GATED else Mlp(up=f"{ff}.wi", down=f"{ff}.wo"))
     return [*mlp(cfg, _layer(stack), names),
             *norm(cfg, _layer(stack), f"{sub}.layer_norm", "mlp_norm")]
 
@@ -220,7 +222,7 @@ def rules(cfg: TransformerConfig) -> list[Rule]:
     """Each block's sublayers are numbered: 0 self-attention, then (decoder) 1
     cross-attention, then the MLP; each with its (pre-)norm. The relative position bias
     table is held by the first block's self-attention."""
-    table = embeddings(cfg, stack="encoder", tokens="shared")        # EMBEDDING
+    table = embeddings(cfg, stack="encoder", tokens=SHARED)
     for stack in ("encoder", "decoder"):
         table += [*relative_bias(stack, f"{stack}.block.0.layer.0.SelfAttention."
                                         "relative_attention_bias"),
