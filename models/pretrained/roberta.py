@@ -29,8 +29,8 @@ import dataclasses
 
 from models.config import TransformerConfig
 from models.errors import UserError
-from models.pretrained import bert
 from models.pretrained.bert import (
+    MAP as BERT_MAP,
     RENAMES,
     encoder_rules,
     encoder_to_hf,
@@ -43,7 +43,7 @@ from models.pretrained.files import Weights
 from models.pretrained.rules import classifier, mlm_head
 
 # BERT's map with RobertaConfig's special ids.
-MAP = dataclasses.replace(bert.MAP, ids=SpecialIds(pad=1, eos=2, start=0, null_is_none=True))
+MAP = dataclasses.replace(BERT_MAP, ids=SpecialIds(pad=1, eos=2, start=0, null_is_none=True))
 
 
 def _check_head_activation(cfg: TransformerConfig, act: str | None = None) -> None:
