@@ -47,8 +47,8 @@ class Family:
         renames: (regex, replacement) pairs applied with `re.sub`, in order, to every key
             of a file before anything else reads it: other spellings of the names the rules
             use (TF-converted BERT checkpoints' "LayerNorm.gamma" / "LayerNorm.beta" for
-            ".weight" / ".bias"). Two
-            keys of one file that rename to the same name are refused.
+            ".weight" / ".bias"). Two keys of one file that rename to the same name are
+            refused.
         optional_heads: a prefix of the rules' keys -> the head it holds ("cls.predictions."
             -> "the masked-LM head"). A file with none of the tensors under a prefix (a base
             model saved alone) loads with that head's parameters as the model initialises
@@ -90,7 +90,7 @@ class Inexpressible(UserError):
     """A config that this model type's Hugging Face class cannot express."""
 
 
-# Fields of Hugging Face's base config class (and of earlier versions of it) that do not
+# Fields of Hugging Face's base config class (and of its earlier versions) that do not
 # change what the model computes from its weights: bookkeeping, outputs, and generation
 # defaults (read by `models.pretrained.generation`; the special ids, which
 # `config_map.SpecialIds` reads).
