@@ -8,6 +8,41 @@ Each `model_type` is one small module here (its config map and weight map as tab
 in both directions), found through `FAMILIES`. A config that a Hugging Face class expresses
 is saved as that class (transformers loads it with the same logits); any other config is
 saved under the project's own type (`zoo`), which `load` reads too.
+
+How to add a model type (llama.py is a whole one; mistral.py and qwen2.py are variants of
+it, bart.py / marian.py and bert.py / roberta.py share their layers the same way):
+
+1. Its weight map, `rules(cfg) -> list[Rule]`: the Hugging Face name of each part, given to
+   the builders of `rules`, which know our parameters, their layouts and which of them a
+   config has (biases, token types, an untied head):
+
+       LAYER = Scope.layers("model.layers.{i}", "decoder")       # keys model.layers.3.*
+       def rules(cfg):
+           return [*embeddings(cfg, tokens="model.embed_tokens"),
+                   *self_attention(cfg, LAYER, Attention.apart("self_attn.{}_proj")),
+                   *mlp(cfg, LAYER, Mlp(gate="mlp.gate_proj", up="mlp.up_proj",
+                                        down="mlp.down_proj")),
+                   *norm(cfg, LAYER, "input_layernorm", "self_attention_norm"),
+                   *norm(cfg, LAYER, "post_attention_layernorm", "mlp_norm"),
+                   *final_norm(cfg, "decoder", "model.norm"), *untied_head(cfg)]
+
+   Fused projections are `Attention(qkv=..., o=...)` and `Mlp(gate_up=..., down=...)`;
+   GPT-2's transposed weights `conv1d=True`; an encoder-decoder adds `cross_attention`.
+2. Its config map (`config_map`): a `ConfigMap` of the config.json keys that hold
+   TransformerConfig fields, the fields the type always has, the keys it accepts at one
+   value, and its `SpecialIds` (its config class's defaults); then
+   `config_from_hf(hf)` = `ConfigReader`, `MAP.read(r)`, what the table cannot say,
+   `r.finish()` (every key taken, or refused by name), and `config_to_hf(cfg)` =
+   `MAP.write(cfg, type)` plus the same (raising `Inexpressible` for a config the class
+   cannot express).
+3. `FAMILY = Family(...)` with its key prefix, buffers to ignore, tied copies, and what a
+   file may lack or hold besides (see `family.Family`); then a line in `FAMILIES` below and
+   its place in `SAVE_ORDER`.
+4. A case in tests/pretrained_helpers.py (a tiny random transformers model), which the
+   parity, cache, generation and round-trip tests run, and its refused config values.
+
+What the layers cannot compute yet (another norm, positions, attention variant) is a
+TransformerConfig field and a thin layer variant first; a family only maps to it.
 """
 
 from __future__ import annotations

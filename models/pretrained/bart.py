@@ -15,8 +15,9 @@ is given, so both stay the same token); generation_config.json, written from the
 (forced_eos_token_id, num_beams, ...) go to generation_config.json only: config.json gets
 forced_eos_token_id null so that BartConfig's default (2) does not add one.
 
-Fields of older configs (mBART-style switches that transformers' BART no longer reads) are
-accepted at the values BART computes with, and refused by name otherwise: normalize_before,
+config.json files written by transformers 3 (facebook/bart-large's among them) hold
+BartConfig's mBART-style switches, which later BartConfigs do not have: they are accepted at
+the values BART computes with, and refused by name otherwise: normalize_before,
 add_final_layer_norm, add_bias_logits, do_blenderbot_90_layernorm (False),
 normalize_embedding (True), static_position_embeddings (False), extra_pos_embeddings (2).
 """
@@ -24,15 +25,26 @@ normalize_embedding (True), static_position_embeddings (False), extra_pos_embedd
 from __future__ import annotations
 
 from models.config import TransformerConfig
-from models.errors import UserError
-from models.pretrained.family import ConfigReader, Family, Inexpressible, require
-from models.pretrained.mapping import (
-    LINEAR_FROM_HEADS,
-    TRANSPOSE,
-    Layout,
-    Rule,
-    bias_to_heads,
-    linear_to_heads,
+from models.pretrained.config_map import (
+    D_OVER_N,
+    DECODER_START,
+    MULTI_HEAD,
+    ConfigMap,
+    Field,
+    SpecialIds,
+)
+from models.pretrained.family import ConfigReader, Family, Inexpressible
+from models.pretrained.mapping import Rule
+from models.pretrained.rules import (
+    Attention,
+    Mlp,
+    Scope,
+    cross_attention,
+    embeddings,
+    logits_bias,
+    mlp,
+    norm,
+    self_attention,
 )
 
 ACTIVATIONS = {"gelu": "gelu_exact", "gelu_new": "gelu", "gelu_pytorch_tanh": "gelu",
@@ -40,27 +52,46 @@ ACTIVATIONS = {"gelu": "gelu_exact", "gelu_new": "gelu", "gelu_pytorch_tanh": "g
 # What we write for each of ours (the first spelling transformers reads as it).
 HF_ACTIVATIONS = {"gelu_exact": "gelu", "gelu": "gelu_new", "relu": "relu", "silu": "silu"}
 NORM_EPS = 1e-5                       # torch.nn.LayerNorm's default, which BART and Marian use
-# Fields of the classification heads, of training, and of old generation code (a forced
-# first token, now forced_bos_token_id): none changes the logits.
-HEAD_FIELDS = ("classifier_dropout", "classif_dropout", "_num_labels", "output_past",
-               "force_bos_token_to_be_generated")
+FIELDS = (
+    Field("vocab_size", "vocab_size"), Field("d_model", "d_model"),
+    Field("encoder_attention_heads", "num_heads"),          # and decoder_attention_heads
+    Field("encoder_ffn_dim", "mlp_dim"),                    # and decoder_ffn_dim
+    Field("encoder_layers", "num_encoder_layers"), Field("decoder_layers", "num_decoder_layers"),
+    Field("max_position_embeddings", "max_len"),
+    Field("scale_embedding", "scale_embeddings", False, bool),
+    Field("dropout", "dropout_rate", 0.1, float),
+    Field("attention_dropout", "attention_dropout_rate", 0.0, float),
+    Field("activation_dropout", "mlp_dropout_rate", 0.0, float))
+# Post-norm LayerNorm layers with biases, one head count for both stacks, a tied head with
+# a logits bias (a family adds its positions and embeddings).
+FIXED = dict(architecture="encoder_decoder", norm="layernorm", norm_position="post",
+             norm_eps=NORM_EPS, use_bias=True, qkv_bias=False, sliding_window=None,
+             num_kv_heads=MULTI_HEAD, head_dim=D_OVER_N, tie_embeddings=True, logits_bias=True)
+CONSTANTS = dict(encoder_layerdrop=0.0, decoder_layerdrop=0.0, is_encoder_decoder=True,
+                 tie_word_embeddings=True)
+# BartConfig's mBART-style switches in config.json files of transformers 3, at the values
+# BART computes with.
+LEGACY = dict(normalize_before=False, add_final_layer_norm=False, add_bias_logits=False,
+              do_blenderbot_90_layernorm=False)
+# Initialisation, the classification heads, training, and a forced first token as
+# force_bos_token_to_be_generated (which generation's forced_bos_token_id replaced): none
+# changes the logits.
+UNREAD = ("init_std", "classifier_dropout", "classif_dropout", "_num_labels", "output_past",
+          "force_bos_token_to_be_generated")
+MAP = ConfigMap(
+    fields=FIELDS,
+    fixed={**FIXED, "positions": "learned", "position_offset": 2, "embedding_norm": True,
+           "share_embeddings": True},
+    constants=CONSTANTS,
+    accepted={**LEGACY, "normalize_embedding": True, "static_position_embeddings": False,
+              "extra_pos_embeddings": 2},
+    unread=UNREAD,
+    ids=SpecialIds(pad=1, eos=2, start=2, start_key=DECODER_START, source_bos="start"))
 
 
-def _row(b, cfg):
-    """final_logits_bias [1, V] -> [V] (a UserError for any other shape)."""
-    if b.ndim != 2 or b.shape[0] != 1:
-        raise UserError(f"final_logits_bias of shape {b.shape}")
-    return b[0]
-
-
-LOGITS_BIAS = Layout(lambda xs, cfg: [_row(xs[0], cfg)], lambda xs, cfg: [xs[0][None, :]])
-
-
-def read_common(r: ConfigReader, *, default_act: str, default_eos: int) -> dict:
-    """The TransformerConfig fields BART and Marian read alike: sizes, one head count and
-    FFN width for both stacks, post-norm LayerNorm layers with biases, the activation,
-    dropout rates, no layer drop, a tied head, and the special ids."""
-    d = r.take("d_model")
+def read_common(r: ConfigReader, cmap: ConfigMap) -> dict:
+    """The TransformerConfig fields of BART or Marian (`cmap`, its map): the map's, with one
+    head count and FFN width for both stacks, and the activation."""
     heads = r.take("encoder_attention_heads")
     if r.take("decoder_attention_heads") != heads:
         r.refuse("decoder_attention_heads", r.hf["decoder_attention_heads"],
@@ -69,143 +100,63 @@ def read_common(r: ConfigReader, *, default_act: str, default_eos: int) -> dict:
     if r.take("decoder_ffn_dim") != ffn:
         r.refuse("decoder_ffn_dim", r.hf["decoder_ffn_dim"],
                  f"one FFN width for both stacks: encoder_ffn_dim={ffn}")
-    layers = r.take("encoder_layers")
-    r.expect("num_hidden_layers", layers)      # transformers' alias of encoder_layers
-    act = r.take("activation_function", default_act)
+    r.expect("num_hidden_layers", r.take("encoder_layers"))   # transformers' alias of it
+    act = r.take("activation_function", "gelu")      # BartConfig's and MarianConfig's default
     if act not in ACTIVATIONS:
         r.refuse("activation_function", act, f"supported: {sorted(ACTIVATIONS)}")
-    for key in ("encoder_layerdrop", "decoder_layerdrop"):
-        r.expect(key, 0.0)
-    r.expect("is_encoder_decoder", True)
-    r.expect("tie_word_embeddings", True)
-    r.take("init_std", None)                   # initialisation only
-    for key in HEAD_FIELDS:
-        r.take(key, None)
-    for key in ("normalize_before", "add_final_layer_norm", "add_bias_logits",
-                "do_blenderbot_90_layernorm"):
-        r.expect(key, False)
-    eos = r.take("eos_token_id", default_eos)
-    if isinstance(eos, list):
-        eos = eos[0] if eos else None
-    return dict(
-        architecture="encoder_decoder", vocab_size=r.take("vocab_size"), d_model=d,
-        num_heads=heads, mlp_dim=ffn, num_encoder_layers=layers,
-        num_decoder_layers=r.take("decoder_layers"),
-        max_len=r.take("max_position_embeddings"), norm="layernorm", norm_position="post",
-        norm_eps=NORM_EPS, activation=ACTIVATIONS[act], use_bias=True, tie_embeddings=True,
-        scale_embeddings=bool(r.take("scale_embedding", False)), logits_bias=True,
-        dropout_rate=float(r.take("dropout", 0.1)),
-        attention_dropout_rate=float(r.take("attention_dropout", 0.0)),
-        mlp_dropout_rate=float(r.take("activation_dropout", 0.0)), eos_id=eos)
+    return {**cmap.read(r), "activation": ACTIVATIONS[act]}
 
 
-def common_to_hf(cfg: TransformerConfig, model_type: str, **fields) -> dict:
-    """config.json fields BART and Marian write alike; `fields` are the family's own
-    `require` values (its positions and embeddings)."""
-    require(cfg, model_type, architecture="encoder_decoder", norm="layernorm",
-            norm_position="post", norm_eps=NORM_EPS, use_bias=True, qkv_bias=False,
-            sliding_window=None, num_kv_heads=cfg.num_heads,
-            head_dim=cfg.d_model // cfg.num_heads, tie_embeddings=True, logits_bias=True,
-            mlp_dropout_rate=cfg.mlp_dropout_rate, **fields)
+def common_to_hf(cfg: TransformerConfig, model_type: str, cmap: ConfigMap) -> dict:
+    """config.json of a BART or Marian config (`cmap`, its map)."""
+    hf = cmap.write(cfg, model_type)
     if cfg.activation not in HF_ACTIVATIONS:
         raise Inexpressible(f"{model_type} cannot express activation={cfg.activation!r}")
     if cfg.d_model % cfg.num_heads:
         raise Inexpressible(f"{model_type} needs num_heads={cfg.num_heads} to divide "
                             f"d_model={cfg.d_model}")
-    return {
-        "vocab_size": cfg.vocab_size, "d_model": cfg.d_model,
-        "encoder_layers": cfg.num_encoder_layers, "decoder_layers": cfg.num_decoder_layers,
-        "encoder_attention_heads": cfg.num_heads, "decoder_attention_heads": cfg.num_heads,
-        "encoder_ffn_dim": cfg.mlp_dim, "decoder_ffn_dim": cfg.mlp_dim,
-        "max_position_embeddings": cfg.max_len,
-        "activation_function": HF_ACTIVATIONS[cfg.activation],
-        "scale_embedding": cfg.scale_embeddings, "dropout": cfg.dropout_rate,
-        "attention_dropout": cfg.attention_dropout_rate,
-        "activation_dropout": cfg.mlp_dropout_rate, "encoder_layerdrop": 0.0,
-        "decoder_layerdrop": 0.0, "is_encoder_decoder": True, "tie_word_embeddings": True,
-        "decoder_start_token_id": cfg.bos_id, "eos_token_id": cfg.eos_id,
-        "pad_token_id": cfg.pad_id, "forced_eos_token_id": None,
-    }
+    return {**hf, "decoder_attention_heads": cfg.num_heads, "decoder_ffn_dim": cfg.mlp_dim,
+            "activation_function": HF_ACTIVATIONS[cfg.activation],
+            "forced_eos_token_id": None}
 
 
 def config_from_hf(hf: dict) -> TransformerConfig:
     r = ConfigReader(hf, "bart")
-    r.expect("normalize_embedding", True)
-    r.expect("static_position_embeddings", False)
-    r.expect("extra_pos_embeddings", 2)
-    r.take("bos_token_id", None)               # the source's <s>: see the module docstring
-    fields = read_common(r, default_act="gelu", default_eos=2)       # BartConfig's defaults
-    cfg = TransformerConfig(
-        **fields, positions="learned", position_offset=2, embedding_norm=True,
-        share_embeddings=True, pad_id=r.take("pad_token_id", 1),
-        bos_id=r.take("decoder_start_token_id", 2))
+    cfg = TransformerConfig(**read_common(r, MAP))
     r.finish()
     return cfg
 
 
 def config_to_hf(cfg: TransformerConfig) -> dict:
-    hf = common_to_hf(cfg, "bart", positions="learned", position_offset=2,
-                      embedding_norm=True, share_embeddings=True)
-    return {**hf, "bos_token_id": cfg.bos_id}
+    return common_to_hf(cfg, "bart", MAP)
 
 
-def layer_rules() -> list[Rule]:
-    """The encoder and decoder layers of BART and Marian (torch `nn.Linear` [out, in] with
-    biases; the decoder's cross-attention keys/values go to the stacked `cross_kv`)."""
-    def layer(stack: str, theirs: str, ours: str, layout=None) -> Rule:
-        return Rule(f"model.{stack}.layers.{{i}}.{theirs}", f"{stack}/layer_{{i}}/{ours}",
-                    layout, stack=stack)
+ATTENTION = Attention.apart("self_attn.{}_proj", o="out")
+CROSS_ATTENTION = Attention.apart("encoder_attn.{}_proj", o="out")
+MLP = Mlp(up="fc1", down="fc2")
 
-    def attention(stack: str, theirs: str, ours: str) -> list[Rule]:
-        table = []
-        for proj, name, heads in (("q", "query", "q"), ("k", "key", "kv"), ("v", "value", "kv")):
-            table += [layer(stack, f"{theirs}.{proj}_proj.weight", f"{ours}/{name}/kernel",
-                            linear_to_heads(heads)),
-                      layer(stack, f"{theirs}.{proj}_proj.bias", f"{ours}/{name}/bias",
-                            bias_to_heads(heads))]
-        return table + [
-            layer(stack, f"{theirs}.out_proj.weight", f"{ours}/out/kernel", LINEAR_FROM_HEADS),
-            layer(stack, f"{theirs}.out_proj.bias", f"{ours}/out/bias")]
 
-    def norm(stack: str, theirs: str, ours: str) -> list[Rule]:
-        return [layer(stack, f"{theirs}.weight", f"{ours}/scale"),
-                layer(stack, f"{theirs}.bias", f"{ours}/bias")]
-
-    def mlp(stack: str) -> list[Rule]:
-        return [layer(stack, "fc1.weight", "mlp/up/kernel", TRANSPOSE),
-                layer(stack, "fc1.bias", "mlp/up/bias"),
-                layer(stack, "fc2.weight", "mlp/down/kernel", TRANSPOSE),
-                layer(stack, "fc2.bias", "mlp/down/bias"),
-                *norm(stack, "final_layer_norm", "mlp_norm")]
-
-    table = [*attention("encoder", "self_attn", "self_attention"),
-             *norm("encoder", "self_attn_layer_norm", "self_attention_norm"), *mlp("encoder")]
-    table += [*attention("decoder", "self_attn", "self_attention"),
-              *norm("decoder", "self_attn_layer_norm", "self_attention_norm")]
-    cross = "model.decoder.layers.{i}.encoder_attn"
-    table += [layer("decoder", f"encoder_attn.q_proj.{w}", f"cross_attention/query/{o}", lay)
-              for w, o, lay in (("weight", "kernel", linear_to_heads("q")),
-                                ("bias", "bias", bias_to_heads("q")))]
-    for proj, name in (("k", "key"), ("v", "value")):
-        table += [Rule(f"{cross}.{proj}_proj.weight", f"cross_kv/{name}_kernel[{{i}}]",
-                       linear_to_heads("kv"), stack="decoder"),
-                  Rule(f"{cross}.{proj}_proj.bias", f"cross_kv/{name}_bias[{{i}}]",
-                       bias_to_heads("kv"), stack="decoder")]
-    table += [layer("decoder", "encoder_attn.out_proj.weight", "cross_attention/out/kernel",
-                    LINEAR_FROM_HEADS),
-              layer("decoder", "encoder_attn.out_proj.bias", "cross_attention/out/bias"),
-              *norm("decoder", "encoder_attn_layer_norm", "cross_attention_norm"),
-              *mlp("decoder")]
-    return table + [Rule("final_logits_bias", "logits_bias", LOGITS_BIAS)]
+def layer_rules(cfg: TransformerConfig) -> list[Rule]:
+    """The encoder and decoder layers of BART and Marian (post-norm: each sublayer's norm
+    is named after it), and the logits bias."""
+    table = []
+    for stack in ("encoder", "decoder"):
+        layer = Scope.layers(f"model.{stack}.layers.{{i}}", stack)
+        table += [*self_attention(cfg, layer, ATTENTION),
+                  *norm(cfg, layer, "self_attn_layer_norm", "self_attention_norm")]
+        if stack == "decoder":
+            table += [*cross_attention(cfg, layer, CROSS_ATTENTION),
+                      *norm(cfg, layer, "encoder_attn_layer_norm", "cross_attention_norm")]
+        table += [*mlp(cfg, layer, MLP), *norm(cfg, layer, "final_layer_norm", "mlp_norm")]
+    return table + logits_bias("final_logits_bias")
 
 
 def rules(cfg: TransformerConfig) -> list[Rule]:
-    table = [Rule("model.shared.weight", "src_tokens/embedding")]
-    for stack, ours in (("encoder", "src_embed"), ("decoder", "tgt_embed")):
-        table += [Rule(f"model.{stack}.embed_positions.weight", f"{ours}/positions/embedding"),
-                  Rule(f"model.{stack}.layernorm_embedding.weight", f"{ours}/norm/scale"),
-                  Rule(f"model.{stack}.layernorm_embedding.bias", f"{ours}/norm/bias")]
-    return table + layer_rules()
+    table = embeddings(cfg, stack="encoder", tokens="model.shared")
+    for stack in ("encoder", "decoder"):
+        table += embeddings(cfg, stack=stack, positions=f"model.{stack}.embed_positions",
+                            embedding_norm=f"model.{stack}.layernorm_embedding")
+    return table + layer_rules(cfg)
 
 
 # transformers ties each stack's embed_tokens and the head to the shared table.

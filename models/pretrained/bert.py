@@ -16,9 +16,10 @@ alone (BertModel: no cls.* tensors) loads as a masked-LM model whose head is new
 initialised, with a warning naming it; its pooler (and a pre-training file's next-sentence
 head) are skipped with a warning too. `problem_type` picks the training loss only.
 
-Old checkpoints spell LayerNorm's weight and bias "gamma" and "beta" (`Family.renames`),
-keep `position_ids` buffers (ignored) and a copy of the tied embedding and of the bias in
-`cls.predictions.decoder` (`Family.copies`: they must equal the tensors read).
+Checkpoints converted from the original TensorFlow BERT spell LayerNorm's weight and bias
+"gamma" and "beta" (`Family.renames`); files may keep `position_ids` buffers (ignored) and
+a copy of the tied embedding and of the bias in `cls.predictions.decoder`
+(`Family.copies`: they must equal the tensors read).
 Special ids: pad `pad_token_id` (0 by default); BERT has no start or end token of its own
 (bos and eos None unless config.json names them). Refused by name: another `hidden_act`,
 `position_embedding_type` other than "absolute", a decoder (`is_decoder`,
@@ -30,25 +31,32 @@ from __future__ import annotations
 
 from models.config import TransformerConfig
 from models.errors import UserError
-from models.pretrained.family import ConfigReader, Family, Inexpressible, require
+from models.pretrained.config_map import D_OVER_N, MULTI_HEAD, ConfigMap, Field, SpecialIds
+from models.pretrained.family import ConfigReader, Family, Inexpressible
 from models.pretrained.files import Weights
-from models.pretrained.mapping import (
-    LINEAR_FROM_HEADS,
-    TRANSPOSE,
-    Rule,
-    bias_to_heads,
-    linear_to_heads,
+from models.pretrained.mapping import Rule
+from models.pretrained.rules import (
+    Attention,
+    Mlp,
+    Scope,
+    classifier,
+    embeddings,
+    mlm_head,
+    mlp,
+    norm,
+    self_attention,
 )
 
 ACTIVATIONS = {"gelu": "gelu_exact", "gelu_new": "gelu", "gelu_pytorch_tanh": "gelu",
                "relu": "relu"}
 HF_ACTIVATIONS = {"gelu_exact": "gelu", "gelu": "gelu_new", "relu": "relu"}
-# Fields of older config.json files that transformers never reads (the original TF code's
-# pooler description, text direction) or that only train (the classifier's dropout).
+# Fields that config.json files converted from the original TensorFlow BERT hold and
+# transformers never reads (that code's pooler description, the text direction), or that
+# only train (the classifier's dropout).
 UNREAD_FIELDS = ("directionality", "pooler_fc_size", "pooler_num_attention_heads",
                  "pooler_num_fc_layers", "pooler_size_per_head", "pooler_type",
                  "classifier_dropout", "output_past")
-# Old spellings of LayerNorm's parameters (TF-converted checkpoints).
+# LayerNorm's parameters as checkpoints converted from TensorFlow spell them.
 RENAMES = ((r"(LayerNorm|layer_norm)\.gamma$", r"\1.weight"),
            (r"(LayerNorm|layer_norm)\.beta$", r"\1.bias"))
 
@@ -92,42 +100,43 @@ def default_label_names(num_labels: int) -> tuple[str, ...]:
     return tuple(f"LABEL_{i}" for i in range(num_labels))
 
 
-def read_encoder(r: ConfigReader, name: str, default_pad: int | None) -> dict:
-    """The TransformerConfig fields BERT and RoBERTa read alike (all but the positions'
-    offset and max_len): sizes, post-norm LayerNorm layers with biases, an embedding norm,
-    the activation, token types, dropout rates, the head, and the pad id."""
+FIELDS = (
+    Field("vocab_size", "vocab_size"), Field("hidden_size", "d_model"),
+    Field("num_attention_heads", "num_heads"), Field("intermediate_size", "mlp_dim"),
+    Field("num_hidden_layers", "num_layers"), Field("layer_norm_eps", "norm_eps", 1e-12),
+    Field("type_vocab_size", "num_token_types", 2),
+    Field("hidden_dropout_prob", "dropout_rate", 0.1, float),
+    Field("attention_probs_dropout_prob", "attention_dropout_rate", 0.1, float))
+MAP = ConfigMap(
+    fields=FIELDS,
+    fixed=dict(architecture="encoder_only", positions="learned", norm="layernorm",
+               norm_position="post", use_bias=True, qkv_bias=False, sliding_window=None,
+               num_kv_heads=MULTI_HEAD, head_dim=D_OVER_N, tie_embeddings=True,
+               scale_embeddings=False, embedding_norm=True),
+    constants=dict(position_embedding_type="absolute", is_decoder=False,
+                   add_cross_attention=False, tie_word_embeddings=True),
+    unread=UNREAD_FIELDS,
+    ids=SpecialIds(pad=0, null_is_none=True))
+
+
+def read_encoder(r: ConfigReader, name: str, cmap: ConfigMap) -> dict:
+    """The TransformerConfig fields of BERT or RoBERTa (`cmap`, its map; `name`, its class
+    names' prefix) but the positions' offset and max_len: the map's, the activation and
+    the head."""
     act = r.take("hidden_act", "gelu")
     if act not in ACTIVATIONS:
         r.refuse("hidden_act", act, f"supported: {sorted(ACTIVATIONS)}")
-    r.expect("position_embedding_type", "absolute")
-    r.expect("is_decoder", False)
-    r.expect("add_cross_attention", False)
-    r.expect("tie_word_embeddings", True)
-    for key in UNREAD_FIELDS:
-        r.take(key, None)
+    fields = cmap.read(r)
     labels = heads_of(r, name)
-    return dict(
-        architecture="encoder_only", vocab_size=r.take("vocab_size"),
-        d_model=r.take("hidden_size"), num_heads=r.take("num_attention_heads"),
-        mlp_dim=r.take("intermediate_size"), num_layers=r.take("num_hidden_layers"),
-        positions="learned", norm="layernorm", norm_position="post",
-        norm_eps=r.take("layer_norm_eps", 1e-12), activation=ACTIVATIONS[act], use_bias=True,
-        tie_embeddings=True, scale_embeddings=False, embedding_norm=True,
-        num_token_types=r.take("type_vocab_size", 2), num_labels=labels,
-        label_names=label_names_of(r, labels),
-        dropout_rate=float(r.take("hidden_dropout_prob", 0.1)),
-        attention_dropout_rate=float(r.take("attention_probs_dropout_prob", 0.1)),
-        pad_id=r.take("pad_token_id", None) if "pad_token_id" in r.hf else default_pad)
+    return {**fields, "activation": ACTIVATIONS[act], "num_labels": labels,
+            "label_names": label_names_of(r, labels)}
 
 
-def encoder_to_hf(cfg: TransformerConfig, model_type: str, name: str, **fields) -> dict:
-    """config.json fields BERT and RoBERTa write alike; `fields` are the family's own
-    `require` values (its position offset). `architectures` follows the head."""
-    require(cfg, model_type, architecture="encoder_only", positions="learned",
-            norm="layernorm", norm_position="post", use_bias=True, qkv_bias=False,
-            sliding_window=None, num_kv_heads=cfg.num_heads,
-            head_dim=cfg.d_model // cfg.num_heads, tie_embeddings=True,
-            scale_embeddings=False, embedding_norm=True, **fields)
+def encoder_to_hf(cfg: TransformerConfig, model_type: str, name: str, *, cmap: ConfigMap,
+                  **required) -> dict:
+    """config.json of a BERT or RoBERTa config (`cmap`, its map; `required`, values the
+    family computes: its position offset). `architectures` follows the head."""
+    hf = cmap.write(cfg, model_type, **required)
     if cfg.activation not in HF_ACTIVATIONS:
         raise Inexpressible(f"{model_type} cannot express activation={cfg.activation!r}")
     if cfg.d_model % cfg.num_heads:
@@ -135,19 +144,9 @@ def encoder_to_hf(cfg: TransformerConfig, model_type: str, name: str, **fields) 
                             f"d_model={cfg.d_model}")
     if not cfg.num_token_types:
         raise Inexpressible(f"{model_type} always has token types (num_token_types=0)")
-    hf = {
-        "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
-        "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
-        "intermediate_size": cfg.mlp_dim, "hidden_act": HF_ACTIVATIONS[cfg.activation],
-        "hidden_dropout_prob": cfg.dropout_rate,
-        "attention_probs_dropout_prob": cfg.attention_dropout_rate,
-        "max_position_embeddings": cfg.max_len + cfg.position_offset,
-        "type_vocab_size": cfg.num_token_types, "layer_norm_eps": cfg.norm_eps,
-        "position_embedding_type": "absolute", "is_decoder": False,
-        "add_cross_attention": False, "tie_word_embeddings": True,
-        "pad_token_id": cfg.pad_id, "bos_token_id": cfg.bos_id, "eos_token_id": cfg.eos_id,
-        "architectures": [f"{name}ForMaskedLM"],
-    }
+    hf.update(hidden_act=HF_ACTIVATIONS[cfg.activation],
+              max_position_embeddings=cfg.max_len + cfg.position_offset,
+              architectures=[f"{name}ForMaskedLM"])
     if cfg.num_labels:
         labels = cfg.label_names or default_label_names(cfg.num_labels)
         hf.update(architectures=[f"{name}ForSequenceClassification"],
@@ -172,75 +171,43 @@ def labels_from_weights(cfg: TransformerConfig, weights: Weights, key: str) -> T
 
 def config_from_hf(hf: dict) -> TransformerConfig:
     r = ConfigReader(hf, "bert")
-    fields = read_encoder(r, "Bert", default_pad=0)
-    cfg = TransformerConfig(**fields, max_len=r.take("max_position_embeddings", 512),
-                            bos_id=r.take("bos_token_id", None),
-                            eos_id=r.take("eos_token_id", None))
+    cfg = TransformerConfig(**read_encoder(r, "Bert", MAP),
+                            max_len=r.take("max_position_embeddings", 512))
     r.finish()
     return cfg
 
 
 def config_to_hf(cfg: TransformerConfig) -> dict:
-    return encoder_to_hf(cfg, "bert", "Bert")
+    return encoder_to_hf(cfg, "bert", "Bert", cmap=MAP)
+
+
+ATTENTION = Attention(q="attention.self.query", k="attention.self.key",
+                      v="attention.self.value", o="attention.output.dense")
+MLP = Mlp(up="intermediate.dense", down="output.dense")
 
 
 def encoder_rules(cfg: TransformerConfig, base: str) -> list[Rule]:
     """The embeddings and layers of BERT and RoBERTa under `base` ("bert", "roberta"):
-    torch `nn.Linear` [out, in] with biases, post-norm LayerNorms after attention
-    (`attention.output.LayerNorm`) and after the MLP (`output.LayerNorm`)."""
-    def layer(theirs: str, ours: str, layout=None) -> Rule:
-        return Rule(f"{base}.encoder.layer.{{i}}.{theirs}", f"encoder/layer_{{i}}/{ours}",
-                    layout, stack="encoder")
-
-    def linear(theirs: str, ours: str) -> list[Rule]:
-        return [layer(f"{theirs}.weight", f"{ours}/kernel", TRANSPOSE),
-                layer(f"{theirs}.bias", f"{ours}/bias")]
-
-    def norm(theirs: str, ours: str) -> list[Rule]:
-        return [layer(f"{theirs}.weight", f"{ours}/scale"), layer(f"{theirs}.bias", f"{ours}/bias")]
-
-    embeddings = f"{base}.embeddings"
-    table = [Rule(f"{embeddings}.word_embeddings.weight", "tokens/embedding"),
-             Rule(f"{embeddings}.position_embeddings.weight", "embed/positions/embedding")]
-    if cfg.num_token_types:
-        table.append(Rule(f"{embeddings}.token_type_embeddings.weight",
-                          "embed/token_types/embedding"))
-    table += [Rule(f"{embeddings}.LayerNorm.weight", "embed/norm/scale"),
-              Rule(f"{embeddings}.LayerNorm.bias", "embed/norm/bias")]
-    for proj in ("query", "key", "value"):
-        heads = "q" if proj == "query" else "kv"
-        table += [layer(f"attention.self.{proj}.weight", f"self_attention/{proj}/kernel",
-                        linear_to_heads(heads)),
-                  layer(f"attention.self.{proj}.bias", f"self_attention/{proj}/bias",
-                        bias_to_heads(heads))]
-    return table + [
-        layer("attention.output.dense.weight", "self_attention/out/kernel", LINEAR_FROM_HEADS),
-        layer("attention.output.dense.bias", "self_attention/out/bias"),
-        *norm("attention.output.LayerNorm", "self_attention_norm"),
-        *linear("intermediate.dense", "mlp/up"), *linear("output.dense", "mlp/down"),
-        *norm("output.LayerNorm", "mlp_norm")]
-
-
-def head_rules(transform: str, norm: str, bias: str, pooler: str, classifier: str):
-    """The rules of either head: (the masked-LM head: its transform, norm and bias keys)
-    and (the classifier: its pooler and output layer), torch Linears and a LayerNorm."""
-    def linear(theirs: str, ours: str) -> list[Rule]:
-        return [Rule(f"{theirs}.weight", f"{ours}/kernel", TRANSPOSE),
-                Rule(f"{theirs}.bias", f"{ours}/bias")]
-
-    mlm = [*linear(transform, "mlm_head/transform"), Rule(f"{norm}.weight", "mlm_head/norm/scale"),
-           Rule(f"{norm}.bias", "mlm_head/norm/bias"), Rule(bias, "mlm_head/bias")]
-    classify = [*linear(pooler, "classifier/pooler"), *linear(classifier, "classifier/classifier")]
-    return mlm, classify
-
-
-MLM_HEAD, CLASSIFIER_HEAD = head_rules(
-    "cls.predictions.transform.dense", "cls.predictions.transform.LayerNorm",
-    "cls.predictions.bias", "bert.pooler.dense", "classifier")
+    post-norm LayerNorms after attention (`attention.output.LayerNorm`) and after the MLP
+    (`output.LayerNorm`)."""
+    layer = Scope.layers(f"{base}.encoder.layer.{{i}}", "encoder")
+    e = f"{base}.embeddings"
+    return [*embeddings(cfg, tokens=f"{e}.word_embeddings", positions=f"{e}.position_embeddings",
+                        token_types=f"{e}.token_type_embeddings",
+                        embedding_norm=f"{e}.LayerNorm"),
+            *self_attention(cfg, layer, ATTENTION),
+            *norm(cfg, layer, "attention.output.LayerNorm", "self_attention_norm"),
+            *mlp(cfg, layer, MLP), *norm(cfg, layer, "output.LayerNorm", "mlp_norm")]
 
 
 def rules(cfg: TransformerConfig) -> list[Rule]:
-    return encoder_rules(cfg, "bert") + (CLASSIFIER_HEAD if cfg.num_labels else MLM_HEAD)
+    if cfg.num_labels:
+        head = classifier(pooler="bert.pooler.dense", out="classifier")
+    else:
+        head = mlm_head(cfg, transform="cls.predictions.transform.dense",
+                        transform_norm="cls.predictions.transform.LayerNorm",
+                        bias="cls.predictions.bias")
+    return encoder_rules(cfg, "bert") + head
 
 
 FAMILY = Family(

@@ -1,7 +1,7 @@
 """Parameters from a checkpoint's tensors and back, by a family's rules (see `mapping`).
 
 Reading checks the whole file against the table before converting anything:
-- its keys are taken under today's names (`Family.renames`);
+- its keys are taken under the names the rules use (`Family.renames`);
 - every tensor the rules need must be there (missing ones are named), unless a whole
   optional head is absent (`Family.optional_heads`: it is initialised, with a warning);
 - every tensor there must be needed, ignorable, another head's (`Family.skipped`, with a
@@ -17,6 +17,7 @@ their rule is done), so the host holds the parameters once, plus at most one rul
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Iterator
 
@@ -78,6 +79,62 @@ def read_params(weights: Weights, family: Family, cfg: TransformerConfig,
     if family.renames:
         weights = _Renamed(weights, family)
     entries = list(_expanded(family.rules(cfg), cfg))
+    plan = _plan(weights, family, cfg, entries)
+    leaves = parameter_shapes(cfg)
+    expected = {p: expected_shape(p, leaves) for _, _, ours in entries for p in ours}
+    covered = {whole_leaf(p) for p in expected}
+    if covered != set(leaves):                    # a bug in a rule table, not in the file
+        raise AssertionError(f"{family.model_type} rules miss {_show(set(leaves) - covered)}"
+                             f" or name unknown {_show(covered - set(leaves))}")
+    if plan.notes:
+        warnings.warn(f"{family.model_type} checkpoint {weights.directory}: "
+                      + "; ".join(plan.notes), stacklevel=3)
+    initial = initial_params(cfg, [p for _, theirs, ours in entries if set(theirs) <= plan.fresh
+                                   for p in ours]) if plan.fresh else {}
+    tree = _Tree(cfg, shardings)
+    for rule, theirs, ours in entries:
+        if set(theirs) <= plan.fresh:
+            tree.place(ours, [initial[p] for p in ours])
+            continue
+        read = [weights.read(plan.source[k]) for k in theirs]
+        for k, a in zip(theirs, read, strict=True):
+            if not jnp.issubdtype(a.dtype, jnp.floating):      # bfloat16 included
+                raise UserError(f"{family.model_type} checkpoint tensor {k} holds "
+                                 f"{a.dtype}, not floating-point weights")
+        try:
+            arrays = rule.layout.to_ours(read, cfg)
+            shapes = [tuple(a.shape) for a in arrays]
+        except (ValueError, IndexError):    # a reshape, split or axis the tensor cannot take
+            shapes = None
+        if shapes != [expected[p] for p in ours]:
+            # The shapes the file should hold, in its own layout (empty arrays: no data).
+            want = rule.layout.to_theirs([np.empty(expected[p], np.float32) for p in ours], cfg)
+            bad = ", ".join(f"{k} has shape {tuple(a.shape)}, the config expects "
+                            f"{tuple(w.shape)}" for k, a, w in zip(theirs, read, want, strict=True))
+            raise UserError(f"{family.model_type} checkpoint {weights.directory}: {bad} (for "
+                             f"{', '.join(ours)})")
+        tree.place(ours, arrays)
+    return tree.params
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """Where each tensor the rules need comes from.
+
+    Attributes:
+        source: a rule's key -> the file's key it is read from (its own, or a tied copy's).
+        fresh: the rules' keys of optional heads the file lacks: newly initialised.
+        notes: what the warning says (heads initialised, tensors skipped).
+    """
+
+    source: dict[str, str]
+    fresh: set[str]
+    notes: list[str]
+
+
+def _plan(weights: Weights, family: Family, cfg: TransformerConfig, entries) -> _Plan:
+    """Checks the file's keys against the rules: names what is missing, what the config
+    does not use, and tied copies or fixed tensors that differ."""
     needed = {k for _, theirs, _ in entries for k in theirs}
     present = weights.keys()
     resolve = _key_resolver(family, present, needed)
@@ -96,7 +153,6 @@ def read_params(weights: Weights, family: Family, cfg: TransformerConfig,
     if missing:
         raise UserError(f"{family.model_type} checkpoint {weights.directory} lacks "
                          f"{len(missing)} tensor(s) the config needs: {_show(missing)}")
-    source = {k: keys[0] for k, keys in stored.items() if keys}
     _check_copies(weights, family, stored)
     fixed = {resolve(k): a for k, a in (family.fixed(cfg) if family.fixed else {}).items()}
     _check_fixed(weights, family, {k: a for k, a in fixed.items() if k in present})
@@ -108,70 +164,43 @@ def read_params(weights: Weights, family: Family, cfg: TransformerConfig,
     if extra:
         raise UserError(f"{family.model_type} checkpoint {weights.directory} has "
                          f"{len(extra)} tensor(s) the config does not use: {_show(extra)}")
-    leaves = parameter_shapes(cfg)
-    expected = {p: expected_shape(p, leaves) for _, _, ours in entries for p in ours}
-    covered = {whole_leaf(p) for p in expected}
-    if covered != set(leaves):                    # a bug in a rule table, not in the file
-        raise AssertionError(f"{family.model_type} rules miss {_show(set(leaves) - covered)}"
-                             f" or name unknown {_show(covered - set(leaves))}")
     if skipped:
         notes.append(f"{_show(skipped)}, weights of a head this config does not have, "
                      "are skipped")
-    if notes:
-        warnings.warn(f"{family.model_type} checkpoint {weights.directory}: "
-                      + "; ".join(notes), stacklevel=3)
-    initial = initial_params(cfg, [p for _, theirs, ours in entries if set(theirs) <= fresh
-                                   for p in ours]) if fresh else {}
-    tree: dict = {}
-    stacks: dict[tuple, dict[int, jax.Array]] = {}
-    for rule, theirs, ours in entries:
-        if set(theirs) <= fresh:
-            _place(tree, stacks, cfg, ours, [initial[p] for p in ours], shardings)
-            continue
-        read = [weights.read(source[k]) for k in theirs]
-        for k, a in zip(theirs, read, strict=True):
-            if not jnp.issubdtype(a.dtype, jnp.floating):      # bfloat16 included
-                raise UserError(f"{family.model_type} checkpoint tensor {k} holds "
-                                 f"{a.dtype}, not floating-point weights")
-        try:
-            arrays = rule.layout.to_ours(read, cfg)
-            shapes = [tuple(a.shape) for a in arrays]
-        except (ValueError, IndexError):    # a reshape, split or axis the tensor cannot take
-            shapes = None
-        if shapes != [expected[p] for p in ours]:
-            # The shapes the file should hold, in its own layout (empty arrays: no data).
-            want = rule.layout.to_theirs([np.empty(expected[p], np.float32) for p in ours], cfg)
-            bad = ", ".join(f"{k} has shape {tuple(a.shape)}, the config expects "
-                            f"{tuple(w.shape)}" for k, a, w in zip(theirs, read, want, strict=True))
-            raise UserError(f"{family.model_type} checkpoint {weights.directory}: {bad} (for "
-                             f"{', '.join(ours)})")
-        _place(tree, stacks, cfg, ours, arrays, shardings)
-    return tree
+    return _Plan({k: keys[0] for k, keys in stored.items() if keys}, fresh, notes)
 
 
-def _place(tree: dict, stacks: dict, cfg: TransformerConfig, ours: list[str], arrays,
-           shardings) -> None:
-    """Puts one rule's converted arrays into `tree`: a whole leaf at once, a layer's slice
-    into `stacks` until every layer of its leaf is there. A leaf goes onto its sharding
-    (each device gets only its part) or the default device."""
-    def put(slot, array):
-        where = None if shardings is None else _get(shardings, slot, "/".join(slot))
-        _put(tree, slot, jax.device_put(array, where))
+class _Tree:
+    """The parameter tree being read: a whole leaf is placed at once, a layer's slice is
+    held until every layer of its leaf is there. A leaf goes onto its sharding (each
+    device gets only its part) or the default device."""
 
-    for path, array in zip(ours, arrays, strict=True):
-        slot, index = our_slot(path, cfg)
-        array = np.asarray(array, cfg.param_dtype)
-        if index is None:
-            put(slot, array)
-        else:
-            stacks.setdefault(slot, {})[index] = array
-    for slot in [s for s, layers in stacks.items() if len(layers) == _depth(s, cfg)]:
-        layers = stacks.pop(slot)
-        put(slot, np.stack([layers[i] for i in range(len(layers))]))
+    def __init__(self, cfg: TransformerConfig, shardings):
+        self.cfg, self.shardings = cfg, shardings
+        self.params: dict = {}
+        self._stacks: dict[tuple, dict[int, np.ndarray]] = {}
+
+    def place(self, ours: list[str], arrays) -> None:
+        """One rule's converted arrays, for its parameter paths `ours`."""
+        for path, array in zip(ours, arrays, strict=True):
+            slot, index = our_slot(path, self.cfg)
+            array = np.asarray(array, self.cfg.param_dtype)
+            if index is None:
+                self._put(slot, array)
+            else:
+                self._stacks.setdefault(slot, {})[index] = array
+        whole = [s for s, layers in self._stacks.items() if len(layers) == _depth(s, self.cfg)]
+        for slot in whole:
+            layers = self._stacks.pop(slot)
+            self._put(slot, np.stack([layers[i] for i in range(len(layers))]))
+
+    def _put(self, slot: tuple[str, ...], array: np.ndarray) -> None:
+        where = None if self.shardings is None else _get(self.shardings, slot, "/".join(slot))
+        _put(self.params, slot, jax.device_put(array, where))
 
 
 class _Renamed:
-    """`weights` with its keys under today's names (`Family.renames`)."""
+    """`weights` with its keys under the names the rules use (`Family.renames`)."""
 
     def __init__(self, weights: Weights, family: Family):
         self.directory, self._weights, self._names = weights.directory, weights, {}

@@ -45,9 +45,10 @@ class Family:
             head is tied unless the file holds a different `lm_head.weight`). Applied by
             `read_config`, so `load` and a fine-tuning run see the same config.
         renames: (regex, replacement) pairs applied with `re.sub`, in order, to every key
-            of a file before anything else reads it: older spellings of today's names
-            (BERT's "LayerNorm.gamma" / "LayerNorm.beta" for ".weight" / ".bias"). Two
-            keys of one file that rename to the same name are refused.
+            of a file before anything else reads it: other spellings of the names the rules
+            use (TF-converted BERT checkpoints' "LayerNorm.gamma" / "LayerNorm.beta" for
+            ".weight" / ".bias"). Two keys of one file that rename to the same name are
+            refused.
         optional_heads: a prefix of the rules' keys -> the head it holds ("cls.predictions."
             -> "the masked-LM head"). A file with none of the tensors under a prefix (a base
             model saved alone) loads with that head's parameters as the model initialises
@@ -79,7 +80,7 @@ class Family:
         return any(re.fullmatch(p, key) for p in self.skipped)
 
     def rename(self, key: str) -> str:
-        """A file's key under today's name (`renames`)."""
+        """A file's key under the name the rules use (`renames`)."""
         for pattern, replacement in self.renames:
             key = re.sub(pattern, replacement, key)
         return key
@@ -89,9 +90,10 @@ class Inexpressible(UserError):
     """A config that this model type's Hugging Face class cannot express."""
 
 
-# Fields of Hugging Face's base config class (and of older config.json files) that do not
+# Fields of Hugging Face's base config class (and of its earlier versions) that do not
 # change what the model computes from its weights: bookkeeping, outputs, and generation
-# defaults (read by `models.pretrained.generation`; the special ids each family reads).
+# defaults (read by `models.pretrained.generation`; the special ids, which
+# `config_map.SpecialIds` reads).
 HARMLESS = frozenset({
     "architectures", "model_type", "transformers_version", "dtype", "torch_dtype",
     "use_cache", "initializer_range", "_name_or_path", "name_or_path", "output_attentions",
@@ -112,6 +114,9 @@ HARMLESS = frozenset({
 }) | (GENERATION_FIELDS - {"pad_token_id", "bos_token_id", "eos_token_id"})
 
 
+REQUIRED = object()             # `ConfigReader.take`'s default: the key must be there
+
+
 class ConfigReader:
     """Reads one config.json: every key must be taken, checked or known to be harmless.
 
@@ -125,12 +130,13 @@ class ConfigReader:
         self.hf, self.model_type = dict(hf), model_type
         self._seen = set(HARMLESS)
 
-    def take(self, key: str, default=KeyError):
-        """The value of `key`; a missing key is an error unless a default is given."""
+    def take(self, key: str, default=REQUIRED):
+        """The value of `key`; a missing key (or null) is an error unless a default is
+        given."""
         self._seen.add(key)
         if key in self.hf and self.hf[key] is not None:
             return self.hf[key]
-        if default is KeyError:
+        if default is REQUIRED:
             raise UserError(f"{self.model_type} config.json has no {key!r}")
         return default
 
@@ -151,23 +157,6 @@ class ConfigReader:
             raise UserError(
                 f"{self.model_type} config.json has field(s) this project does not know, so "
                 f"it cannot tell whether they change the computation: {shown}")
-
-
-def special_ids(r: ConfigReader) -> dict:
-    """bos/eos/pad ids; a list of end ids (Llama 3) keeps its first as the config's eos
-    (the full list is a generation default)."""
-    eos = r.take("eos_token_id", None)
-    if isinstance(eos, list):
-        eos = eos[0] if eos else None
-    bos = r.take("bos_token_id", None)
-    # No start token (Qwen2): a sequence starts where a previous one ended.
-    return {"pad_id": r.take("pad_token_id", None), "eos_id": eos,
-            "bos_id": eos if bos is None else bos}
-
-
-def hf_special_ids(cfg: TransformerConfig) -> dict:
-    return {"bos_token_id": cfg.bos_id, "eos_token_id": cfg.eos_id,
-            "pad_token_id": cfg.pad_id}
 
 
 # The variants a family expresses only when it says so: `require` holds every other family

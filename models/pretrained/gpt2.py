@@ -4,29 +4,45 @@ as GPT-2's `Conv1D` ([in, out], not torch's [out, in]), a tied head by default."
 from __future__ import annotations
 
 from models.config import TransformerConfig
-from models.pretrained.family import (
-    ConfigReader,
-    Family,
-    Inexpressible,
-    hf_special_ids,
-    require,
-    special_ids,
-)
-from models.pretrained.mapping import (
-    CONV1D_FROM_HEADS,
-    CONV1D_FUSED_QKV,
-    FUSED_QKV_BIAS,
-    Rule,
+from models.pretrained.config_map import D_OVER_N, MULTI_HEAD, ConfigMap, Field, SpecialIds
+from models.pretrained.family import ConfigReader, Family, Inexpressible
+from models.pretrained.mapping import Rule
+from models.pretrained.rules import (
+    Attention,
+    Mlp,
+    Scope,
+    embeddings,
+    final_norm,
+    mlp,
+    norm,
+    self_attention,
     untied_head,
 )
 
 ACTIVATIONS = {"gelu_new": "gelu", "gelu_pytorch_tanh": "gelu", "gelu": "gelu_exact",
                "relu": "relu"}
 
+MAP = ConfigMap(
+    fields=(Field("vocab_size", "vocab_size"), Field("n_embd", "d_model"),
+            Field("n_head", "num_heads"), Field("n_layer", "num_layers"),
+            Field("n_inner", "mlp_dim", None),                    # None: 4 * d_model
+            Field("n_positions", "max_len"), Field("layer_norm_epsilon", "norm_eps", 1e-5),
+            Field("tie_word_embeddings", "tie_embeddings", True),
+            Field("resid_pdrop", "dropout_rate", 0.1, float),    # embd_pdrop must equal it
+            Field("attn_pdrop", "attention_dropout_rate", 0.1, float)),
+    fixed=dict(architecture="decoder_only", positions="learned", norm="layernorm",
+               norm_position="pre", use_bias=True, qkv_bias=False, scale_embeddings=False,
+               sliding_window=None, num_kv_heads=MULTI_HEAD, head_dim=D_OVER_N),
+    accepted=dict(scale_attn_weights=True, scale_attn_by_inverse_layer_idx=False,
+                  add_cross_attention=False),
+    # Numerics of mixed precision only, and the double-heads model's head.
+    unread=("reorder_and_upcast_attn", "summary_type", "summary_use_proj",
+            "summary_activation", "summary_proj_to_labels", "summary_first_dropout"),
+    ids=SpecialIds(start="eos"))
+
 
 def config_from_hf(hf: dict) -> TransformerConfig:
     r = ConfigReader(hf, "gpt2")
-    d = r.take("n_embd")
     act = r.take("activation_function", "gelu_new")
     if act not in ACTIVATIONS:
         r.refuse("activation_function", act, f"supported: {sorted(ACTIVATIONS)}")
@@ -34,76 +50,39 @@ def config_from_hf(hf: dict) -> TransformerConfig:
     if resid != embd:
         r.refuse("embd_pdrop", embd, f"one dropout rate for embeddings and residuals: "
                  f"resid_pdrop={resid}")
-    r.expect("scale_attn_weights", True)
-    r.expect("scale_attn_by_inverse_layer_idx", False)
-    r.expect("add_cross_attention", False)
-    r.take("reorder_and_upcast_attn", False)     # numerics of mixed precision only
-    n_positions = r.take("n_positions")
-    r.expect("n_ctx", n_positions)               # an old spelling of the same number
-    for key in ("summary_type", "summary_use_proj", "summary_activation",
-                "summary_proj_to_labels", "summary_first_dropout"):
-        r.take(key, None)                        # the double-heads model's head only
-    cfg = TransformerConfig(
-        architecture="decoder_only", vocab_size=r.take("vocab_size"), d_model=d,
-        num_heads=r.take("n_head"), mlp_dim=r.take("n_inner", None) or 4 * d,
-        num_layers=r.take("n_layer"), max_len=n_positions, positions="learned",
-        norm="layernorm", norm_position="pre", norm_eps=r.take("layer_norm_epsilon", 1e-5),
-        activation=ACTIVATIONS[act], use_bias=True,
-        tie_embeddings=r.take("tie_word_embeddings", True), scale_embeddings=False,
-        dropout_rate=float(resid), attention_dropout_rate=float(r.take("attn_pdrop", 0.1)),
-        **special_ids(r))
+    fields = MAP.read(r)
+    r.expect("n_ctx", fields["max_len"])         # the original GPT-2 config's name for it
+    fields["mlp_dim"] = fields["mlp_dim"] or 4 * fields["d_model"]
+    cfg = TransformerConfig(**fields, activation=ACTIVATIONS[act])
     r.finish()
     return cfg
 
 
 def config_to_hf(cfg: TransformerConfig) -> dict:
-    require(cfg, "gpt2", architecture="decoder_only", positions="learned", norm="layernorm",
-            norm_position="pre", use_bias=True, qkv_bias=False, scale_embeddings=False,
-            sliding_window=None, num_kv_heads=cfg.num_heads, head_dim=cfg.d_model // cfg.num_heads)
+    hf = MAP.write(cfg, "gpt2")
     hf_act = {"gelu": "gelu_new", "gelu_exact": "gelu", "relu": "relu"}
     if cfg.activation not in hf_act:
         raise Inexpressible(f"gpt2 cannot express activation={cfg.activation!r}")
-    act = hf_act[cfg.activation]
-    return {
-        "vocab_size": cfg.vocab_size, "n_embd": cfg.d_model, "n_head": cfg.num_heads,
-        "n_layer": cfg.num_layers, "n_inner": cfg.mlp_dim, "n_positions": cfg.max_len,
-        "activation_function": act, "layer_norm_epsilon": cfg.norm_eps,
-        "resid_pdrop": cfg.dropout_rate, "embd_pdrop": cfg.dropout_rate,
-        "attn_pdrop": cfg.attention_dropout_rate, "tie_word_embeddings": cfg.tie_embeddings,
-        **hf_special_ids(cfg),
-    }
+    return {**hf, "activation_function": hf_act[cfg.activation],
+            "embd_pdrop": cfg.dropout_rate}
+
+
+LAYER = Scope.layers("transformer.h.{i}", "decoder")
+ATTENTION = Attention(qkv="attn.c_attn", o="attn.c_proj")
+MLP = Mlp(up="mlp.c_fc", down="mlp.c_proj")
 
 
 def rules(cfg: TransformerConfig) -> list[Rule]:
-    def layer(theirs: str, ours, layout=None) -> Rule:
-        ours = [f"decoder/layer_{{i}}/{o}" for o in ([ours] if isinstance(ours, str) else ours)]
-        return Rule(f"transformer.h.{{i}}.{theirs}", ours, layout, stack="decoder")
-
-    table = [
-        Rule("transformer.wte.weight", "tokens/embedding"),
-        Rule("transformer.wpe.weight", "embed/positions/embedding"),
-        layer("ln_1.weight", "self_attention_norm/scale"),
-        layer("ln_1.bias", "self_attention_norm/bias"),
-        layer("attn.c_attn.weight", [f"self_attention/{p}/kernel"
-                                     for p in ("query", "key", "value")], CONV1D_FUSED_QKV),
-        layer("attn.c_attn.bias", [f"self_attention/{p}/bias"
-                                   for p in ("query", "key", "value")], FUSED_QKV_BIAS),
-        layer("attn.c_proj.weight", "self_attention/out/kernel", CONV1D_FROM_HEADS),
-        layer("attn.c_proj.bias", "self_attention/out/bias"),
-        layer("ln_2.weight", "mlp_norm/scale"),
-        layer("ln_2.bias", "mlp_norm/bias"),
-        layer("mlp.c_fc.weight", "mlp/up/kernel"),         # Conv1D [in, out]: as ours
-        layer("mlp.c_fc.bias", "mlp/up/bias"),
-        layer("mlp.c_proj.weight", "mlp/down/kernel"),
-        layer("mlp.c_proj.bias", "mlp/down/bias"),
-        Rule("transformer.ln_f.weight", "decoder/final_norm/scale"),
-        Rule("transformer.ln_f.bias", "decoder/final_norm/bias"),
-    ]
-    return table + untied_head(cfg)
+    """GPT-2's weights are `Conv1D`s ([in, out]); its head is an `nn.Linear`."""
+    return [*embeddings(cfg, tokens="transformer.wte", positions="transformer.wpe"),
+            *norm(cfg, LAYER, "ln_1", "self_attention_norm"),
+            *self_attention(cfg, LAYER, ATTENTION, conv1d=True),
+            *norm(cfg, LAYER, "ln_2", "mlp_norm"), *mlp(cfg, LAYER, MLP, conv1d=True),
+            *final_norm(cfg, "decoder", "transformer.ln_f"), *untied_head(cfg)]
 
 
 FAMILY = Family(
     model_type="gpt2", architectures=("GPT2LMHeadModel",), config_from_hf=config_from_hf,
     config_to_hf=config_to_hf, rules=rules, prefix="transformer.",
-    # Causal-mask buffers that old checkpoints stored.
+    # Causal-mask buffers that files saved while transformers kept them persistent hold.
     ignored=(r"(transformer\.)?h\.\d+\.(attn|crossattention)\.(bias|masked_bias)",))

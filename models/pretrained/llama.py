@@ -8,110 +8,61 @@ permuted them when converting Meta's checkpoints), so they load as they are.
 
 from __future__ import annotations
 
-from models.config import Llama3RopeScaling, TransformerConfig
-from models.pretrained.family import (
-    ConfigReader,
-    Family,
-    hf_special_ids,
-    require,
-    special_ids,
-)
-from models.pretrained.mapping import (
-    LINEAR_FROM_HEADS,
-    TRANSPOSE,
-    Rule,
-    bias_to_heads,
-    linear_to_heads,
+from models.config import TransformerConfig
+from models.pretrained.config_map import ConfigMap, Field, SpecialIds
+from models.pretrained.family import ConfigReader, Family
+from models.pretrained.mapping import Rule
+from models.pretrained.rope import read_rope, write_rope
+from models.pretrained.rules import (
+    Attention,
+    Mlp,
+    Scope,
+    embeddings,
+    final_norm,
+    mlp,
+    norm,
+    self_attention,
     untied_head,
 )
 
-
-def read_rope(r: ConfigReader, max_len: int) -> dict:
-    """`rope_theta` and `rope_scaling` fields from either spelling of the RoPE settings:
-    transformers v5's `rope_parameters` dict, or v4's top-level `rope_theta` plus a
-    `rope_scaling` dict (its kind under `rope_type`, or the older `type`)."""
-    v5, v4 = r.take("rope_parameters", None), r.take("rope_scaling", None)
-    params = v5 if v5 is not None else v4 if v4 is not None else {}
-    if not isinstance(params, dict) or any(isinstance(v, dict) for v in params.values()):
-        r.refuse("rope_parameters", params, "one set of RoPE settings for every layer")
-    params = dict(params)
-    kind = params.pop("rope_type", None) or params.pop("type", None) or "default"
-    params.pop("type", None)
-    theta = _one_value(r, "rope_theta", params.pop("rope_theta", None), 10_000.0)
-    partial = _one_value(r, "partial_rotary_factor", params.pop("partial_rotary_factor", None),
-                         1.0)
-    if partial != 1.0:
-        r.refuse("partial_rotary_factor", partial, "RoPE over the whole head")
-    scaling = None
-    if kind == "llama3":
-        try:
-            scaling = Llama3RopeScaling(
-                factor=params.pop("factor"), low_freq_factor=params.pop("low_freq_factor"),
-                high_freq_factor=params.pop("high_freq_factor"),
-                original_max_len=params.pop("original_max_position_embeddings", max_len))
-        except KeyError as e:
-            r.refuse("rope_parameters", v5 or v4, f"llama3 RoPE scaling needs {e}")
-    elif kind != "default":
-        r.refuse("rope_type", kind, "supported: 'default', 'llama3'")
-    if params:
-        r.refuse("rope_parameters", params, f"unknown for rope_type {kind!r}")
-    return {"rope_theta": float(theta), "rope_scaling": scaling}
+FIELDS = (
+    Field("vocab_size", "vocab_size"), Field("hidden_size", "d_model"),
+    Field("num_attention_heads", "num_heads"),
+    Field("num_key_value_heads", "num_kv_heads", None),            # None: num_heads
+    Field("head_dim", "head_dim", None),                           # None: d_model / heads
+    Field("intermediate_size", "mlp_dim"), Field("num_hidden_layers", "num_layers"),
+    Field("max_position_embeddings", "max_len"), Field("rms_norm_eps", "norm_eps", 1e-6),
+    Field("tie_word_embeddings", "tie_embeddings", False),
+    Field("attention_dropout", "attention_dropout_rate", 0.0, float))
+FIXED = dict(architecture="decoder_only", positions="rope", norm="rmsnorm", norm_position="pre",
+             activation="swiglu", scale_embeddings=False, dropout_rate=0.0)
 
 
-def _one_value(r: ConfigReader, key: str, nested, default):
-    """A RoPE setting given inside the RoPE dict, at the top level, or both (equal)."""
-    top = r.take(key, None)
-    if nested is not None and top is not None and nested != top:
-        r.refuse(key, top, f"the RoPE settings say {nested!r}")
-    return next(v for v in (nested, top, default) if v is not None)
+def config_map(*fields: Field, **fixed) -> ConfigMap:
+    """The map of a Llama-like family: the shared fields plus its own `fields` and `fixed`
+    values (checked first when writing). The RoPE settings and hidden_act are read and
+    written by `common_config` and `common_to_hf`."""
+    return ConfigMap(fields=FIELDS + fields, fixed={**fixed, **FIXED},
+                     unread=("pretraining_tp",),         # a way of splitting the same matmuls
+                     ids=SpecialIds(start="eos"))
 
 
-def write_rope(cfg: TransformerConfig) -> dict:
-    params = {"rope_type": "default", "rope_theta": cfg.rope_theta}
-    if cfg.rope_scaling is not None:
-        s = cfg.rope_scaling
-        params.update(rope_type="llama3", factor=s.factor, low_freq_factor=s.low_freq_factor,
-                      high_freq_factor=s.high_freq_factor,
-                      original_max_position_embeddings=s.original_max_len)
-    return {"rope_parameters": params}
+MAP = config_map(qkv_bias=False, sliding_window=None)
 
 
-def common_config(r: ConfigReader, **fields) -> TransformerConfig:
-    """The fields the Llama-like families share; `fields` are the family's own."""
+def common_config(r: ConfigReader, cmap: ConfigMap, **fields) -> TransformerConfig:
+    """A Llama-like family's config by its map; `fields` are those it reads itself."""
     act = r.take("hidden_act", "silu")
     if act != "silu":
         r.refuse("hidden_act", act, "Llama-style models gate with silu (SwiGLU)")
-    r.take("pretraining_tp", 1)              # a way of splitting the same matmuls
-    heads = r.take("num_attention_heads")
-    max_len = r.take("max_position_embeddings")
-    cfg = TransformerConfig(
-        architecture="decoder_only", vocab_size=r.take("vocab_size"),
-        d_model=r.take("hidden_size"), num_heads=heads,
-        num_kv_heads=r.take("num_key_value_heads", heads), head_dim=r.take("head_dim", None),
-        mlp_dim=r.take("intermediate_size"), num_layers=r.take("num_hidden_layers"),
-        max_len=max_len, positions="rope", **read_rope(r, max_len), norm="rmsnorm",
-        norm_position="pre", norm_eps=r.take("rms_norm_eps", 1e-6), activation="swiglu",
-        tie_embeddings=r.take("tie_word_embeddings", False), scale_embeddings=False,
-        dropout_rate=0.0, attention_dropout_rate=float(r.take("attention_dropout", 0.0)),
-        **special_ids(r), **fields)
+    mapped = cmap.read(r)
+    cfg = TransformerConfig(**mapped, **read_rope(r, mapped["max_len"]), **fields)
     r.finish()
     return cfg
 
 
-def common_to_hf(cfg: TransformerConfig, model_type: str) -> dict:
-    require(cfg, model_type, architecture="decoder_only", positions="rope", norm="rmsnorm",
-            norm_position="pre", activation="swiglu", scale_embeddings=False,
-            dropout_rate=0.0)
-    return {
-        "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
-        "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
-        "head_dim": cfg.head_dim, "intermediate_size": cfg.mlp_dim,
-        "num_hidden_layers": cfg.num_layers, "max_position_embeddings": cfg.max_len,
-        "rms_norm_eps": cfg.norm_eps, "hidden_act": "silu",
-        "tie_word_embeddings": cfg.tie_embeddings,
-        "attention_dropout": cfg.attention_dropout_rate, **write_rope(cfg),
-        **hf_special_ids(cfg),
-    }
+def common_to_hf(cfg: TransformerConfig, model_type: str, cmap: ConfigMap) -> dict:
+    return {**cmap.write(cfg, model_type), "hidden_act": "silu", **write_rope(cfg)}
 
 
 def config_from_hf(hf: dict) -> TransformerConfig:
@@ -120,42 +71,26 @@ def config_from_hf(hf: dict) -> TransformerConfig:
     if attention_bias != mlp_bias:
         r.refuse("mlp_bias", mlp_bias, f"biases on the attention and the MLP together "
                  f"(attention_bias={attention_bias})")
-    return common_config(r, use_bias=bool(attention_bias))
+    return common_config(r, MAP, use_bias=bool(attention_bias))
 
 
 def config_to_hf(cfg: TransformerConfig) -> dict:
-    require(cfg, "llama", qkv_bias=False, sliding_window=None)
-    return {**common_to_hf(cfg, "llama"), "attention_bias": cfg.use_bias,
+    return {**common_to_hf(cfg, "llama", MAP), "attention_bias": cfg.use_bias,
             "mlp_bias": cfg.use_bias}
+
+
+LAYER = Scope.layers("model.layers.{i}", "decoder")
+ATTENTION = Attention.apart("self_attn.{}_proj")
+MLP = Mlp(gate="mlp.gate_proj", up="mlp.up_proj", down="mlp.down_proj")
 
 
 def rules(cfg: TransformerConfig) -> list[Rule]:
     """The weight map of every Llama-like family (biases where the config has them)."""
-    def layer(theirs: str, ours: str, layout=None) -> Rule:
-        return Rule(f"model.layers.{{i}}.{theirs}", f"decoder/layer_{{i}}/{ours}", layout,
-                    stack="decoder")
-
-    table = [Rule("model.embed_tokens.weight", "tokens/embedding")]
-    qkv_bias = cfg.use_bias or cfg.qkv_bias
-    for proj, ours, heads in (("q", "query", "q"), ("k", "key", "kv"), ("v", "value", "kv")):
-        table.append(layer(f"self_attn.{proj}_proj.weight", f"self_attention/{ours}/kernel",
-                           linear_to_heads(heads)))
-        if qkv_bias:
-            table.append(layer(f"self_attn.{proj}_proj.bias", f"self_attention/{ours}/bias",
-                               bias_to_heads(heads)))
-    table.append(layer("self_attn.o_proj.weight", "self_attention/out/kernel",
-                       LINEAR_FROM_HEADS))
-    for proj in ("gate", "up", "down"):
-        table.append(layer(f"mlp.{proj}_proj.weight", f"mlp/{proj}/kernel", TRANSPOSE))
-    if cfg.use_bias:
-        table += [layer("self_attn.o_proj.bias", "self_attention/out/bias")]
-        table += [layer(f"mlp.{p}_proj.bias", f"mlp/{p}/bias") for p in ("gate", "up", "down")]
-    table += [
-        layer("input_layernorm.weight", "self_attention_norm/scale"),
-        layer("post_attention_layernorm.weight", "mlp_norm/scale"),
-        Rule("model.norm.weight", "decoder/final_norm/scale"),
-    ]
-    return table + untied_head(cfg)
+    return [*embeddings(cfg, tokens="model.embed_tokens"),
+            *self_attention(cfg, LAYER, ATTENTION), *mlp(cfg, LAYER, MLP),
+            *norm(cfg, LAYER, "input_layernorm", "self_attention_norm"),
+            *norm(cfg, LAYER, "post_attention_layernorm", "mlp_norm"),
+            *final_norm(cfg, "decoder", "model.norm"), *untied_head(cfg)]
 
 
 def family(model_type: str, architecture: str, config_from_hf, config_to_hf) -> Family:

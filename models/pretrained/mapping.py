@@ -12,34 +12,26 @@ unscanned model), and a `Layout` that converts one into the other and back:
 are stacked: "decoder/layer_{i}/rest" is slice i of "decoder/layers/rest" (`our_slot`).
 A parameter stacked over layers in every model (the cross-attention key/value kernels) is
 named by its slice: "cross_kv/key_kernel[{i}]".
-Layouts are plain numpy functions of (arrays, config): transposes, reshapes and splits are
-views, so converting costs no copies and no compilation. Applying a rule forwards and then
-backwards gives back the same tensors, bit for bit.
+Layouts (`layouts`) are plain numpy functions of (arrays, config); applying a rule forwards
+and then backwards gives back the same tensors, bit for bit. A family writes its table with
+the builders of `rules`, which know our parameter names; this module is what the engine
+(`convert`) needs of a table: the layers a rule runs over, where a path lives in the tree,
+and the shapes the model expects.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from models.config import TransformerConfig
+from models.pretrained.layouts import SAME, Layout
 from models.transformer import build
-
-Convert = Callable[[list, TransformerConfig], list]
-
-
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    """How the tensors of a rule relate: `to_ours(theirs, cfg)` and `to_theirs(ours, cfg)`,
-    each mapping a list of arrays to a list of arrays."""
-
-    to_ours: Convert
-    to_theirs: Convert
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,62 +131,3 @@ def initial_params(cfg: TransformerConfig, paths) -> dict[str, np.ndarray]:
         return out
 
     return jax.device_get(jax.jit(pick)(jax.random.key(0)))
-
-
-def untied_head(cfg: TransformerConfig, layout: Layout | None = None) -> list[Rule]:
-    """The output projection's rule when it is not the tied embedding (`lm_head.weight`, a
-    torch Linear [V, D] by default): no rule when tied."""
-    return [] if cfg.tie_embeddings else [Rule("lm_head.weight", "head/kernel",
-                                               layout or TRANSPOSE)]
-
-
-# ---------------------------------------------------------------------------------------------
-# Layouts. N query heads, K key/value heads, H head dim, D model width (dims named as in
-# STYLE.md); torch `nn.Linear` stores [out, in], GPT-2's `Conv1D` stores [in, out].
-
-def _one(to_ours, to_theirs) -> Layout:
-    """A layout of one tensor to one parameter."""
-    return Layout(lambda xs, cfg: [to_ours(xs[0], cfg)], lambda xs, cfg: [to_theirs(xs[0], cfg)])
-
-
-SAME = _one(lambda x, cfg: x, lambda x, cfg: x)
-TRANSPOSE = _one(lambda x, cfg: x.T, lambda x, cfg: x.T)          # Linear [out, in] <-> [in, out]
-
-
-def _heads(cfg: TransformerConfig, which: str) -> int:
-    return cfg.num_heads if which == "q" else cfg.num_kv_heads
-
-
-def linear_to_heads(which: str) -> Layout:
-    """A q/k/v `nn.Linear` [heads*H, D] <-> a DenseGeneral kernel [D, heads, H]; `which` is
-    "q" (N heads) or "kv" (K heads)."""
-    return _one(
-        lambda w, cfg: w.T.reshape(w.shape[1], _heads(cfg, which), cfg.head_dim),
-        lambda k, cfg: k.reshape(k.shape[0], -1).T)
-
-
-def bias_to_heads(which: str) -> Layout:
-    """A q/k/v bias [heads*H] <-> [heads, H]."""
-    return _one(lambda b, cfg: b.reshape(_heads(cfg, which), cfg.head_dim),
-                lambda b, cfg: b.reshape(-1))
-
-
-LINEAR_FROM_HEADS = _one(                 # the output `nn.Linear` [D, N*H] <-> [N, H, D]
-    lambda w, cfg: w.T.reshape(cfg.num_heads, cfg.head_dim, w.shape[0]),
-    lambda k, cfg: k.reshape(-1, k.shape[-1]).T)
-CONV1D_FROM_HEADS = _one(                 # GPT-2's output Conv1D [N*H, D] <-> [N, H, D]
-    lambda w, cfg: w.reshape(cfg.num_heads, cfg.head_dim, w.shape[1]),
-    lambda k, cfg: k.reshape(-1, k.shape[-1]))
-
-
-def _split3(x, axis: int) -> list:
-    return list(np.split(x, 3, axis=axis))
-
-
-CONV1D_FUSED_QKV = Layout(                # GPT-2's c_attn [D, 3*N*H] <-> q, k, v [D, N, H]
-    lambda xs, cfg: [w.reshape(w.shape[0], cfg.num_heads, cfg.head_dim)
-                     for w in _split3(xs[0], 1)],
-    lambda ks, cfg: [np.concatenate([k.reshape(k.shape[0], -1) for k in ks], axis=1)])
-FUSED_QKV_BIAS = Layout(                  # its bias [3*N*H] <-> q, k, v [N, H]
-    lambda xs, cfg: [b.reshape(cfg.num_heads, cfg.head_dim) for b in _split3(xs[0], 0)],
-    lambda bs, cfg: [np.concatenate([b.reshape(-1) for b in bs])])

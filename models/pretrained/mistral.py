@@ -4,19 +4,22 @@ from __future__ import annotations
 
 from models.config import TransformerConfig
 from models.pretrained import llama
-from models.pretrained.family import ConfigReader, require
+from models.pretrained.config_map import Field
+from models.pretrained.family import ConfigReader
+
+MAP = llama.config_map(Field("sliding_window", "sliding_window", None),
+                       use_bias=False, qkv_bias=False)
 
 
 def config_from_hf(hf: dict) -> TransformerConfig:
     r = ConfigReader(hf, "mistral")
     if r.take("layer_types", None) is not None:
         r.refuse("layer_types", hf["layer_types"], "one attention kind for every layer")
-    return llama.common_config(r, use_bias=False, sliding_window=r.take("sliding_window", None))
+    return llama.common_config(r, MAP)
 
 
 def config_to_hf(cfg: TransformerConfig) -> dict:
-    require(cfg, "mistral", use_bias=False, qkv_bias=False)
-    return {**llama.common_to_hf(cfg, "mistral"), "sliding_window": cfg.sliding_window}
+    return llama.common_to_hf(cfg, "mistral", MAP)
 
 
 FAMILY = llama.family("mistral", "MistralForCausalLM", config_from_hf, config_to_hf)

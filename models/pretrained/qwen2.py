@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from models.config import TransformerConfig
 from models.pretrained import llama
-from models.pretrained.family import ConfigReader, require
+from models.pretrained.family import ConfigReader
+
+MAP = llama.config_map(use_bias=False, qkv_bias=True, sliding_window=None)
 
 
 def config_from_hf(hf: dict) -> TransformerConfig:
@@ -16,12 +18,11 @@ def config_from_hf(hf: dict) -> TransformerConfig:
     layer_types = r.take("layer_types", None)
     if layer_types is not None and set(layer_types) != {"full_attention"}:
         r.refuse("layer_types", layer_types, "full attention in every layer")
-    return llama.common_config(r, use_bias=False, qkv_bias=True)
+    return llama.common_config(r, MAP)
 
 
 def config_to_hf(cfg: TransformerConfig) -> dict:
-    require(cfg, "qwen2", use_bias=False, qkv_bias=True, sliding_window=None)
-    out = llama.common_to_hf(cfg, "qwen2")
+    out = llama.common_to_hf(cfg, "qwen2", MAP)
     if cfg.head_dim == cfg.d_model // cfg.num_heads:
         del out["head_dim"]            # not a Qwen2Config field; read when present
     return {**out, "use_sliding_window": False,

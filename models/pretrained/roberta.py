@@ -25,22 +25,25 @@ activation) and a config without a pad id (the positions' offset).
 
 from __future__ import annotations
 
+import dataclasses
+
 from models.config import TransformerConfig
 from models.errors import UserError
 from models.pretrained.bert import (
+    MAP as BERT_MAP,
     RENAMES,
     encoder_rules,
     encoder_to_hf,
-    head_rules,
     labels_from_weights,
     read_encoder,
 )
+from models.pretrained.config_map import SpecialIds
 from models.pretrained.family import ConfigReader, Family, Inexpressible
 from models.pretrained.files import Weights
+from models.pretrained.rules import classifier, mlm_head
 
-MLM_HEAD, CLASSIFIER_HEAD = head_rules(
-    "lm_head.dense", "lm_head.layer_norm", "lm_head.bias", "classifier.dense",
-    "classifier.out_proj")
+# BERT's map with RobertaConfig's special ids.
+MAP = dataclasses.replace(BERT_MAP, ids=SpecialIds(pad=1, eos=2, start=0, null_is_none=True))
 
 
 def _check_head_activation(cfg: TransformerConfig, act: str | None = None) -> None:
@@ -55,7 +58,7 @@ def _check_head_activation(cfg: TransformerConfig, act: str | None = None) -> No
 
 def config_from_hf(hf: dict) -> TransformerConfig:
     r = ConfigReader(hf, "roberta")
-    fields = read_encoder(r, "Roberta", default_pad=1)
+    fields = read_encoder(r, "Roberta", MAP)
     pad = fields["pad_id"]
     if pad is None:
         r.refuse("pad_token_id", None, "RoBERTa's positions start after the pad id")
@@ -63,10 +66,7 @@ def config_from_hf(hf: dict) -> TransformerConfig:
     if max_positions <= pad + 1:
         r.refuse("max_position_embeddings", max_positions,
                  f"positions start at pad_token_id + 1 = {pad + 1}")
-    cfg = TransformerConfig(
-        **fields, max_len=max_positions - pad - 1, position_offset=pad + 1,
-        bos_id=r.take("bos_token_id", None) if "bos_token_id" in hf else 0,
-        eos_id=r.take("eos_token_id", None) if "eos_token_id" in hf else 2)
+    cfg = TransformerConfig(**fields, max_len=max_positions - pad - 1, position_offset=pad + 1)
     r.finish()
     if "RobertaForMaskedLM" in (hf.get("architectures") or ()):
         _check_head_activation(cfg, hf.get("hidden_act"))
@@ -85,11 +85,16 @@ def config_to_hf(cfg: TransformerConfig) -> dict:
     if not cfg.num_labels and cfg.activation != "gelu_exact":
         raise Inexpressible(f"roberta's masked-LM head uses exact GELU; this config's "
                             f"activation is {cfg.activation!r}")
-    return encoder_to_hf(cfg, "roberta", "Roberta", position_offset=cfg.pad_id + 1)
+    return encoder_to_hf(cfg, "roberta", "Roberta", cmap=MAP, position_offset=cfg.pad_id + 1)
 
 
 def rules(cfg: TransformerConfig) -> list:
-    return encoder_rules(cfg, "roberta") + (CLASSIFIER_HEAD if cfg.num_labels else MLM_HEAD)
+    if cfg.num_labels:
+        head = classifier(pooler="classifier.dense", out="classifier.out_proj")
+    else:
+        head = mlm_head(cfg, transform="lm_head.dense", transform_norm="lm_head.layer_norm",
+                        bias="lm_head.bias")
+    return encoder_rules(cfg, "roberta") + head
 
 
 FAMILY = Family(

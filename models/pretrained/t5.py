@@ -22,8 +22,9 @@ default the pad id) is our `bos_id`; pad 0 and eos 1 by default. T5 has no maxim
 `max_len` is `n_positions` (512 when absent), written back as such.
 
 Files may also hold `encoder.embed_tokens.weight` / `decoder.embed_tokens.weight` (copies
-of `shared.weight`, which they stand in for when it is absent) and old checkpoints an unused
-cross-attention position table in decoder block 0 (skipped, as transformers does).
+of `shared.weight`, which they stand in for when it is absent), and files written by
+earlier versions of transformers' T5 an unused cross-attention position table in decoder
+block 0 (skipped, as transformers does).
 Refused by name: any other activation, a gated exact GELU, an encoder-only config, umT5
 (its own model_type, a bias table in every layer) and config fields this module does not
 know.
@@ -34,13 +35,22 @@ from __future__ import annotations
 import numpy as np
 
 from models.config import TransformerConfig
-from models.pretrained.family import ConfigReader, Family, Inexpressible, require
+from models.layers import GATED
+from models.pretrained.config_map import DECODER_START, MULTI_HEAD, ConfigMap, Field, SpecialIds
+from models.pretrained.family import ConfigReader, Family, Inexpressible
 from models.pretrained.files import Weights
-from models.pretrained.mapping import (
-    LINEAR_FROM_HEADS,
-    TRANSPOSE,
-    Rule,
-    linear_to_heads,
+from models.pretrained.mapping import Rule
+from models.pretrained.rules import (
+    Attention,
+    Mlp,
+    Scope,
+    cross_attention,
+    embeddings,
+    final_norm,
+    mlp,
+    norm,
+    relative_bias,
+    self_attention,
     untied_head,
 )
 
@@ -63,7 +73,8 @@ DEFAULTS = {
                 num_heads=6, feed_forward_proj="gated-gelu"),
 }
 MAX_LEN = 512                        # T5's training length, when n_positions is absent
-EMBEDDING = "shared.weight"
+SHARED = "shared"                    # the one embedding table: both stacks' and a tied head's
+EMBEDDING = f"{SHARED}.weight"
 STACK_EMBEDDINGS = ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight")
 HEAD = "lm_head.weight"
 
@@ -74,7 +85,7 @@ def derived_activation(proj: str) -> tuple[str, bool] | None:
     parts = proj.split("-")
     if len(parts) > 2 or (len(parts) == 2 and parts[0] != "gated"):
         return None
-    if proj == "gated-gelu":                 # kept for old checkpoints: tanh GELU
+    if proj == "gated-gelu":                 # T5 v1.1's spelling of tanh GELU
         return "gelu_new", True
     return parts[-1], len(parts) == 2
 
@@ -104,45 +115,45 @@ def scales_head_input(r: ConfigReader, model_type: str) -> bool:
     return tie is not False                   # v4: tied meant scaled
 
 
+def config_map(model_type: str) -> ConfigMap:
+    """The map of `t5` or `mt5`: the same fields with their class's defaults."""
+    d = DEFAULTS[model_type]
+    return ConfigMap(
+        fields=(Field("vocab_size", "vocab_size", d["vocab_size"]),
+                Field("d_model", "d_model", d["d_model"]),
+                Field("num_heads", "num_heads", d["num_heads"]),
+                Field("d_kv", "head_dim", d["d_kv"]), Field("d_ff", "mlp_dim", d["d_ff"]),
+                Field("num_layers", "num_encoder_layers", d["num_layers"]),
+                Field("n_positions", "max_len", MAX_LEN),
+                Field("relative_attention_num_buckets", "relative_buckets", 32),
+                Field("relative_attention_max_distance", "relative_max_distance", 128),
+                Field("layer_norm_epsilon", "norm_eps", 1e-6),
+                Field("dropout_rate", "dropout_rate", 0.1, float)),    # T5's one rate
+        fixed=dict(architecture="encoder_decoder", positions="relative", norm="rmsnorm",
+                   norm_position="pre", use_bias=False, qkv_bias=False, sliding_window=None,
+                   num_kv_heads=MULTI_HEAD, share_embeddings=True, scale_embeddings=False,
+                   scale_attention=False),
+        constants=dict(is_encoder_decoder=True),
+        unread=("initializer_factor", "classifier_dropout", "output_past"),  # init, heads
+        ids=SpecialIds(pad=0, eos=1, start="pad", start_key=DECODER_START, null_is_none=True))
+
+
 def reader(model_type: str):
+    cmap = config_map(model_type)
+
     def config_from_hf(hf: dict) -> TransformerConfig:
         r = ConfigReader(hf, model_type)
-        defaults = DEFAULTS[model_type]
-        activation = read_activation(r, defaults["feed_forward_proj"])
+        activation = read_activation(r, DEFAULTS[model_type]["feed_forward_proj"])
         scale = scales_head_input(r, model_type)
-        r.expect("is_encoder_decoder", True)
-        for key in ("initializer_factor", "classifier_dropout", "output_past", "bos_token_id"):
-            r.take(key, None)      # initialisation, heads we do not build, T5 has no <s>
-        layers = r.take("num_layers", defaults["num_layers"])
-        # The class defaults for absent ids; an explicit null stays None.
-        eos = r.take("eos_token_id", None) if "eos_token_id" in hf else 1
-        if isinstance(eos, list):
-            eos = eos[0] if eos else None
-        pad = r.take("pad_token_id", None) if "pad_token_id" in hf else 0
-        start = r.take("decoder_start_token_id", None) if "decoder_start_token_id" in hf else pad
-        if start is None:
-            r.refuse("decoder_start_token_id", None, "the decoder needs a start token; "
-                     "config.json names none, nor a pad token to start from")
-        dropout = float(r.take("dropout_rate", 0.1))
+        fields = cmap.read(r)
+        dropout = fields["dropout_rate"]
         cfg = TransformerConfig(
-            architecture="encoder_decoder",
-            vocab_size=r.take("vocab_size", defaults["vocab_size"]),
-            d_model=r.take("d_model", defaults["d_model"]),
-            num_heads=r.take("num_heads", defaults["num_heads"]),
-            head_dim=r.take("d_kv", defaults["d_kv"]),
-            mlp_dim=r.take("d_ff", defaults["d_ff"]),
-            num_encoder_layers=layers,
-            num_decoder_layers=r.take("num_decoder_layers", layers),
-            max_len=r.take("n_positions", MAX_LEN), positions="relative",
-            relative_buckets=r.take("relative_attention_num_buckets", 32),
-            relative_max_distance=r.take("relative_attention_max_distance", 128),
-            norm="rmsnorm", norm_position="pre", norm_eps=r.take("layer_norm_epsilon", 1e-6),
-            activation=activation, use_bias=False, share_embeddings=True,
+            **fields,
+            num_decoder_layers=r.take("num_decoder_layers", fields["num_encoder_layers"]),
+            activation=activation,
             # The tensors settle this (`config_from_weights`); config.json's guess first.
             tie_embeddings=r.hf.get("tie_word_embeddings") is not False,
-            scale_embeddings=False, scale_attention=False, scale_head_input=scale,
-            dropout_rate=dropout, attention_dropout_rate=dropout, mlp_dropout_rate=dropout,
-            pad_id=pad, eos_id=eos, bos_id=start)
+            scale_head_input=scale, attention_dropout_rate=dropout, mlp_dropout_rate=dropout)
         r.finish()
         return cfg
 
@@ -150,33 +161,22 @@ def reader(model_type: str):
 
 
 def writer(model_type: str):
+    cmap = config_map(model_type)
+
     def config_to_hf(cfg: TransformerConfig) -> dict:
-        require(cfg, model_type, architecture="encoder_decoder", positions="relative",
-                norm="rmsnorm", norm_position="pre", use_bias=False, qkv_bias=False,
-                sliding_window=None, num_kv_heads=cfg.num_heads, share_embeddings=True,
-                scale_embeddings=False, scale_attention=False,
-                scale_head_input=cfg.scale_head_input if model_type == "t5" else False,
-                # T5 has one dropout rate; the others are how a run trains, not what the
-                # model computes, so a fine-tune that changed one still saves.
-                mlp_dropout_rate=cfg.mlp_dropout_rate)
+        hf = cmap.write(cfg, model_type,
+                        scale_head_input=cfg.scale_head_input if model_type == "t5" else False,
+                        # T5 has one dropout rate; the others are how a run trains, not what
+                        # the model computes, so a fine-tune that changed one still saves.
+                        mlp_dropout_rate=cfg.mlp_dropout_rate)
         if cfg.activation not in HF_ACTIVATIONS:
             raise Inexpressible(f"{model_type} cannot express activation={cfg.activation!r}")
         proj, act, gated = HF_ACTIVATIONS[cfg.activation]
-        hf = {
-            "vocab_size": cfg.vocab_size, "d_model": cfg.d_model, "d_kv": cfg.head_dim,
-            "d_ff": cfg.mlp_dim, "num_layers": cfg.num_encoder_layers,
-            "num_decoder_layers": cfg.num_decoder_layers, "num_heads": cfg.num_heads,
-            "relative_attention_num_buckets": cfg.relative_buckets,
-            "relative_attention_max_distance": cfg.relative_max_distance,
-            "dropout_rate": cfg.dropout_rate, "layer_norm_epsilon": cfg.norm_eps,
-            "feed_forward_proj": proj, "dense_act_fn": act, "is_gated_act": gated,
-            "is_encoder_decoder": True, "n_positions": cfg.max_len,
-            # What transformers v4 reads as "tied and scaled" (v5 settles tying from the
-            # tensors: a head is written only when untied).
-            "tie_word_embeddings": cfg.tie_embeddings,
-            "decoder_start_token_id": cfg.bos_id, "pad_token_id": cfg.pad_id,
-            "eos_token_id": cfg.eos_id,
-        }
+        hf.update(num_decoder_layers=cfg.num_decoder_layers, feed_forward_proj=proj,
+                  dense_act_fn=act, is_gated_act=gated,
+                  # What transformers v4 reads as "tied and scaled" (v5 settles tying from
+                  # the tensors: a head is written only when untied).
+                  tie_word_embeddings=cfg.tie_embeddings)
         if model_type == "t5":
             hf["scale_decoder_outputs"] = cfg.scale_head_input
         return hf
@@ -205,43 +205,34 @@ def config_from_weights(cfg: TransformerConfig, weights: Weights) -> Transformer
     return cfg.replace(tie_embeddings=tied)
 
 
+def _layer(stack: str) -> Scope:
+    return Scope.layers(f"{stack}.block.{{i}}.layer", stack)
+
+
+def _mlp(cfg: TransformerConfig, stack: str, sub: int) -> list[Rule]:
+    """Sublayer `sub` of each block: the MLP (wi_0 gates wi_1 when gated) and its norm."""
+    ff = f"{sub}.DenseReluDense"
+    names = (Mlp(gate=f"{ff}.wi_0", up=f"{ff}.wi_1", down=f"{ff}.wo") if cfg.activation
+             in GATED else Mlp(up=f"{ff}.wi", down=f"{ff}.wo"))
+    return [*mlp(cfg, _layer(stack), names),
+            *norm(cfg, _layer(stack), f"{sub}.layer_norm", "mlp_norm")]
+
+
 def rules(cfg: TransformerConfig) -> list[Rule]:
-    def block(stack: str, theirs: str, ours: str, layout=None) -> Rule:
-        return Rule(f"{stack}.block.{{i}}.layer.{theirs}", f"{stack}/layer_{{i}}/{ours}",
-                    layout, stack=stack)
-
-    def attention(stack: str, sub: str, name: str, ours: str) -> list[Rule]:
-        table = [block(stack, f"{sub}.{name}.q.weight", f"{ours}/query/kernel",
-                       linear_to_heads("q"))]
-        if ours == "cross_attention":        # keys/values: slices of the stacked kernels
-            table += [Rule(f"{stack}.block.{{i}}.layer.{sub}.{name}.{p}.weight",
-                           f"cross_kv/{kv}_kernel[{{i}}]", linear_to_heads("kv"), stack=stack)
-                      for p, kv in (("k", "key"), ("v", "value"))]
-        else:
-            table += [block(stack, f"{sub}.{name}.{p}.weight", f"{ours}/{kv}/kernel",
-                            linear_to_heads("kv")) for p, kv in (("k", "key"), ("v", "value"))]
-        return table + [
-            block(stack, f"{sub}.{name}.o.weight", f"{ours}/out/kernel", LINEAR_FROM_HEADS),
-            block(stack, f"{sub}.layer_norm.weight", f"{ours}_norm/scale")]
-
-    def mlp(stack: str, sub: int) -> list[Rule]:
-        ff = f"{sub}.DenseReluDense"
-        gated = cfg.activation in ("geglu", "swiglu")
-        table = ([block(stack, f"{ff}.wi_0.weight", "mlp/gate/kernel", TRANSPOSE),
-                  block(stack, f"{ff}.wi_1.weight", "mlp/up/kernel", TRANSPOSE)] if gated
-                 else [block(stack, f"{ff}.wi.weight", "mlp/up/kernel", TRANSPOSE)])
-        return table + [block(stack, f"{ff}.wo.weight", "mlp/down/kernel", TRANSPOSE),
-                        block(stack, f"{sub}.layer_norm.weight", "mlp_norm/scale")]
-
-    table = [Rule(EMBEDDING, "src_tokens/embedding")]
+    """Each block's sublayers are numbered: 0 self-attention, then (decoder) 1
+    cross-attention, then the MLP; each with its (pre-)norm. The relative position bias
+    table is held by the first block's self-attention."""
+    table = embeddings(cfg, stack="encoder", tokens=SHARED)
     for stack in ("encoder", "decoder"):
-        # torch Embedding [buckets, N], as ours; only the first block holds it.
-        table += [Rule(f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight",
-                       f"{stack}/relative_bias/embedding"),
-                  *attention(stack, "0", "SelfAttention", "self_attention"),
-                  Rule(f"{stack}.final_layer_norm.weight", f"{stack}/final_norm/scale")]
-    table += [*mlp("encoder", 1), *attention("decoder", "1", "EncDecAttention", "cross_attention"),
-              *mlp("decoder", 2)]
+        table += [*relative_bias(stack, f"{stack}.block.0.layer.0.SelfAttention."
+                                        "relative_attention_bias"),
+                  *self_attention(cfg, _layer(stack), Attention.apart("0.SelfAttention.{}")),
+                  *norm(cfg, _layer(stack), "0.layer_norm", "self_attention_norm"),
+                  *final_norm(cfg, stack, f"{stack}.final_layer_norm")]
+    table += [*_mlp(cfg, "encoder", 1),
+              *cross_attention(cfg, _layer("decoder"), Attention.apart("1.EncDecAttention.{}")),
+              *norm(cfg, _layer("decoder"), "1.layer_norm", "cross_attention_norm"),
+              *_mlp(cfg, "decoder", 2)]
     return table + untied_head(cfg)
 
 
@@ -250,7 +241,8 @@ def family(model_type: str, architecture: str) -> Family:
         model_type=model_type, architectures=(architecture,),
         config_from_hf=reader(model_type), config_to_hf=writer(model_type), rules=rules,
         copies={EMBEDDING: STACK_EMBEDDINGS}, config_from_weights=config_from_weights,
-        # Old checkpoints: a cross-attention position table nothing reads.
+        # Files of earlier versions of transformers' T5: a cross-attention position table
+        # nothing reads.
         ignored=(r"decoder\.block\.0\.layer\.1\.EncDecAttention\.relative_attention_bias\.weight",))
 
 
