@@ -108,6 +108,8 @@ class MaskSpec:
                                                                `window` most recent keys)
         segments  q_segment == k_segment and q_segment > 0    (packed rows; 0 is padding)
         validity  q_valid and k_valid                         (right padding, by lengths)
+        visible   visible[b, t, s]                            (a beam's own line of
+                                                               descent, `BeamKVCache`)
 
     Query-side arrays are [B, T]; key-side arrays are [Bk, S], where Bk divides B: the
     B / Bk consecutive query rows of one key row (the beams of one source) share its keys.
@@ -127,6 +129,9 @@ class MaskSpec:
         window: None, or W: only keys with k_index > q_index - W are seen.
         aligned: the indices are 0 .. T-1 and 0 .. S-1 in every row (a teacher-forced
             sequence, T = S), which fused kernels' own causal masks assume.
+        visible: bool[B, T or 1, S] the keys each query may read, or None: a table of its
+            own, given only where no rule above expresses it (beams, whose keys lie in the
+            regions their ancestry table names; one row of S per query row).
     """
 
     q_index: Int[Array, "B T"] | None = None
@@ -138,12 +143,13 @@ class MaskSpec:
     causal: bool = flax.struct.field(pytree_node=False, default=False)
     window: int | None = flax.struct.field(pytree_node=False, default=None)
     aligned: bool = flax.struct.field(pytree_node=False, default=False)
+    visible: Bool[Array, "B T S"] | None = None
 
     @property
     def is_empty(self) -> bool:
         """No rule at all: every query sees every key."""
         return (not self.causal and self.window is None and self.q_segment is None
-                and self.q_valid is None and self.k_valid is None)
+                and self.q_valid is None and self.k_valid is None and self.visible is None)
 
     def rows(self, fold: int) -> MaskSpec:
         """The spec with each query-side array folded to [Bk, fold * T]: query row b's
@@ -154,8 +160,14 @@ class MaskSpec:
 
         def f(x):
             return None if x is None else x.reshape(x.shape[0] // fold, -1)
+        visible = self.visible
+        if visible is not None:
+            B, _, S = visible.shape
+            T = next((x.shape[1] for x in (self.q_index, self.q_segment, self.q_valid)
+                      if x is not None), 1)
+            visible = jnp.broadcast_to(visible, (B, T, S)).reshape(B // fold, fold * T, S)
         return self.replace(q_index=f(self.q_index), q_segment=f(self.q_segment),
-                            q_valid=f(self.q_valid))
+                            q_valid=f(self.q_valid), visible=visible)
 
     def block(self, q_slice: tuple, k_slice: tuple) -> Bool[Array, "B t s"] | None:
         """bool[B, t, s] of the queries `q_slice` = (start, size) and the keys `k_slice`,
@@ -166,14 +178,19 @@ class MaskSpec:
 
         def k(x):
             return None if x is None else _slice(x, k_slice)
+        visible = self.visible
+        if visible is not None:
+            if visible.shape[1] > 1:
+                visible = lax.dynamic_slice_in_dim(visible, *q_slice, axis=1)
+            visible = lax.dynamic_slice_in_dim(visible, *k_slice, axis=2)
         return _visible(self, q(self.q_index), k(self.k_index), q(self.q_segment),
-                        k(self.k_segment), q(self.q_valid), k(self.k_valid))
+                        k(self.k_segment), q(self.q_valid), k(self.k_valid), visible)
 
     def materialize(self) -> Bool[Array, "B T S"] | None:
         """The whole bool[B, T, S] mask (query and key rows equal in number), or None
         when it hides nothing."""
         return _visible(self, self.q_index, self.k_index, self.q_segment, self.k_segment,
-                        self.q_valid, self.k_valid)
+                        self.q_valid, self.k_valid, self.visible)
 
 
 def _slice(x, where: tuple):
@@ -181,9 +198,10 @@ def _slice(x, where: tuple):
     return lax.dynamic_slice_in_dim(x, start, size, axis=1)
 
 
-def _visible(spec: MaskSpec, q_index, k_index, q_segment, k_segment, q_valid, k_valid):
+def _visible(spec: MaskSpec, *arrays):
     """The rules of `spec` on (slices of) its arrays, ANDed; None when none applies."""
-    rules = []
+    q_index, k_index, q_segment, k_segment, q_valid, k_valid, visible = arrays
+    rules = [] if visible is None else [visible]
     if spec.causal:
         rules.append(causal_mask(q_index, k_index))
     if spec.window is not None:

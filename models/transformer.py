@@ -124,10 +124,12 @@ class _CachedDecoder(nn.Module):
         check_new_lengths(lengths_B, T)
         check_cache_room(cache.lengths, lengths_B, S)
         positions_BT = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
-        slots_BS = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32)[None, :], (B, S))
-        spec = _causal_spec(self.config, positions_BT, slots_BS)
+        keys_BS = cache.key_positions()               # a slot's position (beams: per region)
+        visible = cache.row_visible()
+        spec = _causal_spec(self.config, positions_BT, keys_BS,
+                            visible=None if visible is None else visible[:, None, :])
         x_BTD, cache = self._hidden(tokens_BT, positions_BT=positions_BT, spec=spec,
-                                    cache=cache, deterministic=True, key_positions_BS=slots_BS)
+                                    cache=cache, deterministic=True, key_positions_BS=keys_BS)
         cache = cache.replace(lengths=cache.lengths + lengths_B.astype(jnp.int32))
         if logits_at is None:
             return self._logits(x_BTD), cache
