@@ -101,7 +101,7 @@ def step_dir(mngr: ocp.CheckpointManager, step: int) -> str:
 
 
 def save(mngr: ocp.CheckpointManager, step: int, host_state, data_state: dict, config: dict,
-         tok: Tokenizer) -> None:
+         *, tok: Tokenizer) -> None:
     """Saves a checkpoint, then (on the lead process) its integrity manifest, last.
 
     A kill at any moment leaves a whole checkpoint with its manifest, or orbax's unfinished
@@ -139,7 +139,7 @@ def _saved(x):
 
 
 def _is_storage_error(e: ValueError) -> bool:
-    """tensorstore reports a failed write (a full disk, no permission) as a UserError
+    """tensorstore reports a failed write (a full disk, no permission) as a ValueError
     carrying the status and the OS error code."""
     text = str(e)
     return "os_error_code" in text or text.startswith(
