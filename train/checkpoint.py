@@ -81,7 +81,10 @@ def tokenizer_json(tok: Tokenizer) -> dict:
 
 
 def tokenizer_from_json(item: dict) -> Tokenizer:
-    if "files" not in item:       # checkpoints written before the Hugging Face layout
+    """The tokenizer a checkpoint's item holds: its files (`tokenizer_json`), or the
+    format without files, `{"kind": "byte"}` or `{"kind": ..., "model_b64": ...}` (a
+    sentencepiece model), written before tokenizers were saved in the Hugging Face layout."""
+    if "files" not in item:
         if item["kind"] == ByteTokenizer.kind:
             return ByteTokenizer()
         return SentencePieceTokenizer(base64.b64decode(item["model_b64"]))
@@ -268,7 +271,7 @@ def config_item(experiment: dict, choice: ModelChoice, data: dict | None = None)
 def _generation(saved: dict | None, config: TransformerConfig) -> GenerationDefaults | None:
     """The decoding defaults a checkpoint's config item kept (`config_item`), parsed again
     from the directory's fields as `models.load` parsed them; its end and start ids stand
-    for config.json's (checkpoints before start_id was kept have none)."""
+    for config.json's (an item without "start_id" has none)."""
     if not saved:
         return None
     eos = saved.get("eos_ids")
@@ -318,7 +321,7 @@ def restore_model(workdir: str, step: int | None = None) -> SavedModel:
             continue
         tok = tokenizer_from_json(got.tokenizer)
         item = got.config
-        if "experiment" not in item:     # written before the model config was stored
+        if "experiment" not in item:     # the older item: the experiment config alone
             from train.model_config import model_config
             item = config_item(item, ModelChoice(
                 model_config(ml_collections.ConfigDict(item), tok.vocab_size)))
