@@ -111,3 +111,20 @@ def test_one_process_agrees_with_itself_without_collectives():
     assert _agree(view)() == 6 and view.checked == [9, 6]
     with pytest.raises(steps_lib.CheckpointError, match="step 9 does not fit"):
         _agree(_Verdicts({}, refuse=9))()
+
+
+def test_the_lead_learns_one_process_reason_for_each_newer_step(monkeypatch):
+    """Each step newer than the agreed one with the lowest numbered process's reason, and
+    the processes that see no checkpoint; long reasons in any script fit the exchange."""
+    monkeypatch.setattr(steps_lib.jax, "process_count", lambda: 2)
+    views = [_Verdicts({}), _Verdicts({})]
+    views[0].reasons = {9: "changed here", 3: "older than the agreed step"}
+    views[1].reasons = {9: "changed there", 6: "cut short"}
+    got = _as_processes(monkeypatch, [lambda: steps_lib.shared_reasons(views[0], 3, 3),
+                                      lambda: steps_lib.shared_reasons(views[1], 3, 0)])
+    want = {9: "process 0: changed here", 6: "process 1: cut short"}
+    assert got == [(want, [1]), (want, [1])]
+    views[1].reasons = {s: "é" * 400 for s in range(20)}
+    got = _as_processes(monkeypatch, [lambda: steps_lib.shared_reasons(views[0], -1, 3),
+                                      lambda: steps_lib.shared_reasons(views[1], -1, 20)])
+    assert got[0] == got[1] and got[0][0][19] == "process 1: " + "é" * 300

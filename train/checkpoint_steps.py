@@ -36,7 +36,7 @@ from models import atomic
 from models.errors import UserError
 from train import integrity
 
-log = logging.getLogger("train.checkpoint")
+log = logging.getLogger(__name__)
 PROMISE = "integrity_manifest"      # step metadata of a save that writes a manifest
 _TEXT_BYTES = 4096                  # the longest text one process sends the others
 
@@ -258,22 +258,25 @@ def shared_reasons(verdicts: Verdicts, above: int, seen: int) -> tuple[dict[int,
     numbered process that has one), and which processes see no checkpoint at all (`seen`:
     this process's step count). With several processes the reasons name their process:
 
-        {9: "process 1: integrity.json lists ... 'params/...' changed"}, []
+        {9: "process 1: params/d/0 differs from its manifest (sha256)"}, []
 
     A collective with several processes.
     """
     if jax.process_count() == 1:
         return {s: r for s, r in sorted(verdicts.reasons.items(), reverse=True)
                 if s > above}, [] if seen else [0]
-    mine = {str(s): r[:300] for s, r in sorted(verdicts.reasons.items(), reverse=True)
-            if s > above}
-    payload = json.dumps({"seen": seen, "reasons": dict(list(mine.items())[:10])})
+    newer = [(str(s), r[:300]) for s, r in sorted(verdicts.reasons.items(), reverse=True)
+             if s > above]
+    mine = dict(newer[:10])
+    payload = json.dumps({"seen": seen, "reasons": mine})
+    while len(payload.encode()) > _TEXT_BYTES:          # the oldest steps' reasons go first
+        mine.popitem()
+        payload = json.dumps({"seen": seen, "reasons": mine})
     every = [json.loads(t) for t in _gather_text(payload)]
-    several = len(every) > 1
     out: dict[int, str] = {}
     for p, one in enumerate(every):
         for s, r in one["reasons"].items():
-            out.setdefault(int(s), f"process {p}: {r}" if several else r)
+            out.setdefault(int(s), f"process {p}: {r}")
     blind = [p for p, one in enumerate(every) if not one["seen"]]
     return dict(sorted(out.items(), reverse=True)), blind
 
