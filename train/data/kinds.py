@@ -27,8 +27,8 @@ A role is how one side of an example is tokenised (see `train.data.pipeline.enco
     text      no           no                                   EOS (appended)
     sentence  no           every tokenizer's, nothing appended  the template's last id
 
-Adding a kind is one `DataKind` here (and a builder that names it); nothing else compares
-kind or role names.
+Adding a kind is one `DataKind` here (and a builder that names it): the builders, the
+datasets and the pipeline ask the table and compare no kind or role names.
 """
 
 from __future__ import annotations
