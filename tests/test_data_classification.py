@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from train import data
-from train.data import builders, datasets, grammar as g
+from train.data import builders, datasets, grammar as g, local_files
 
 TOY_SIZES = {"train": 20_000, "validation": 1_000, "test": 1_000}
 _NOUN_PLURALS = {pl for sg, pl in g.NOUNS if sg != pl}
@@ -159,12 +159,12 @@ def test_one_file_is_split_by_a_hash_of_the_text_and_names_are_sorted(data_dir, 
     path = _tsv(tmp_path / "all.tsv", lines)
     ds = data.load_dataset("local_classification", data_dir, data_files=(path,))
     assert ds.label_names == ("negative", "neutral", "positive")
-    want = collections.Counter(builders._split_of(line.split("\t")[0]) for line in lines)
+    want = collections.Counter(local_files._split_of(line.split("\t")[0]) for line in lines)
     assert {k: len(v) for k, v in ds.splits.items()} == dict(want)
     assert min(want.values()) > 0 and want["train"] > 150
     for split in ds.splits:
         for text, label in ds.examples(split, range(len(ds.splits[split]))):
-            assert builders._split_of(text) == split and f"{text}\t{label}" in lines
+            assert local_files._split_of(text) == split and f"{text}\t{label}" in lines
     ids = ds.label_ids("test", range(len(ds.splits["test"])))
     assert [ds.label_names[i] for i in ids] == [lab for _, lab in
                                                 ds.examples("test", range(len(ids)))]

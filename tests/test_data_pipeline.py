@@ -317,13 +317,13 @@ def test_the_token_cache_is_written_whole_or_not_at_all(data_dir, tmp_path, monk
         saved.append(f)
         real_save(f, array)
 
-    monkeypatch.setattr(P.np, "save", full_disk)
+    monkeypatch.setattr(np, "save", full_disk)
     with pytest.raises(OSError, match=r"\[Errno 28\] cannot write the cache: No space left "
                                       r"on device: '.*cache/local_text-train-[0-9a-f]{16}\.tmp-"
                                       r"\d+@.*/offsets0\.npy'"):
         data.tokenize_split(ds, "train", TOK, cache_dir=str(cache))
     assert os.listdir(cache) == []                   # no cache, no temporary directory
-    monkeypatch.setattr(P.np, "save", real_save)
+    monkeypatch.setattr(np, "save", real_save)
     written = data.tokenize_split(ds, "train", TOK, cache_dir=str(cache))
     (entry,) = os.listdir(cache)
     assert sorted(os.listdir(cache / entry)) == ["done", "example_ids.npy", "offsets0.npy",

@@ -168,11 +168,11 @@ def test_standard_datasets_go_through_the_same_pipeline(name, tmp_path, monkeypa
 def test_a_split_too_small_to_have_examples_names_the_file_and_the_counts(data_dir, tmp_path):
     """A file split 90/5/5 by line hash can leave a split empty: asking for that split says
     which file and how many examples each split got (not a KeyError)."""
-    from train.data import builders
+    from train.data import local_files
     lines = [f"line {i}" for i in range(40)]
     book = tmp_path / "book.txt"
-    book.write_text("".join(f"{t}\n" for t in lines if builders._split_of(t) != "validation"))
-    counts = {s: sum(builders._split_of(t) == s for t in lines) for s in ("train", "test")}
+    book.write_text("".join(f"{t}\n" for t in lines if local_files._split_of(t) != "validation"))
+    counts = {s: sum(local_files._split_of(t) == s for t in lines) for s in ("train", "test")}
     ds = data.load_dataset("local_text", data_dir, data_files=(str(book),))
     assert len(ds.split("train")) == counts["train"] and "validation" not in ds.splits
     want = (f"local_text: split 'validation' has no examples: it comes from {str(book)!r} "

@@ -20,7 +20,7 @@ import numpy as np
 
 from tests.train_helpers import tiny_train_config
 from train import data
-from train.data import pipeline as P
+from train.data import kinds, pipeline as P
 from train.trainer import train_and_evaluate
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -98,7 +98,7 @@ def test_two_processes_evaluate_text_shards_of_unequal_chunk_counts(data_dir, tm
     ds = data.load_dataset("local_text", data_dir, data_files=tuple(files.split(",")))
     chunks = sorted(len(P.select_items(P.tokenize_split(ds, "validation", data.ByteTokenizer(),
                                                         shard_index=i, shard_count=2),
-                                       "text", (16,), "drop")[0]) for i in range(2))
+                                       kinds.TEXT, (16,), "drop")[0]) for i in range(2))
     assert chunks == [1, 19], "the shards must need different numbers of eval batches"
 
     workdir = tmp_path / "two"
@@ -190,7 +190,7 @@ def test_two_processes_with_uneven_shards_take_the_same_collective_steps(data_di
     ds = data.load_dataset("local_translation", data_dir, data_files=tuple(files.split(",")))
     data.load_dataset("local_translation", data_dir, data_files=tuple(other.split(",")))
     kept = [len(P.select_items(P.tokenize_split(ds, "validation", tok, shard_index=i,
-                                                shard_count=2), "translation", (12, 12),
+                                                shard_count=2), kinds.TRANSLATION, (12, 12),
                                "drop")[0]) for i in range(2)]
     assert kept == [3, 1], "the shards must need different numbers of batches"
     tokens = sum(len(tok.encode(t)) + 1 for s, t in ds.examples("validation", range(5))

@@ -290,14 +290,14 @@ def _tiny_state() -> TrainState:
 
 def test_a_save_into_a_checkpoint_directory_gone_unwritable_fails_fast_naming_it(tmp_path):
     mngr = checkpoint.manager(str(tmp_path))
-    checkpoint.save(mngr, 1, _tiny_state(), {}, {}, ByteTokenizer())
+    checkpoint.save(mngr, 1, _tiny_state(), {}, {}, tok=ByteTokenizer())
     directory = os.path.join(tmp_path, "checkpoints")
     shutil.rmtree(directory)
     with open(directory, "w") as f:           # replaced by a file while the run goes on
         f.write("")
     started = time.monotonic()
     with pytest.raises(workdir_lib.WorkdirError, match=f"{directory} is not a directory"):
-        checkpoint.save(mngr, 2, _tiny_state(), {}, {}, ByteTokenizer())
+        checkpoint.save(mngr, 2, _tiny_state(), {}, {}, tok=ByteTokenizer())
     assert time.monotonic() - started < 10
 
 

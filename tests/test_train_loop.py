@@ -194,3 +194,37 @@ def test_two_processes_preempted_then_one_device_resuming_equal_one_process(
     chex.assert_trees_all_close(_params(workdir)[0], _params(straight[0])[0], atol=2e-5)
     np.testing.assert_allclose(resumed["validation"]["loss"],
                                straight[1]["validation"]["loss"], rtol=1e-5)
+
+
+def test_two_processes_restore_the_newest_step_both_can_read(straight, data_dir, tmp_path):
+    """Two processes x 2 devices resume the straight run's checkpoints (steps 3 and 6), and
+    process 1 cannot read step 6 (its integrity check fails there only). Both restore step
+    3, the lead sets step 6 aside naming process 1's reason, and both redo steps 4 to 6 to
+    the straight run's parameters."""
+    workdir = str(tmp_path / "run")
+    shutil.copytree(straight[0], workdir)
+    common = dict(distributed=True, num_processes=2, coordinator_address=f"localhost:{free_port()}")
+    procs = [worker(workdir, data_dir, 2, process_id=i, **common,
+                    **({"unreadable_step": 6} if i == 1 else {})) for i in range(2)]
+    try:
+        outs = [p.communicate(timeout=240)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    for p, out in zip(procs, outs, strict=True):
+        assert p.returncode == 0, out[-3000:]
+    summaries = [json.loads(out.rsplit("SUMMARY ", 1)[1]) for out in outs]
+    assert [(s["resumed_from_step"], s["step"]) for s in summaries] == [(3, 6), (3, 6)]
+    ckpts = os.path.join(workdir, "checkpoints")
+    assert (f"checkpoint at step 6 is unreadable (process 1: unreadable_step=6 fails this "
+            f"process's integrity check); moved it to {ckpts}/6.unreadable; using step 3"
+            in outs[0])
+    assert sorted(os.listdir(ckpts)) == ["3", "6", "6.unreadable"]
+    assert summaries[0]["validation"] == summaries[1]["validation"]
+    # Tolerance: gradients are summed over devices in another order (in process, then over
+    # gloo), and adam divides by their root mean square.
+    chex.assert_trees_all_close(_params(workdir)[0], _params(straight[0])[0], atol=2e-5)
+    np.testing.assert_allclose(summaries[0]["validation"]["loss"],
+                               straight[1]["validation"]["loss"], rtol=1e-5)

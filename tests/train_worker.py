@@ -11,7 +11,9 @@ process before the 6-step run is over). Kills, for the kill tests: `sigkill_at=K
 SIGKILL once step K's metrics are read; `sigkill_in_save=K` sends it inside the save of step
 K, after orbax has finished writing it and before its integrity manifest; `trace=true`
 prints `EVENT save-start K` and `EVENT save-end K` around every save (the soak script tells
-from them where a kill landed). The summary is printed last, as one line `SUMMARY {...}`.
+from them where a kill landed). `unreadable_step=K` makes this process's integrity check of
+checkpoint step K fail (the other processes read it). The summary is printed last, as one
+line `SUMMARY {...}`.
 """
 
 import json
@@ -54,6 +56,18 @@ def _trace_saves() -> None:
     checkpoint.save = traced
 
 
+def _unreadable(k: int) -> None:
+    """This process finds checkpoint step k changed since it was written."""
+    from models import atomic
+    check_manifest = atomic.check_manifest
+
+    def failing(directory: str, manifest: str):
+        if os.path.basename(directory) == str(k):
+            return f"unreadable_step={k} fails this process's integrity check"
+        return check_manifest(directory, manifest)
+    atomic.check_manifest = failing
+
+
 def main(workdir: str, data_dir: str, settings: list[str]):
     overrides = {k: json.loads(v) for k, v in (s.split("=", 1) for s in settings)}
     sigterm_at = overrides.pop("sigterm_at", 0)
@@ -63,6 +77,8 @@ def main(workdir: str, data_dir: str, settings: list[str]):
         _trace_saves()
     if "sigkill_in_save" in overrides:
         _kill_in_save(overrides.pop("sigkill_in_save"))
+    if "unreadable_step" in overrides:
+        _unreadable(overrides.pop("unreadable_step"))
     hooks = [lambda step, m: time.sleep(step_seconds)] if step_seconds else []
     if sigterm_at:
         hooks.append(lambda step, m: step == sigterm_at and os.kill(os.getpid(), signal.SIGTERM))

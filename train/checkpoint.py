@@ -14,7 +14,9 @@ Every step directory also holds `integrity.json` (`train.integrity`), written la
 and sha256 of each file. A step whose files differ from it, or whose save did not finish, is
 set aside on restore and the previous one used. Steps written before manifests existed have
 none and say so in their orbax step metadata (no `integrity_manifest` entry in
-`custom_metadata`): they restore unchecked.
+`custom_metadata`): they restore unchecked. With several processes, all of them restore the
+newest step every one of them can read (`restore_latest`; the checks and the agreement are
+in `train.checkpoint_steps`).
 
 `restore_model` gives what an export needs (`train.export` writes it as a model directory,
 the one form decoding reads).
@@ -38,7 +40,8 @@ from models.config import TransformerConfig
 from models.errors import UserError
 from models.pretrained import GenerationDefaults
 from models.tokenizer import ByteTokenizer, SentencePieceTokenizer, Tokenizer, load_tokenizer
-from train import integrity
+from train import checkpoint_steps as steps_lib, integrity
+from train.checkpoint_steps import CheckpointError, step_dir
 from train.model_config import ModelChoice
 from train.state import TrainState
 from train.workdir import WorkdirError, check_dir_writable
@@ -46,7 +49,6 @@ from train.workdir import WorkdirError, check_dir_writable
 log = logging.getLogger(__name__)
 
 ITEMS = ("params", "train", "data", "config", "tokenizer")
-_PROMISE = "integrity_manifest"     # step metadata of a save that writes a manifest
 
 
 def _handlers(names=ITEMS) -> dict:
@@ -67,10 +69,6 @@ def manager(workdir: str, keep: int = 3) -> ocp.CheckpointManager:
         item_handlers=_handlers())
 
 
-class CheckpointError(UserError):
-    """Checkpoints that exist but cannot be used: none readable, or not this model's."""
-
-
 def tokenizer_json(tok: Tokenizer) -> dict:
     """The tokenizer's files, base64-encoded, as one JSON item."""
     with tempfile.TemporaryDirectory() as d:
@@ -83,7 +81,10 @@ def tokenizer_json(tok: Tokenizer) -> dict:
 
 
 def tokenizer_from_json(item: dict) -> Tokenizer:
-    if "files" not in item:       # checkpoints written before the Hugging Face layout
+    """The tokenizer a checkpoint's item holds: its files (`tokenizer_json`), or the
+    format without files, `{"kind": "byte"}` or `{"kind": ..., "model_b64": ...}` (a
+    sentencepiece model), written before tokenizers were saved in the Hugging Face layout."""
+    if "files" not in item:
         if item["kind"] == ByteTokenizer.kind:
             return ByteTokenizer()
         return SentencePieceTokenizer(base64.b64decode(item["model_b64"]))
@@ -96,12 +97,8 @@ def tokenizer_from_json(item: dict) -> Tokenizer:
         return load_tokenizer(d)
 
 
-def step_dir(mngr: ocp.CheckpointManager, step: int) -> str:
-    return os.path.join(str(mngr.directory), str(step))
-
-
 def save(mngr: ocp.CheckpointManager, step: int, host_state, data_state: dict, config: dict,
-         tok: Tokenizer) -> None:
+         *, tok: Tokenizer) -> None:
     """Saves a checkpoint, then (on the lead process) its integrity manifest, last.
 
     A kill at any moment leaves a whole checkpoint with its manifest, or orbax's unfinished
@@ -121,12 +118,12 @@ def save(mngr: ocp.CheckpointManager, step: int, host_state, data_state: dict, c
             params=ocp.args.StandardSave(host_state.params), train=ocp.args.StandardSave(train),
             data=ocp.args.JsonSave(data_state), config=ocp.args.JsonSave(config),
             tokenizer=ocp.args.JsonSave(tokenizer_json(tok))), force=True,
-            custom_metadata={_PROMISE: integrity.MANIFEST})
+            custom_metadata={steps_lib.PROMISE: integrity.MANIFEST})
         mngr.wait_until_finished()
     except (OSError, ValueError) as e:
         if isinstance(e, ValueError) and not _is_storage_error(e):
             raise
-        reason = e.strerror if isinstance(e, OSError) and e.strerror else _brief(e)
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else steps_lib.brief(e)
         raise WorkdirError(f"cannot save the checkpoint of step {step} in {directory}: "
                            f"{reason}") from e
     if jax.process_index() == 0:
@@ -139,7 +136,7 @@ def _saved(x):
 
 
 def _is_storage_error(e: ValueError) -> bool:
-    """tensorstore reports a failed write (a full disk, no permission) as a UserError
+    """tensorstore reports a failed write (a full disk, no permission) as a ValueError
     carrying the status and the OS error code."""
     text = str(e)
     return "os_error_code" in text or text.startswith(
@@ -156,84 +153,22 @@ class Restored:
     config: dict            # the config item (see `config_item`)
 
 
-class _Unusable(Exception):
-    """A step that cannot be read, with the one-line reason."""
-
-
-class _Unfinished(_Unusable):
-    """A step orbax committed whose manifest was never written (a kill in between)."""
-
-
-def _check_whole(mngr: ocp.CheckpointManager, step: int, unverified_ok: bool = False) -> None:
-    """Raises `_Unusable` unless `step` is unchanged since it was written.
-
-    A step with a manifest is checked against it. A step without one is accepted unchecked
-    if it was written before manifests existed (its orbax step metadata has no manifest
-    promise, `custom_metadata["integrity_manifest"]`, which every save now sets), or when
-    `unverified_ok` (the newest step, when no older one is usable).
-    """
-    path = step_dir(mngr, step)
-    if os.path.exists(os.path.join(path, integrity.MANIFEST)):
-        wrong = atomic.check_manifest(path, integrity.MANIFEST)
-        if wrong:
-            raise _Unusable(wrong)
-        return
-    try:
-        promised = (mngr.metadata(step).custom_metadata or {}).get(_PROMISE)
-    except Exception as e:
-        raise _Unusable(f"its step metadata cannot be read ({_brief(e)})") from e
-    if promised and not unverified_ok:
-        raise _Unfinished(f"{integrity.MANIFEST} is missing: the save did not finish")
-
-
-def _brief(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0][:200]}" if text else type(e).__name__
-
-
-def _shapes(tree) -> dict[str, tuple]:
-    return {integrity.path_name(p): tuple(x.shape)
-            for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
-
-
-def _check_fits(mngr: ocp.CheckpointManager, step: int, abstract: TrainState) -> None:
-    """Raises `CheckpointError` naming the first array whose shape differs between the
-    checkpoint (orbax's stored metadata) and this run's state, before anything is read."""
-    try:
-        meta = mngr.item_metadata(step)
-        saved = {"params": _shapes(meta["params"]), "train": _shapes(meta["train"])}
-    except Exception as e:
-        raise _Unusable(f"its metadata cannot be read ({_brief(e)})") from e
-    wanted = {"params": _shapes(abstract.params),
-              "train": _shapes({"step": abstract.step, "opt_state": abstract.opt_state,
-                                "rng": abstract.rng})}
-    for item, hint in (("params", "the model config (d_model, layers, vocabulary, ...)"),
-                       ("train", "the optimiser config (grad_accum_steps, grad_clip_norm)")):
-        have, want = saved[item], wanted[item]
-        for path in sorted(set(have) | set(want)):
-            if have.get(path) != want.get(path):
-                shown = ("params/" if item == "params" else "") + path
-                raise CheckpointError(
-                    f"the checkpoint at step {step} in {mngr.directory} does not fit this "
-                    f"run: {shown} is {_shape_text(have.get(path))} there and "
-                    f"{_shape_text(want.get(path))} here; was {hint} changed? Resume with "
-                    "the config the run was started with, or use another workdir")
-
-
-def _shape_text(shape) -> str:
-    return "absent" if shape is None else f"shape {shape}"
-
-
 def restore_latest(mngr: ocp.CheckpointManager, template: TrainState,
                    set_aside: bool = True) -> Restored | None:
-    """The newest usable checkpoint, restored into `template`'s shapes (arrays or
-    `jax.ShapeDtypeStruct`s).
+    """The newest checkpoint every process can use, restored into `template`'s shapes
+    (arrays or `jax.ShapeDtypeStruct`s, with shardings where sharded).
 
     A step is unusable when its manifest finds a changed or missing file, when its save did
-    not finish, or when orbax cannot read it. Newer unusable steps are then reported (one
-    line each, with the reason; the traceback is logged at DEBUG) and, when `set_aside`
-    (the lead process does it), renamed to `<step>.unreadable`, so later saves of that step
-    do not collide with them.
+    not finish, or when orbax cannot read it. With several processes each checks the steps
+    itself and all of them restore the newest step every one can use (see
+    `train.checkpoint_steps`), so every process must call this. Newer unusable steps are
+    then reported (one line each, with one process's reason; the traceback is logged at
+    DEBUG) and, when `set_aside` (the lead process does it), renamed to `<step>.unreadable`,
+    so later saves of that step do not collide with them.
+
+    Only when no step is usable: a step whose save was killed between orbax's atomic commit
+    and its manifest (with `keep_checkpoints=1` there is no older one) is used unverified,
+    as orbax committed it, and its manifest written then.
 
     Returns:
         A `Restored`, or None when there is no checkpoint.
@@ -247,81 +182,65 @@ def restore_latest(mngr: ocp.CheckpointManager, template: TrainState,
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
         x.shape, x.dtype, sharding=getattr(x, "sharding", None)), template)
     steps = sorted(mngr.all_steps(), reverse=True)
-    if not steps:
-        _note_set_aside_only(str(mngr.directory), set_aside)
+    if not steps_lib.any_steps(steps):
+        steps_lib.note_set_aside_only(str(mngr.directory), set_aside)
         return None
-    def restore(step: int, unverified_ok: bool = False):
-        _check_whole(mngr, step, unverified_ok)
-        _check_fits(mngr, step, abstract)
-        train_target = {"step": abstract.step, "opt_state": abstract.opt_state,
-                        "rng": abstract.rng}
-        got = mngr.restore(step, args=ocp.args.Composite(
-            params=ocp.args.StandardRestore(abstract.params),
-            train=ocp.args.StandardRestore(train_target), data=ocp.args.JsonRestore(),
-            config=ocp.args.JsonRestore()))
-        return Restored(step, template.replace(params=got.params, **got.train), got.data,
-                        got.config)
-
-    unusable: list[tuple[int, str]] = []
-    unfinished: list[int] = []
-    for step in steps:
-        try:
-            restored = restore(step)
-        except CheckpointError:
-            raise
-        except Exception as e:       # any failure to read: fall back to an older step
-            reason = str(e) if isinstance(e, _Unusable) else _brief(e)
-            log.debug("checkpoint at step %d in %s is unusable", step, mngr.directory,
-                      exc_info=True)
-            unusable.append((step, reason))
-            if isinstance(e, _Unfinished):
-                unfinished.append(step)
-            continue
-        for bad, reason in unusable:
-            moved = _set_aside(mngr, bad) if set_aside else None
-            if set_aside:
-                print(f"checkpoint at step {bad} is unreadable ({reason}); moved it to {moved}; "
-                      f"using step {step}", flush=True)
-        return restored
-    if unfinished:
-        # Killed between orbax's atomic commit and the manifest, with no older step to use
-        # (keep_checkpoints=1): orbax's commit shows the step whole, so it is used, unverified.
-        step = unfinished[0]
-        restored = restore(step, unverified_ok=True)
-        if set_aside:
-            atomic.write_manifest(step_dir(mngr, step), integrity.MANIFEST)
-            print(f"checkpoint at step {step} has no {integrity.MANIFEST} (the run stopped "
-                  "right after writing it) and no older one is usable: using it as orbax "
-                  "committed it, and writing its manifest now", flush=True)
-        return restored
+    verdicts = steps_lib.Verdicts(mngr, abstract)
+    for unverified_ok in (False, True):
+        agreement = steps_lib.Agreement(steps, verdicts, unverified_ok)
+        while (step := agreement.next()) is not None:
+            try:
+                restored, reason = _restore(mngr, step, abstract, template), None
+            except Exception as e:       # a step every check passed that orbax cannot read
+                log.debug("checkpoint at step %d in %s is unusable", step, mngr.directory,
+                          exc_info=True)
+                restored, reason = None, steps_lib.brief(e)
+            if agreement.settle(step, reason):
+                _report(mngr, step, verdicts, set_aside=set_aside, unverified=unverified_ok)
+                return restored
+    reasons, blind = steps_lib.shared_reasons(verdicts, -1, len(steps))
     raise CheckpointError(
         f"no usable checkpoint in {mngr.directory}: "
-        + "; ".join(f"step {s}: {reason}" for s, reason in unusable)
+        + "; ".join(f"step {s}: {reason}" for s, reason in reasons.items())
+        + "".join(f"; process {p} sees no checkpoint there" for p in blind)
         + ". Nothing was moved: to start again from step 0, move these steps away (or use "
         "another workdir)")
 
 
-def _note_set_aside_only(directory: str, report: bool) -> None:
-    if not report or not os.path.isdir(directory):
+def _restore(mngr: ocp.CheckpointManager, step: int, abstract, template: TrainState
+             ) -> Restored:
+    train_target = {"step": abstract.step, "opt_state": abstract.opt_state,
+                    "rng": abstract.rng}
+    got = mngr.restore(step, args=ocp.args.Composite(
+        params=ocp.args.StandardRestore(abstract.params),
+        train=ocp.args.StandardRestore(train_target), data=ocp.args.JsonRestore(),
+        config=ocp.args.JsonRestore()))
+    return Restored(step, template.replace(params=got.params, **got.train), got.data,
+                    got.config)
+
+
+def _report(mngr: ocp.CheckpointManager, step: int, verdicts: steps_lib.Verdicts, *,
+            set_aside: bool, unverified: bool) -> None:
+    """After every process restored `step`: the lead sets aside each newer step (naming
+    one process's reason) or, for a step used unverified, writes its manifest; then every
+    process sees the same steps."""
+    if unverified:
+        if set_aside and step in verdicts.unfinished:
+            atomic.write_manifest(step_dir(mngr, step), integrity.MANIFEST)
+            print(f"checkpoint at step {step} has no {integrity.MANIFEST} (the run stopped "
+                  "right after writing it) and no older one is usable: using it as orbax "
+                  "committed it, and writing its manifest now", flush=True)
         return
-    aside = sorted(n for n in os.listdir(directory) if ".unreadable" in n)
-    if aside:
-        print(f"no checkpoint to resume from in {directory} (only steps set aside: "
-              f"{', '.join(aside)}); starting from step 0", flush=True)
-
-
-def _set_aside(mngr: ocp.CheckpointManager, step: int) -> str:
-    """Renames an unreadable step directory out of the manager's sight (kept for inspection),
-    so the run can save that step again once it gets there."""
-    src = step_dir(mngr, step)
-    dst = f"{src}.unreadable"
-    n = 1
-    while os.path.exists(dst):
-        n += 1
-        dst = f"{src}.unreadable{n}"
-    os.rename(src, dst)
-    mngr.reload()
-    return dst
+    reasons, _ = steps_lib.shared_reasons(verdicts, step, len(mngr.all_steps()))
+    for bad in sorted((s for s in mngr.all_steps() if s > step), reverse=True):
+        if set_aside:
+            moved = steps_lib.set_aside(mngr, bad)
+            print(f"checkpoint at step {bad} is unreadable "
+                  f"({reasons.get(bad, 'not every process sees it')}); moved it to {moved}; "
+                  f"using step {step}", flush=True)
+    steps_lib.sync("checkpoint-steps-set-aside")
+    if not set_aside:
+        mngr.reload()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -352,7 +271,7 @@ def config_item(experiment: dict, choice: ModelChoice, data: dict | None = None)
 def _generation(saved: dict | None, config: TransformerConfig) -> GenerationDefaults | None:
     """The decoding defaults a checkpoint's config item kept (`config_item`), parsed again
     from the directory's fields as `models.load` parsed them; its end and start ids stand
-    for config.json's (checkpoints before start_id was kept have none)."""
+    for config.json's (an item without "start_id" has none)."""
     if not saved:
         return None
     eos = saved.get("eos_ids")
@@ -386,7 +305,7 @@ def restore_model(workdir: str, step: int | None = None) -> SavedModel:
     unusable: list[tuple[int, str]] = []
     for s in steps:
         try:
-            _check_whole(mngr, s)
+            steps_lib.check_whole(mngr, s)
             # Whole numpy arrays, whatever mesh or processes wrote the shards.
             shapes = mngr.item_metadata(s)["params"]
             target = jax.tree.map(lambda m: np.empty(m.shape, m.dtype), shapes)
@@ -394,7 +313,7 @@ def restore_model(workdir: str, step: int | None = None) -> SavedModel:
                 params=ocp.args.StandardRestore(target), config=ocp.args.JsonRestore(),
                 tokenizer=ocp.args.JsonRestore()))
         except Exception as e:
-            reason = str(e) if isinstance(e, _Unusable) else _brief(e)
+            reason = str(e) if isinstance(e, steps_lib.Unusable) else steps_lib.brief(e)
             log.debug("checkpoint at step %d in %s is unusable", s, path, exc_info=True)
             print(f"checkpoint at step {s} is unreadable ({reason}); trying the previous one",
                   flush=True)
@@ -402,7 +321,7 @@ def restore_model(workdir: str, step: int | None = None) -> SavedModel:
             continue
         tok = tokenizer_from_json(got.tokenizer)
         item = got.config
-        if "experiment" not in item:     # written before the model config was stored
+        if "experiment" not in item:     # the older item: the experiment config alone
             from train.model_config import model_config
             item = config_item(item, ModelChoice(
                 model_config(ml_collections.ConfigDict(item), tok.vocab_size)))

@@ -92,7 +92,7 @@ class Run:
         item = checkpoint.config_item(json.loads(self.config.to_json()), self.choice,
                                       self.data_record)
         checkpoint.save(self.checkpoints, step, self.dp.saved_state(state),
-                        iterator.get_state(), item, self.tokenizer)
+                        iterator.get_state(), item, tok=self.tokenizer)
 
     def export(self, state) -> str | None:
         """The model as a directory, WORKDIR/model (written by the lead process; every

@@ -5,6 +5,8 @@
     len(ds.splits["train"])      # examples
     ds.example("train", 7)       # ("the dog sees a cat .", "mivgu ku gasgu nu mivpit .")
 
+    ds.data_kind                 # its `train.data.kinds.DataKind`: sides, roles, labels, ...
+
     cls = load_dataset("toy_classification", data_dir)
     cls.example("train", 7)      # ("some quiet houses plays late .", "ungrammatical")
     cls.label_names              # ("grammatical", "ungrammatical"): class i is label_names[i]
@@ -30,7 +32,7 @@ import numpy as np
 import tensorflow_datasets as tfds
 
 from models.errors import UserError
-from train.data import builders
+from train.data import builders, kinds, local_files
 
 log = logging.getLogger(__name__)
 FILE_FORMAT = "array_record"
@@ -41,7 +43,7 @@ TF_EXTRA = "pip install 'jax-transformer-zoo[tfds-prepare]'"
 class StandardSpec:
     """How a TFDS catalogue dataset maps onto (source, target) or text examples."""
     module: str                           # the TFDS module that registers the builder
-    kind: str                             # "translation" | "text"
+    kind: str                             # a `kinds.KINDS` name: "translation" | "text"
     keys: tuple[str, ...]                 # feature names: (source, target) or (text,)
     splits: tuple[tuple[str, str], ...]   # our split name -> the dataset's split name
     needs_tensorflow_to_prepare: bool = False
@@ -58,13 +60,24 @@ STANDARD = {
     "tiny_shakespeare": StandardSpec("tensorflow_datasets.text.tiny_shakespeare", "text",
                                      ("text",), _THREE, True),
 }
-LOCAL_KINDS = {"local_translation": "translation", "local_text": "text",
-               "local_classification": "classification"}
+LOCAL_KINDS = {name: b.kind for name, b in builders.LOCAL.items()}
 GENERATED_KINDS = {name: b.kind for name, b in builders.GENERATED.items()}
 
 
 def available() -> list[str]:
     return sorted([*builders.GENERATED, *builders.LOCAL, *STANDARD])
+
+
+def dataset_kind(name: str) -> str:
+    """The kind (a `kinds.KINDS` name) of dataset `name`, without preparing it.
+
+    Raises:
+        UserError: for an unknown name, listing what is available.
+    """
+    every = {**GENERATED_KINDS, **LOCAL_KINDS, **{n: s.kind for n, s in STANDARD.items()}}
+    if name not in every:
+        raise UserError(f"unknown dataset {name!r}; available: {', '.join(available())}")
+    return every[name]
 
 
 @dataclasses.dataclass
@@ -73,7 +86,8 @@ class Dataset:
 
     Attributes:
         name: as asked for.
-        kind: "translation" (examples are (source, target)), "text" (one string) or
+        kind: the name of its kind in `kinds.KINDS` (`data_kind` is the kind itself):
+            "translation" (examples are (source, target)), "text" (one string) or
             "classification" (examples are (text, label name)).
         splits: split name -> a random-access source (`len`, `[i]`) of feature dicts.
         keys: the feature names read, in (source, target), (text,) or (text, label) order.
@@ -101,6 +115,11 @@ class Dataset:
     empty_splits: dict[str, str] = dataclasses.field(default_factory=dict)
     label_names: tuple[str, ...] = ()
 
+    @property
+    def data_kind(self) -> kinds.DataKind:
+        """What its kind holds and how the pipeline batches it (`train.data.kinds`)."""
+        return kinds.get(self.kind)
+
     def example(self, split: str, index: int) -> tuple[str, ...]:
         record = self.split(split)[index]
         return tuple(_text(record[k]) for k in self.keys)
@@ -123,11 +142,11 @@ class Dataset:
         Raises:
             UserError: the dataset is not a classification dataset.
         """
-        if self.kind != "classification":
+        if not self.data_kind.labelled:
             raise UserError(f"label_ids needs a classification dataset; {self.name!r} is "
                              f"{self.kind}")
         ids = {name: i for i, name in enumerate(self.label_names)}
-        key = self.keys[1]
+        key = self.keys[len(self.data_kind.sides)]
         return np.asarray([ids[_text(r[key])] for r in self._records(split, indices)],
                           np.int32).reshape(-1)
 
@@ -235,11 +254,9 @@ def load_dataset(name: str, data_dir: str | None = None, *, data_files: tuple[st
     data_dir = os.path.expanduser(data_dir) if data_dir else None
     if name in builders.GENERATED:
         builder, splits = _open(name, data_dir)
-        config, kind = builder.builder_config, GENERATED_KINDS[name]
+        config, kind = builder.builder_config, builder.kind
         names = builders.label_names(builder)
-        ds = Dataset(name, kind, splits,
-                     {"classification": ("text", "label"), "text": ("text",)}.get(
-                         kind, ("inputs", "targets")),
+        ds = Dataset(name, kind, splits, builder.keys,
                      digest=_digest("generated", name, str(builder.version), config.sizes,
                                     config.seed, *_names_part(kind, names)),
                      label_names=names)
@@ -247,7 +264,7 @@ def load_dataset(name: str, data_dir: str | None = None, *, data_files: tuple[st
     if name in builders.LOCAL:
         config = builders.local_config(tuple(data_files))
         builder, splits = _open(name, data_dir, config=config)
-        kind, names = LOCAL_KINDS[name], builders.label_names(builder)
+        kind, names = builder.kind, builders.label_names(builder)
         ds = Dataset(name, kind, splits, builder.keys, builders.bad_lines(builder),
                      digest=_digest("local", name, str(builder.version), config.digest,
                                     *_names_part(kind, names)),
@@ -270,15 +287,15 @@ def load_dataset(name: str, data_dir: str | None = None, *, data_files: tuple[st
 
 
 def _names_part(kind: str, names: tuple[str, ...]) -> tuple:
-    """What a classification dataset adds to its digest: its label names (the other kinds'
-    digests are as they were)."""
-    return (("label_names", names),) if kind == "classification" else ()
+    """What a labelled (classification) dataset adds to its digest: its label names (the
+    other kinds' digests have no such part)."""
+    return (("label_names", names),) if kinds.get(kind).labelled else ()
 
 
 def _empty_splits(name: str, files, splits: dict) -> dict[str, str]:
     """Why each split a local dataset left out (it had no examples) is empty, in words."""
-    counts = {s: len(splits[s]) if s in splits else 0 for s in builders.LOCAL_SPLIT_PERCENT}
-    origins = builders.split_origins(name, tuple(files))
+    counts = {s: len(splits[s]) if s in splits else 0 for s in local_files.LOCAL_SPLIT_PERCENT}
+    origins = local_files.split_origins(builders.LOCAL[name].sources(tuple(files)))
     sizes = ", ".join(f"{s} {n}" for s, n in counts.items())
     return {s: (f"{name}: split {s!r} has no examples: it comes from {origins[s]}, and the "
                 f"splits have {sizes} examples; each split needs at least one (give more "
@@ -289,7 +306,7 @@ def _empty_splits(name: str, files, splits: dict) -> dict[str, str]:
 def _oriented(ds: Dataset, reverse: bool) -> Dataset:
     if not reverse:
         return ds
-    if ds.kind != "translation":
+    if not ds.data_kind.reversible:
         raise UserError(f"reverse_translation needs a translation dataset; {ds.name!r} is "
                          f"{ds.kind}")
     return dataclasses.replace(ds, keys=ds.keys[::-1], digest=_digest(ds.digest, "reversed"))
