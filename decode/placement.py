@@ -77,11 +77,19 @@ def constrain_cache(cache: KVCache, sharding: NamedSharding | None) -> KVCache:
     if sharding is None:
         return cache
 
-    def pin(x):
-        return None if x is None else jax.lax.with_sharding_constraint(x, sharding)
+    kv_axes = sharding.spec[2]
 
-    return cache.replace(k=pin(cache.k), v=pin(cache.v), cross_k=pin(cache.cross_k),
-                         cross_v=pin(cache.cross_v))
+    def pin(x):       # the kv-heads axis is third from the end in either layout
+        if x is None:
+            return None
+        spec = P(*([None] * (x.ndim - 3)), kv_axes, None, None)
+        return jax.lax.with_sharding_constraint(x, NamedSharding(sharding.mesh, spec))
+
+    def pin_layers(x):
+        return None if x is None else jax.tree.map(pin, x)
+
+    return cache.replace(k=pin_layers(cache.k), v=pin_layers(cache.v),
+                         cross_k=pin_layers(cache.cross_k), cross_v=pin_layers(cache.cross_v))
 
 
 def with_cache_sharding(static: dict, params) -> dict:

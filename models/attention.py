@@ -21,7 +21,7 @@ from jaxtyping import Array, Float, Int
 from models.axes import named
 from models.cache import KVCache
 from models.config import Llama3RopeScaling, TransformerConfig
-from models.kernels import attend, dot_product_attention
+from models.kernels import attend, dot_product_attention, merge
 from models.masks import MaskSpec
 from models.relative import RelativeBias
 
@@ -95,12 +95,39 @@ def _attend(module: nn.Module, q, k, v, spec: MaskSpec, *, bias=None, determinis
     rate = 0.0 if deterministic else cfg.attention_dropout_rate
     rng = module.make_rng("dropout") if rate > 0.0 else None
     with_probs = module.is_mutable_collection("intermediates")
-    out_BTNH, probs_BNTS = attend(
-        q, k, v, spec, bias, impl=cfg.attention_impl,
-        scale=q.shape[-1] ** -0.5 if cfg.scale_attention else 1.0, dropout_rate=rate,
-        dropout_rng=rng, with_probs=with_probs, block=cfg.attention_block)
+    out_BTNH, probs_BNTS, _ = attend(
+        q, k, v, spec, bias, impl=cfg.attention_impl, scale=_scale(cfg, q),
+        dropout_rate=rate, dropout_rng=rng, with_probs=with_probs, block=cfg.attention_block)
     if probs_BNTS is not None:
         module.sow("intermediates", "attention_weights", probs_BNTS)
+    return checkpoint_name(out_BTNH, "attention_out")
+
+
+def _scale(cfg: TransformerConfig, q) -> float:
+    return q.shape[-1] ** -0.5 if cfg.scale_attention else 1.0
+
+
+def _attend_new(module: nn.Module, q, cached, new, *, positions_BT, spec: MaskSpec, bias):
+    """A decoding step's attention, reading the cache and never writing it: the queries
+    over the cache's filled slots (`cached` = (k_BSKH, v_BSKH) under `spec`), merged with
+    their attention over their own new keys (`new` = (k_BTKH, v_BTKH), causal among
+    themselves: a single token sees itself). Sown weights cover the S slots, then the T
+    new tokens."""
+    cfg = module.config
+    with_probs = module.is_mutable_collection("intermediates")
+    out_c, probs_c, lse_c = attend(
+        q, *cached, spec, bias, impl=cfg.attention_impl, scale=_scale(cfg, q),
+        with_probs=with_probs, with_lse=True, block=cfg.attention_block)
+    own_spec = MaskSpec(positions_BT, positions_BT, causal=True)
+    own_bias = None if bias is None else bias.replace(k_pos=positions_BT)
+    out_n, probs_n, lse_n = attend(q, *new, own_spec, own_bias, impl="xla", scale=_scale(cfg, q),
+                                   with_probs=with_probs, with_lse=True)
+    out_BTNH, lse_BTN = merge((out_c, lse_c), (out_n, lse_n))
+    if with_probs:
+        def rescaled(probs_BNTS, lse_part):
+            return probs_BNTS * jnp.exp(lse_part - lse_BTN).transpose(0, 2, 1)[..., None]
+        module.sow("intermediates", "attention_weights", jnp.concatenate(
+            [rescaled(probs_c, lse_c), rescaled(probs_n, lse_n)], axis=-1))
     return checkpoint_name(out_BTNH, "attention_out")
 
 
@@ -109,6 +136,9 @@ class SelfAttention(nn.Module):
 
     With a cache, the new keys/values are written into `cache` for `layer` at `positions`
     and the queries attend over all cache slots (the description hides unwritten ones).
+    With `read_only` the cache is only read: the queries attend over its filled slots and
+    their own new keys, and the new keys/values come back (k_BTKH, v_BTKH) for the caller
+    to commit, in place of the cache (a decoding step: see `_CachedDecoder.read_step`).
     `bias` (relative positions, a `RelativeBias`) is added to the logits.
     """
 
@@ -125,7 +155,8 @@ class SelfAttention(nn.Module):
         layer,
         deterministic: bool,
         bias: RelativeBias | None = None,
-    ) -> tuple[Float[Array, "B T D"], KVCache | None]:
+        read_only: bool = False,
+    ) -> tuple[Float[Array, "B T D"], KVCache | tuple | None]:
         cfg = self.config
         q_BTNH = _dense_heads(cfg, cfg.num_heads, "query")(x_BTD)
         k_BTKH = _dense_heads(cfg, cfg.num_kv_heads, "key")(x_BTD)
@@ -134,6 +165,10 @@ class SelfAttention(nn.Module):
             inv_freq_h = rope_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
             q_BTNH = apply_rope(q_BTNH, positions_BT, inv_freq_h)
             k_BTKH = apply_rope(k_BTKH, positions_BT, inv_freq_h)
+        if read_only:
+            out_BTNH = _attend_new(self, q_BTNH, cache.read(layer), (k_BTKH, v_BTKH),
+                                   positions_BT=positions_BT, spec=spec, bias=bias)
+            return _dense_out(cfg)(out_BTNH), (k_BTKH, v_BTKH)
         if cache is None:
             k_BSKH, v_BSKH = k_BTKH, v_BTKH
         else:

@@ -41,32 +41,38 @@ class LayerInputs:
             positions).
         key_positions: int32[B, S] positions of the self-attention keys (the cache slots
             when decoding), or None: the same tokens as the queries.
-        cross_k, cross_v: float[L, Bs, K, Ssrc, H] cross-attention keys/values of all
-            layers (`KVCache` layout), or None in a stack without cross-attention.
+        cross_k, cross_v: cross-attention keys/values of all layers, [L, Bs, K, Ssrc, H]
+            or a `KVCache`'s per-layer tuple, or None in a stack without cross-attention.
         cross_spec: what each cross-attention query sees of the source, or None.
         self_bias: the relative position bias of self-attention (the stack describes
             it), or None.
         deterministic: no dropout (static).
+        read_only: a decoding step that reads the cache and returns each layer's new
+            keys/values instead of writing them (static; see `SelfAttention`).
     """
 
     self_spec: MaskSpec
     positions: Int[Array, "B T"]
-    cross_k: Float[Array, "L Bs K Ssrc H"] | None = None
-    cross_v: Float[Array, "L Bs K Ssrc H"] | None = None
+    cross_k: Float[Array, "L Bs K Ssrc H"] | tuple | None = None
+    cross_v: Float[Array, "L Bs K Ssrc H"] | tuple | None = None
     cross_spec: MaskSpec | None = None
     key_positions: Int[Array, "B S"] | None = None
     self_bias: RelativeBias | None = None
     deterministic: bool = flax.struct.field(pytree_node=False, default=True)
+    read_only: bool = flax.struct.field(pytree_node=False, default=False)
 
 
 def _self_attention_sublayer(cfg, x_BTD, inputs: LayerInputs, cache, layer):
-    """The residual self-attention sublayer; returns (x_BTD, cache)."""
+    """The residual self-attention sublayer; returns (x_BTD, cache), or with
+    `inputs.read_only` (x_BTD, cache, the layer's new (k_BTKH, v_BTKH))."""
     attn = SelfAttention(cfg, name="self_attention")
-    return residual(
+    x_BTD, out = residual(
         cfg, x_BTD,
         lambda y: attn(y, spec=inputs.self_spec, positions_BT=inputs.positions, cache=cache,
-                       layer=layer, deterministic=inputs.deterministic, bias=inputs.self_bias),
+                       layer=layer, deterministic=inputs.deterministic, bias=inputs.self_bias,
+                       read_only=inputs.read_only),
         make_norm(cfg, "self_attention_norm"), inputs.deterministic)
+    return (x_BTD, cache, out) if inputs.read_only else (x_BTD, out, None)
 
 
 def _mlp_sublayer(cfg, x_BTD, inputs: LayerInputs):
@@ -85,9 +91,10 @@ class SelfAttentionLayer(nn.Module):
     @nn.compact
     def __call__(self, carry, inputs: LayerInputs):
         x_BTD, cache, layer = carry
-        x_BTD, cache = _self_attention_sublayer(self.config, x_BTD, inputs, cache, layer)
+        x_BTD, cache, new_kv = _self_attention_sublayer(self.config, x_BTD, inputs, cache,
+                                                        layer)
         x_BTD = _mlp_sublayer(self.config, x_BTD, inputs)
-        return (x_BTD, cache, layer + 1), None
+        return (x_BTD, cache, layer + 1), new_kv
 
 
 class DecoderLayer(nn.Module):
@@ -99,7 +106,7 @@ class DecoderLayer(nn.Module):
     def __call__(self, carry, inputs: LayerInputs):
         cfg, det = self.config, inputs.deterministic
         x_BTD, cache, layer = carry
-        x_BTD, cache = _self_attention_sublayer(cfg, x_BTD, inputs, cache, layer)
+        x_BTD, cache, new_kv = _self_attention_sublayer(cfg, x_BTD, inputs, cache, layer)
         cross = CrossAttention(cfg, name="cross_attention")
         k_BSKH = jnp.swapaxes(inputs.cross_k[layer], 1, 2)
         v_BSKH = jnp.swapaxes(inputs.cross_v[layer], 1, 2)
@@ -108,7 +115,7 @@ class DecoderLayer(nn.Module):
             lambda y: (cross(y, k_BSKH, v_BSKH, spec=inputs.cross_spec, deterministic=det), None),
             make_norm(cfg, "cross_attention_norm"), det)
         x_BTD = _mlp_sublayer(cfg, x_BTD, inputs)
-        return (x_BTD, cache, layer + 1), None
+        return (x_BTD, cache, layer + 1), new_kv
 
 
 class LayerStack(nn.Module):
@@ -117,7 +124,9 @@ class LayerStack(nn.Module):
     With `config.scan_layers` the layers run as one `nn.scan` (compiles once, parameters
     under "layers" with a leading L axis); otherwise as "layer_0" .. "layer_{L-1}".
     `config.remat` rematerialises each layer in the backward pass, keeping what
-    `config.remat_policy` names (`REMAT_POLICIES`). With relative positions the stack
+    `config.remat_policy` names (`REMAT_POLICIES`). It returns (x_BTD, cache); with
+    `inputs.read_only`, (x_BTD, (k_LBTKH, v_LBTKH)): every layer's new keys/values, the
+    cache unchanged. With relative positions the stack
     describes the position bias once ("relative_bias", bidirectional unless `causal`) and
     every layer adds it.
     """
@@ -149,12 +158,15 @@ class LayerStack(nn.Module):
                 metadata_params={nn.PARTITION_NAME: "layers"},
             )
             carry = (x_BTD, cache, jnp.zeros((), jnp.int32))
-            (x_BTD, cache, _), _ = scanned(cfg, name="layers")(carry, inputs)
+            (x_BTD, cache, _), new_kv = scanned(cfg, name="layers")(carry, inputs)
         else:
-            carry = (x_BTD, cache, 0)
+            carry, per_layer = (x_BTD, cache, 0), []
             for i in range(self.num_layers):
-                carry, _ = layer_type(cfg, name=f"layer_{i}")(carry, inputs)
+                carry, layer_kv = layer_type(cfg, name=f"layer_{i}")(carry, inputs)
+                per_layer.append(layer_kv)
             x_BTD, cache, _ = carry
+            new_kv = (None if per_layer[0] is None
+                      else jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer))
         if cfg.norm_position == "pre":
             x_BTD = make_norm(cfg, "final_norm")(x_BTD)
-        return x_BTD, cache
+        return (x_BTD, new_kv) if inputs.read_only else (x_BTD, cache)

@@ -1,10 +1,19 @@
 """The KV cache: an explicit pytree that goes into the model and comes back updated.
 
-Self-attention keys/values are preallocated to a fixed length S and stacked over the L
-decoder layers, heads before slots ([L, B, K, S, H]: the layout the attention dot reads
-without a transposed copy); `lengths` says how many slots of each row are filled, which is
-also where that row's next token goes. Cross-attention keys/values (encoder-decoder only)
-live in their own fields: projected once from the encoder output, never written again.
+Self-attention keys/values are preallocated to a fixed length S per decoder layer, heads
+before slots ([B, K, S, H]: the layout the attention dot reads without a transposed copy);
+`lengths` says how many slots of each row are filled, which is also where that row's next
+token goes. Cross-attention keys/values (encoder-decoder only) live in their own fields:
+projected once from the encoder output, never written again.
+
+Two layouts of the L layers, chosen by the config's `scan_layers` (`KVCache.create`):
+
+    looped stack   a tuple of L arrays [B, K, S, H]: each layer reads its own buffer whole.
+    scanned stack  one array [L, B, K, S, H]: the scan indexes it by a traced layer.
+
+A step reads every filled slot of every layer, so on a CPU the looped layout is the faster:
+a layer sliced out of a stacked array is copied before the attention dot reads it (XLA's
+CPU backend cannot hand a dot part of a buffer), which a buffer of its own avoids.
 
 Writing T new tokens into a row with `lengths[b] = 3` fills slots 3 .. 3+T-1:
 
@@ -13,8 +22,8 @@ Writing T new tokens into a row with `lengths[b] = 3` fills slots 3 .. 3+T-1:
     row 1: a _ _ _ _                 row 1: a b _ _ _
 
 Slots at or beyond `lengths[b]` may hold stale values (the padding of a right-padded prompt
-after prefill); the causal mask over absolute positions never lets a query read them,
-because every step writes its slot before it reads.
+after prefill); a query reads only slots before its own position (causal over absolute
+positions, and a decoding step's `filled` slots).
 """
 
 from __future__ import annotations
@@ -26,54 +35,101 @@ from jaxtyping import Array, Bool, Float, Int
 from models.config import TransformerConfig
 from models.errors import UserError, check_positive_int, is_int
 
+Layers = Float[Array, "L B K S H"] | tuple[Float[Array, "B K S H"], ...]
+
+
+def per_layer(x_L, looped: bool):
+    """A stacked [L, ...] array as the layout of a looped (a tuple of L arrays) or scanned
+    (the array) stack."""
+    return tuple(x_L[i] for i in range(x_L.shape[0])) if looped else x_L
+
+
+def layer_shape(x: Layers) -> tuple[int, ...]:
+    """The shape of one layer's buffer, in either layout."""
+    return x[0].shape if isinstance(x, tuple) else x.shape[1:]
+
+
+def map_layers(fn, x: Layers) -> Layers:
+    """`fn` applied to each layer's [B, ...] buffer (one call over the stack when stacked,
+    with the layer axis first: `fn` must take a leading axis it leaves alone)."""
+    if isinstance(x, tuple):
+        return tuple(fn(layer) for layer in x)
+    return fn(x)
+
+
+def _set_rows(x: Layers, layer, rows, slots, new) -> Layers:
+    """x[layer][rows, :, slots] = new, in place when `x` is carried or donated; slots past
+    the end are not written. `rows` and `slots` are index arrays of one shape, so the
+    update is [*that shape, K, H]. `layer` None writes every layer ([L, *shape, K, H])."""
+    if isinstance(x, tuple):
+        if layer is None:
+            return tuple(b.at[rows, :, slots].set(n.astype(b.dtype), mode="drop")
+                         for b, n in zip(x, new, strict=True))
+        x = list(x)
+        x[layer] = x[layer].at[rows, :, slots].set(new.astype(x[layer].dtype), mode="drop")
+        return tuple(x)
+    if layer is None:       # index arrays apart from each other put their dimensions first
+        new = jnp.moveaxis(new, 0, rows.ndim)
+        return x.at[:, rows, :, slots].set(new.astype(x.dtype), mode="drop")
+    return x.at[layer, rows, :, slots].set(new.astype(x.dtype), mode="drop")
+
+
+def _read(x: Layers, layer):
+    """Layer `layer`'s keys (or values) as [B, S, K, H] (a view: the swap folds into the
+    dot)."""
+    return jnp.swapaxes(x[layer], 1, 2)
+
 
 @flax.struct.dataclass
 class KVCache:
     """Decoding state of a transformer decoder.
 
     Attributes:
-        k: float[L, B, K, S, H] self-attention keys, stacked over layers.
-        v: float[L, B, K, S, H] self-attention values.
+        k: self-attention keys, per layer [B, K, S, H] (see the module docstring for the
+            looped and scanned layouts).
+        v: self-attention values, likewise.
         lengths: int32[B] filled slots per row (= the position of its next token).
-        cross_k: float[L, Bs, K, Ssrc, H] cross-attention keys, or None (decoder-only).
+        cross_k: cross-attention keys per layer [Bs, K, Ssrc, H], or None (decoder-only).
             Bs divides B: beams of one source share its rows (B = Bs * beams).
-        cross_v: float[L, Bs, K, Ssrc, H] cross-attention values, or None.
+        cross_v: cross-attention values, likewise, or None.
         cross_mask: bool[Bs, Ssrc] True at real (non-padding) source tokens, or None.
     """
 
-    k: Float[Array, "L B K S H"]
-    v: Float[Array, "L B K S H"]
+    k: Layers
+    v: Layers
     lengths: Int[Array, " B"]
-    cross_k: Float[Array, "L Bs K Ssrc H"] | None = None
-    cross_v: Float[Array, "L Bs K Ssrc H"] | None = None
+    cross_k: Layers | None = None
+    cross_v: Layers | None = None
     cross_mask: Bool[Array, "Bs Ssrc"] | None = None
 
     @classmethod
     def create(cls, config: TransformerConfig, batch_size: int,
                cache_len: int | None = None) -> KVCache:
-        """An empty cache of `cache_len` slots (default `config.max_len`) per row."""
+        """An empty cache of `cache_len` slots (default `config.max_len`) per row, in the
+        layout of the config's stack."""
         cache_len = config.max_len if cache_len is None else cache_len
         batch_size = check_positive_int(batch_size, "batch_size")
         if not is_int(cache_len) or not 1 <= cache_len <= config.max_len:
             raise UserError(
                 f"cache_len={cache_len!r} must be an int in [1, max_len={config.max_len}]")
-        cache_len = int(cache_len)
-        shape = (config.decoder_layers, batch_size, config.num_kv_heads, cache_len,
-                 config.head_dim)
-        zeros = jnp.zeros(shape, config.dtype)
+        shape = (batch_size, config.num_kv_heads, int(cache_len), config.head_dim)
+        if config.scan_layers:
+            zeros = jnp.zeros((config.decoder_layers, *shape), config.dtype)
+        else:
+            zeros = tuple(jnp.zeros(shape, config.dtype) for _ in range(config.decoder_layers))
         return cls(k=zeros, v=zeros, lengths=jnp.zeros((batch_size,), jnp.int32))
 
     @property
     def batch_size(self) -> int:
-        return self.k.shape[1]
+        return layer_shape(self.k)[0]
 
     @property
     def cache_len(self) -> int:
-        return self.k.shape[3]
+        return layer_shape(self.k)[2]
 
     def read(self, layer):
-        """Keys and values of `layer` as [B, S, K, H] (a view: the swap folds into the dot)."""
-        return jnp.swapaxes(self.k[layer], 1, 2), jnp.swapaxes(self.v[layer], 1, 2)
+        """Keys and values of `layer` as [B, S, K, H]."""
+        return _read(self.k, layer), _read(self.v, layer)
 
     def key_positions(self) -> Int[Array, "B S"]:
         """The position of each slot's key: slot s holds position s."""
@@ -84,6 +140,10 @@ class KVCache:
         """Which slots each row may read beyond the causal rule: all of its own (None)."""
         return None
 
+    def filled(self) -> Bool[Array, "B S"]:
+        """The slots written so far: s < lengths[b]."""
+        return self.key_positions() < self.lengths[:, None]
+
     def write(self, layer, k_BTKH, v_BTKH, positions_BT) -> KVCache:
         """Writes the new keys/values of `layer` at each row's `positions_BT`; positions
         past the last slot are not written (the padding of a block that ends there).
@@ -91,21 +151,35 @@ class KVCache:
         A scatter of B*T slots: with the buffers donated (or carried by a loop) XLA updates
         them in place, so a step never copies the whole cache.
         """
-        B = k_BTKH.shape[0]
-        rows_B1 = jnp.arange(B, dtype=jnp.int32)[:, None]
-        # Indices [B, 1] and [B, T] around the head slice: the update is [B, T, K, H].
-        k = self.k.at[layer, rows_B1, :, positions_BT].set(k_BTKH.astype(self.k.dtype),
-                                                           mode="drop")
-        v = self.v.at[layer, rows_B1, :, positions_BT].set(v_BTKH.astype(self.v.dtype),
-                                                           mode="drop")
-        return self.replace(k=k, v=v)
+        rows_BT = jnp.broadcast_to(jnp.arange(k_BTKH.shape[0], dtype=jnp.int32)[:, None],
+                                   positions_BT.shape)
+        return self.replace(k=_set_rows(self.k, layer, rows_BT, positions_BT, k_BTKH),
+                            v=_set_rows(self.v, layer, rows_BT, positions_BT, v_BTKH))
+
+    def commit(self, new_kv, active_B=None) -> KVCache:
+        """Writes one token per row, every layer's (k_LBKH, v_LBKH) from a `read_step`, at
+        slot lengths[b], and advances the rows by one (only the `active_B` ones, when
+        given); a slot past the end is not written.
+
+            lengths [3, 1], active [True, False] -> slots 3 and 1 written, lengths [4, 1]
+        """
+        k_LBKH, v_LBKH = new_kv
+        rows_B = jnp.arange(self.batch_size, dtype=jnp.int32)
+        step = 1 if active_B is None else active_B.astype(jnp.int32)
+        return self.replace(k=_set_rows(self.k, None, rows_B, self.lengths, k_LBKH),
+                            v=_set_rows(self.v, None, rows_B, self.lengths, v_LBKH),
+                            lengths=self.lengths + step)
 
     def take_rows(self, rows_B) -> KVCache:
-        """Self-attention rows gathered by index (beam search reorders and duplicates rows
-        this way); the cross-attention rows, one per source and shared by its beams, stay."""
-        return self.replace(
-            k=jnp.take(self.k, rows_B, axis=1), v=jnp.take(self.v, rows_B, axis=1),
-            lengths=jnp.take(self.lengths, rows_B, axis=0))
+        """Self-attention rows gathered by index (beam search's start duplicates a prompt's
+        row this way); the cross-attention rows, one per source and shared by its beams,
+        stay."""
+        axis = 0 if isinstance(self.k, tuple) else 1
+
+        def take(x):
+            return jnp.take(x, rows_B, axis=axis)
+        return self.replace(k=map_layers(take, self.k), v=map_layers(take, self.v),
+                            lengths=jnp.take(self.lengths, rows_B, axis=0))
 
 
 @flax.struct.dataclass
@@ -128,19 +202,20 @@ class BeamKVCache:
     Row r = b * W + w is beam w of source b (as a `KVCache` of B = Bs * W rows).
 
     Attributes:
-        k, v: float[L, Bs, K, W * S, H]; slot w * S + s holds position s of region w.
+        k, v: per layer [Bs, K, W * S, H] (layouts as `KVCache`); slot w * S + s holds
+            position s of region w.
         lengths: int32[Bs * W] filled positions per beam (= the position of its next token).
         origin: int32[Bs, W, S] the region holding each beam's position s.
         cross_k, cross_v, cross_mask: as in `KVCache` (one row per source).
         beams: W (static).
     """
 
-    k: Float[Array, "L Bs K WS H"]
-    v: Float[Array, "L Bs K WS H"]
+    k: Layers
+    v: Layers
     lengths: Int[Array, " R"]
     origin: Int[Array, "Bs W S"]
-    cross_k: Float[Array, "L Bs K Ssrc H"] | None = None
-    cross_v: Float[Array, "L Bs K Ssrc H"] | None = None
+    cross_k: Layers | None = None
+    cross_v: Layers | None = None
     cross_mask: Bool[Array, "Bs Ssrc"] | None = None
     beams: int = flax.struct.field(pytree_node=False, default=1)
 
@@ -150,15 +225,17 @@ class BeamKVCache:
         source): the row becomes region 0 of its source, which every beam reads up to its
         length; regions 1 .. W-1 start empty."""
         W = check_positive_int(beams, "beams")
-        L, Bs, K, S, H = cache.k.shape
+        Bs, _, S, _ = layer_shape(cache.k)
         if cache.cross_mask is not None and cache.cross_mask.shape[0] != Bs:
             raise UserError(f"a beam cache starts from one row per source; this cache has "
                             f"{Bs} rows for {cache.cross_mask.shape[0]} sources")
 
         def regions(x):
-            return jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, (W - 1) * S), (0, 0)))
-        lengths = jnp.repeat(cache.lengths, W)
-        return cls(k=regions(cache.k), v=regions(cache.v), lengths=lengths,
+            pad = [(0, 0)] * x.ndim
+            pad[-2] = (0, (W - 1) * S)
+            return jnp.pad(x, pad)
+        return cls(k=map_layers(regions, cache.k), v=map_layers(regions, cache.v),
+                   lengths=jnp.repeat(cache.lengths, W),
                    origin=_own_after(jnp.zeros((Bs, W, S), jnp.int32), cache.lengths),
                    cross_k=cache.cross_k, cross_v=cache.cross_v, cross_mask=cache.cross_mask,
                    beams=W)
@@ -166,7 +243,7 @@ class BeamKVCache:
     @property
     def batch_size(self) -> int:
         """Rows of the decoding batch: Bs * W beams."""
-        return self.k.shape[1] * self.beams
+        return layer_shape(self.k)[0] * self.beams
 
     @property
     def cache_len(self) -> int:
@@ -176,21 +253,33 @@ class BeamKVCache:
     def read(self, layer):
         """Keys and values of `layer` as [Bs, W * S, K, H]: every region of a source, read
         by its W beams (the attention core's keys shared by several query rows)."""
-        return jnp.swapaxes(self.k[layer], 1, 2), jnp.swapaxes(self.v[layer], 1, 2)
+        return _read(self.k, layer), _read(self.v, layer)
+
+    def _slots(self, positions_RT):
+        """(source rows, slots) of each beam's positions: slot w * S + s of row b."""
+        Bs, W, S = self.origin.shape
+        region_R1 = jnp.tile(jnp.arange(W, dtype=jnp.int32), Bs)[:, None]
+        slots = jnp.where(positions_RT < S, region_R1 * S + positions_RT, W * S)
+        rows = jnp.broadcast_to(jnp.repeat(jnp.arange(Bs, dtype=jnp.int32), W)[:, None],
+                                positions_RT.shape)
+        return rows, slots
 
     def write(self, layer, k_RTKH, v_RTKH, positions_RT) -> BeamKVCache:
         """Writes each beam's new keys/values of `layer` into its own region at
         `positions_RT`; positions past the last slot are not written."""
-        Bs, W, S = self.origin.shape
-        R, T = positions_RT.shape
-        region_R1 = jnp.tile(jnp.arange(W, dtype=jnp.int32), Bs)[:, None]
-        slots = jnp.where(positions_RT < S, region_R1 * S + positions_RT, W * S)
-        rows_B1 = jnp.arange(Bs, dtype=jnp.int32)[:, None]
+        rows, slots = self._slots(positions_RT)
+        return self.replace(k=_set_rows(self.k, layer, rows, slots, k_RTKH),
+                            v=_set_rows(self.v, layer, rows, slots, v_RTKH))
 
-        def put(buffer, new_RTKH):
-            new = new_RTKH.astype(buffer.dtype).reshape(Bs, W * T, *new_RTKH.shape[2:])
-            return buffer.at[layer, rows_B1, :, slots.reshape(Bs, W * T)].set(new, mode="drop")
-        return self.replace(k=put(self.k, k_RTKH), v=put(self.v, v_RTKH))
+    def commit(self, new_kv, active_R=None) -> BeamKVCache:
+        """Writes each beam's new token, every layer's (k_LRKH, v_LRKH), into its own region
+        at its length, and advances the beams (only the `active_R` ones, when given)."""
+        k_LRKH, v_LRKH = new_kv
+        rows, slots = self._slots(self.lengths[:, None])
+        step = 1 if active_R is None else active_R.astype(jnp.int32)
+        return self.replace(k=_set_rows(self.k, None, rows[:, 0], slots[:, 0], k_LRKH),
+                            v=_set_rows(self.v, None, rows[:, 0], slots[:, 0], v_LRKH),
+                            lengths=self.lengths + step)
 
     def key_positions(self) -> Int[Array, "Bs WS"]:
         """The position of each slot's key: slot w * S + s holds position s."""
@@ -204,6 +293,12 @@ class BeamKVCache:
         Bs, W, S = self.origin.shape
         region = jnp.arange(W, dtype=jnp.int32)[None, None, :, None]
         return (self.origin[:, :, None, :] == region).reshape(Bs * W, W * S)
+
+    def filled(self) -> Bool[Array, "Bs WS"]:
+        """The slots written so far: position s < the source's length, in every region
+        (a source's beams share their length)."""
+        Bs, W, _ = self.origin.shape
+        return self.key_positions() < self.lengths.reshape(Bs, W)[:, :1]
 
     def reorder(self, parents_BW) -> BeamKVCache:
         """The beams continuing `parents_BW` (int32[Bs, W]: beam w continues beam

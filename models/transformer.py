@@ -23,7 +23,7 @@ from jaxtyping import Array, Float, Int
 from models.attention import CrossKVProjection
 from models.axes import PlainInit, named
 from models.blocks import DecoderLayer, LayerInputs, LayerStack, SelfAttentionLayer
-from models.cache import KVCache
+from models.cache import KVCache, per_layer
 from models.checks import (
     check_cache_room,
     check_int_array,
@@ -56,9 +56,9 @@ def _forward_spec(config, tokens_BT, segment_ids_BT, positions_BT):
 
 class _CachedDecoder(nn.Module):
     """prefill / step over a `KVCache`, shared by both families; subclasses supply
-    `_hidden(tokens_BT, *, positions_BT, spec, cache, deterministic, key_positions_BS)`,
-    the last hidden states and the cache (key positions: the cache slots, for relative
-    positions)."""
+    `_hidden(tokens_BT, *, positions_BT, spec, cache, deterministic, key_positions_BS,
+    read_only)`, the last hidden states and the cache (key positions: the cache slots, for
+    relative positions; `read_only`: the layers' new keys/values instead of the cache)."""
 
     config: TransformerConfig
 
@@ -138,11 +138,39 @@ class _CachedDecoder(nn.Module):
 
     def step(self, tokens_B: Int[Array, " B"],
              cache: KVCache) -> tuple[Float[Array, "B V"], KVCache]:
-        """One token per row at slot cache.lengths[b]; returns the next-token logits."""
+        """One token per row at slot cache.lengths[b]; returns the next-token logits. Each
+        layer writes its slot, then reads (see `read_step` for a loop that may skip it)."""
         check_int_array(tokens_B, "tokens", 1, "int[B]")
         ones_B = jnp.ones(tokens_B.shape, jnp.int32)
         logits_B1V, cache = self.prefill(tokens_B[:, None], ones_B, cache)
         return logits_B1V[:, 0], cache
+
+    def read_step(self, tokens_B: Int[Array, " B"],
+                  cache: KVCache) -> tuple[Float[Array, "B V"], tuple]:
+        """`step` without writing the cache: the next-token logits of one token per row at
+        position cache.lengths[b], attending over the filled slots and itself, and the new
+        keys and values of every layer, (k_LBKH, v_LBKH), for `cache.commit`. The same
+        logits as `step` (to float rounding).
+
+        A decoding loop that may skip the model call (`lax.cond`, once every row is done)
+        reads the cache inside the skippable branch and commits outside it: a branch that
+        updated the cache in place would make XLA copy the whole cache into it every step.
+        The commit must come after the reads (there, the branch's outputs order them).
+        """
+        check_int_array(tokens_B, "tokens", 1, "int[B]")
+        check_tokens(self.config, tokens_B[:, None], "tokens", max_len=cache.cache_len)
+        if cache.batch_size != tokens_B.shape[0]:
+            raise UserError(f"batch sizes differ: tokens {tokens_B.shape}, cache batch "
+                            f"{cache.batch_size}")
+        positions_B1 = cache.lengths[:, None]
+        keys_BS = cache.key_positions()
+        visible = cache.row_visible()
+        spec = _causal_spec(self.config, positions_B1, keys_BS, k_valid=cache.filled(),
+                            visible=None if visible is None else visible[:, None, :])
+        x_B1D, (k_LB1KH, v_LB1KH) = self._hidden(
+            tokens_B[:, None], positions_BT=positions_B1, spec=spec, cache=cache,
+            deterministic=True, key_positions_BS=keys_BS, read_only=True)
+        return self._logits(x_B1D)[:, 0], (k_LB1KH[:, :, 0], v_LB1KH[:, :, 0])
 
 
 class DecoderOnly(PlainInit, _CachedDecoder):
@@ -174,10 +202,10 @@ class DecoderOnly(PlainInit, _CachedDecoder):
         return self._logits(x_BTD)
 
     def _hidden(self, tokens_BT, *, positions_BT, spec, cache, deterministic,
-                key_positions_BS=None):
+                key_positions_BS=None, read_only=False):
         x_BTD = self.embed(tokens_BT, positions_BT, deterministic)
         inputs = LayerInputs(spec, positions_BT, key_positions=key_positions_BS,
-                             deterministic=deterministic)
+                             deterministic=deterministic, read_only=read_only)
         return self.decoder(x_BTD, inputs, cache)
 
 
@@ -271,11 +299,13 @@ class EncoderDecoder(PlainInit, _CachedDecoder):
         encoded_BSD = self.encode(src, lengths=src_lengths)
         cross_k, cross_v = self.cross_kv(encoded_BSD)
         cache = KVCache.create(self.config, src.shape[0] * beams, cache_len)
-        return cache.replace(cross_k=cross_k, cross_v=cross_v,
+        looped = not self.config.scan_layers                  # the cache's layout
+        return cache.replace(cross_k=per_layer(cross_k, looped),
+                             cross_v=per_layer(cross_v, looped),
                              cross_mask=valid_from_lengths(src, src_lengths, "src_lengths"))
 
     def _hidden(self, tokens_BT, *, positions_BT, spec, cache, deterministic,
-                key_positions_BS=None):
+                key_positions_BS=None, read_only=False):
         if cache.cross_k is None:
             raise UserError("encoder-decoder cache has no cross-attention keys: build it "
                             "with model.apply(params, src, cache_len, method='init_cache')")
@@ -283,7 +313,8 @@ class EncoderDecoder(PlainInit, _CachedDecoder):
         cross_spec = MaskSpec(k_valid=cache.cross_mask)
         x_BTD = self.tgt_embed(tokens_BT, positions_BT, deterministic)
         inputs = LayerInputs(spec, positions_BT, cache.cross_k, cache.cross_v,
-                             cross_spec, key_positions_BS, deterministic=deterministic)
+                             cross_spec, key_positions_BS, deterministic=deterministic,
+                             read_only=read_only)
         return self.decoder(x_BTD, inputs, cache)
 
 

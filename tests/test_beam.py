@@ -11,6 +11,7 @@ import pytest
 import decode
 import decode.beam
 from decode.model_fns import start_decoding
+from models.cache import layer_shape
 from tests.helpers import fns, tiny
 
 
@@ -114,8 +115,8 @@ def test_beams_share_the_cross_attention_keys_values():
     prompts, lengths = decode.pad_prompts([[5, 6, 7], [9, 10]])
     _, cache = start_decoding(f.model, params, jnp.asarray(prompts), jnp.asarray(lengths), 9,
                               beams=4)
-    assert cache.k.shape[1] == 8                        # self-attention: B * W rows
-    assert cache.cross_k.shape[1] == 2                  # cross-attention: B rows, not tiled
+    assert cache.batch_size == 8                        # self-attention: B * W rows
+    assert layer_shape(cache.cross_k)[0] == 2           # cross-attention: B rows, not tiled
     out = decode.beam_search(f.model, params, prompts, lengths, beam_size=4, max_new_tokens=8)
     assert out.tokens.shape == (2, 4, 8)
     # Each source's best beam is what the same source gives when searched alone.

@@ -36,11 +36,13 @@ def setup(arch):
 
 
 def cache_split(lowered, cfg, rows: int, slots: int) -> tuple[bool, bool]:
-    """(the compiled program holds the per-device K/V buffer [L, rows, K / 4, slots, H],
-    it holds the whole one [L, rows, K, slots, H]), read off the partitioned HLO."""
+    """(the compiled program holds the per-device K/V buffers [rows, K / 4, slots, H] (with
+    a leading L when scanned), it holds the whole ones [rows, K, slots, H]), read off the
+    partitioned HLO."""
     text = lowered.compile().as_text()
     L, K, H = cfg.decoder_layers, cfg.num_kv_heads, cfg.head_dim
-    split, whole = (f"f32[{L},{rows},{k},{slots},{H}]" for k in (K // TENSOR, K))
+    layers = f"{L}," if cfg.scan_layers else ""     # stacked, or one buffer per layer
+    split, whole = (f"f32[{layers}{rows},{k},{slots},{H}]" for k in (K // TENSOR, K))
     return split in text, whole in text
 
 

@@ -1,5 +1,5 @@
 """Structural checks of the compiled decode step: the cache is written in place and read
-without a copy.
+without a copy (looped layers: one buffer per layer, read whole; scanned: one stack).
 
 This guards against a regression measured at +35% per decode step on CPU: a cache layout
 ([L, B, S, K, H]) that made XLA transpose every layer's keys and values into a fresh
@@ -32,4 +32,5 @@ def test_step_neither_copies_nor_transposes_the_cache(scan):
                  if (m := re.search(r"= (f32\[[0-9,]+\])\{[^}]*\} (copy|transpose)\(", line))
                  and m.group(1) in shapes]
     assert not offending, "\n".join(offending)
-    assert f"f32[{L},{B},{K},{S},{H}]" in hlo    # the check can fail: the cache is there
+    # The check can fail: the cache is there (per layer when looped, stacked when scanned).
+    assert (f"f32[{L},{B},{K},{S},{H}]" if scan else f"f32[{B},{K},{S},{H}]") in hlo

@@ -175,7 +175,7 @@ def test_bfloat16_compute_with_float32_params():
     assert jax.tree.leaves(params)[0].dtype == jnp.float32
     np.testing.assert_allclose(out, f32.forward(params, tokens), atol=0.1)
     cache = bf16.init_cache(params, 2, 8)
-    assert cache.k.dtype == jnp.bfloat16
+    assert all(k.dtype == jnp.bfloat16 for k in cache.k)           # one buffer per layer
 
 
 @pytest.mark.parametrize("scan", [False, True])

@@ -150,7 +150,8 @@ def test_chunked_prefill_equals_one_prefill():
     a, c2 = f.prefill(params, tokens[:, :3], jnp.array([3, 3]), f.init_cache(params, 2, 12))
     b, c2 = f.prefill(params, tokens[:, 3:], jnp.array([4, 4]), c2)
     np.testing.assert_allclose(jnp.concatenate([a, b], 1), full, atol=ATOL, rtol=0)
-    np.testing.assert_allclose(c2.k[:, :, :, :7], c1.k[:, :, :, :7], atol=ATOL, rtol=0)
+    for k2, k1 in zip(c2.k, c1.k, strict=True):                 # per layer [B, K, S, H]
+        np.testing.assert_allclose(k2[:, :, :7], k1[:, :, :7], atol=ATOL, rtol=0)
 
 
 @pytest.mark.parametrize("chunk", [3, 4, 16])

@@ -21,6 +21,8 @@ What an implementation cannot compute is refused (`UserError` naming it), never 
 
 from __future__ import annotations
 
+import jax.numpy as jnp
+
 from models.errors import UserError
 from models.kernels import cudnn
 from models.kernels.chunked import chunked_attention
@@ -64,21 +66,43 @@ def choose(impl: str, q_BTNH, k_BSKH, spec: MaskSpec, bias=None, *, dropout_rate
 
 def attend(q_BTNH, k_BSKH, v_BSKH, spec: MaskSpec, bias=None, *, impl: str = "auto",
            scale: float, dropout_rate: float = 0.0, dropout_rng=None,
-           with_probs: bool = False, block: int = 512):
+           with_probs: bool = False, with_lse: bool = False, block: int = 512):
     """Attention by the implementation `choose` picks: (out_BTNH in v's dtype,
-    probs_BNTS float32 from `xla`, else None). Shapes as `dot_product_attention`;
-    `block` is chunked attention's query and key block size."""
+    probs_BNTS float32 from `xla` when `with_probs`, else None, and with `with_lse` the
+    log-sum-exp of each query's visible logits lse_BTN, else None; see `merge`). Shapes as
+    `dot_product_attention`; `block` is chunked attention's query and key block size."""
     chosen = choose(impl, q_BTNH, k_BSKH, spec, bias, dropout_rate=dropout_rate,
                     with_probs=with_probs)
     if chosen == "xla":
-        return xla_attention(q_BTNH, k_BSKH, v_BSKH, spec, bias, scale=scale,
-                             dropout_rate=dropout_rate, dropout_rng=dropout_rng)
+        out, probs, *lse = xla_attention(q_BTNH, k_BSKH, v_BSKH, spec, bias, scale=scale,
+                                         dropout_rate=dropout_rate, dropout_rng=dropout_rng,
+                                         with_lse=with_lse)
+        return out, probs if with_probs else None, lse[0] if with_lse else None
     if chosen == "chunked":
-        return chunked_attention(q_BTNH, k_BSKH, v_BSKH, spec, bias, scale=scale,
-                                 dropout_rate=dropout_rate, dropout_rng=dropout_rng,
-                                 q_block=block, k_block=block), None
-    return cudnn.cudnn_attention(q_BTNH, k_BSKH, v_BSKH, spec, scale=scale), None
+        out = chunked_attention(q_BTNH, k_BSKH, v_BSKH, spec, bias, scale=scale,
+                                dropout_rate=dropout_rate, dropout_rng=dropout_rng,
+                                q_block=block, k_block=block, with_lse=with_lse)
+        return (out[0], None, out[1]) if with_lse else (out, None, None)
+    if with_lse:
+        raise UserError("attention_impl='cudnn' cannot merge a decoding step's cache with "
+                        "its new tokens (it returns no log-sum-exp here); use 'auto'")
+    return cudnn.cudnn_attention(q_BTNH, k_BSKH, v_BSKH, spec, scale=scale), None, None
+
+
+def merge(*parts):
+    """One attention over the union of several key sets, from the attention over each:
+    parts of (out_BTNH, lse_BTN) combine as softmax over all their keys would.
+
+        out = sum_i out_i exp(lse_i - lse),   lse = log sum_i exp(lse_i)
+
+    A part whose query sees none of its keys (lse -inf) weighs 0."""
+    lse_BTN = parts[0][1]
+    for _, other in parts[1:]:
+        lse_BTN = jnp.logaddexp(lse_BTN, other)
+    out = sum(out_i.astype(jnp.float32) * jnp.exp(lse_i - lse_BTN)[..., None]
+              for out_i, lse_i in parts)
+    return out.astype(parts[0][0].dtype), lse_BTN
 
 
 __all__ = ["CHUNKED_FROM", "IMPLEMENTATIONS", "attend", "choose", "chunked_attention",
-           "dot_product_attention", "xla_attention"]
+           "dot_product_attention", "merge", "xla_attention"]

@@ -17,7 +17,7 @@ block per head at a time. The backward pass (`jax.custom_vjp`) keeps only `out` 
 from the forward and recomputes each block's probabilities from them,
 `P = exp(s - lse)`, then
 
-    dV_j += P^T dO      dP = dO v_j^T      dS = P (dP - D),  D = rowsum(dO * out)
+    dV_j += P^T dO      dP = dO v_j^T      dS = P (dP - D),  D = rowsum(dO * out) - d(lse)
     dQ   += scale dS k_j                   dK_j += scale dS^T q
     d(bias) = dS (through the bias description's own vjp, block by block)
 
@@ -51,7 +51,7 @@ K_BLOCK = 512
 
 def chunked_attention(q_BTNH, k_BSKH, v_BSKH, spec: MaskSpec, bias=None, *,
                       scale: float, dropout_rate: float = 0.0, dropout_rng=None,
-                      q_block: int = Q_BLOCK, k_block: int = K_BLOCK):
+                      q_block: int = Q_BLOCK, k_block: int = K_BLOCK, with_lse: bool = False):
     """softmax(scale q k^T + bias, masked) v without a [T, S] array in either pass.
 
     Args:
@@ -65,9 +65,11 @@ def chunked_attention(q_BTNH, k_BSKH, v_BSKH, spec: MaskSpec, bias=None, *,
         scale: the logits' scale.
         dropout_rate, dropout_rng: dropout on the probabilities (training only).
         q_block, k_block: block sizes (smaller sequences are one block).
+        with_lse: also return each query's log-sum-exp of its visible logits, lse_BTN
+            (float32, -inf for a query that sees nothing), differentiable like `out`.
 
     Returns:
-        out_BTNH in the dtype of v. A query that sees no key gives zeros.
+        out_BTNH in the dtype of v (and lse_BTN). A query that sees no key gives zeros.
     """
     B, T, N, H = q_BTNH.shape
     Bk, S, K, _ = k_BSKH.shape
@@ -86,8 +88,12 @@ def chunked_attention(q_BTNH, k_BSKH, v_BSKH, spec: MaskSpec, bias=None, *,
     if plan.dropout_rate > 0.0:
         key_data = (jax.random.key_data(dropout_rng)
                     if jnp.issubdtype(dropout_rng.dtype, jax.dtypes.prng_key) else dropout_rng)
-    out = _attention(plan, q, k, v, spec, bias, key_data)
-    return out[:, :Q].reshape(B, T, N, H).astype(v_BSKH.dtype)
+    out, lse = _attention(plan, q, k, v, spec, bias, key_data)
+    out = out[:, :Q].reshape(B, T, N, H).astype(v_BSKH.dtype)
+    if not with_lse:
+        return out
+    lse = jnp.where(jnp.isposinf(lse[..., :Q]), -jnp.inf, lse[..., :Q])   # [Bk, K, G, Q]
+    return out, lse.reshape(Bk, K * G, W, T).transpose(0, 2, 3, 1).reshape(B, T, N)
 
 
 class _Plan(NamedTuple):
@@ -233,17 +239,21 @@ def _forward(plan: _Plan, q, k, v, spec, bias, key_data):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _attention(plan, q, k, v, spec, bias, key_data):
-    return _forward(plan, q, k, v, spec, bias, key_data)[0].astype(v.dtype)
+    """(out [Bk, Q, K, G, H] in v's dtype, lse float32 [Bk, K, G, Q]; +inf where a query
+    sees nothing)."""
+    out, lse = _forward(plan, q, k, v, spec, bias, key_data)
+    return out.astype(v.dtype), lse
 
 
 def _attention_fwd(plan, q, k, v, spec, bias, key_data):
     out, lse = _forward(plan, q, k, v, spec, bias, key_data)
     out = out.astype(v.dtype)
-    return out, (q, k, v, spec, bias, key_data, out, lse)
+    return (out, lse), (q, k, v, spec, bias, key_data, out, lse)
 
 
-def _attention_bwd(plan, residuals, d_out):
+def _attention_bwd(plan, residuals, cotangents):
     q, k, v, spec, bias, key_data, out, lse = residuals
+    d_out, d_lse = cotangents
     q, spec, bias = _tied(q, spec, bias)
     Bk, Qp, K, G, H = q.shape
     q_blocks = q.reshape(Bk, plan.nq, plan.bq, K, G, H)
@@ -251,9 +261,11 @@ def _attention_bwd(plan, residuals, d_out):
     v_blocks = v.reshape(Bk, plan.nk, plan.bk, K, H)
     do_blocks = d_out.reshape(Bk, plan.nq, plan.bq, K, G, H)
     lse_blocks = lse.reshape(Bk, K, G, plan.nq, plan.bq)
-    # D_i = rowsum(dO * out): [Bk, K, G, nq, bq]
+    # D_i = rowsum(dO * out) less d(lse)_i (d lse / d s = P): [Bk, K, G, nq, bq]
     d_rows = jnp.einsum("BQKGH,BQKGH->BKGQ", d_out.astype(jnp.float32),
-                        out.astype(jnp.float32)).reshape(Bk, K, G, plan.nq, plan.bq)
+                        out.astype(jnp.float32))
+    d_rows = (d_rows - jnp.where(jnp.isfinite(lse), d_lse, 0.0)).reshape(
+        Bk, K, G, plan.nq, plan.bq)
     bias_zero = None if bias is None else _float_zeros(bias)
 
     def one_key_block(carry, j):

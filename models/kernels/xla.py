@@ -26,6 +26,7 @@ def dot_product_attention(
     scale: float | None = None,
     dropout_rate: float = 0.0,
     dropout_rng: jax.Array | None = None,
+    with_lse: bool = False,
 ) -> tuple[Float[Array, "B T N H"], Float[Array, "B N T S"]]:
     """softmax(scale * q k^T + bias, masked) v, with the softmax in float32.
 
@@ -41,8 +42,12 @@ def dot_product_attention(
         scale: the logits' scale; None means 1 / sqrt(H).
         dropout_rate, dropout_rng: dropout on the probabilities (training only).
 
+        with_lse: also return the log-sum-exp of each query's visible logits, lse_BTN
+            (float32; -inf for a query that sees nothing), to merge this attention with
+            another over other keys.
+
     Returns:
-        out_BTNH in the dtype of v, and probs_BNTS (float32) for inspection.
+        out_BTNH in the dtype of v, and probs_BNTS (float32) for inspection (and lse_BTN).
     """
     B, T, N, H = q_BTNH.shape
     Bk, S, K, Hk = k_BSKH.shape
@@ -74,6 +79,22 @@ def dot_product_attention(
     probs_BKGQS = jax.nn.softmax(logits_BKGQS, axis=-1)
     if mask_BTS is not None:
         probs_BKGQS = jnp.where(mask_B11QS, probs_BKGQS, 0.0)
+    out_BTNH, probs_BNTS = _weighted(probs_BKGQS, v_BSKH, (B, T, N, H), dropout_rate,
+                                     dropout_rng)
+    if not with_lse:
+        return out_BTNH, probs_BNTS
+    lse_BKGQ = jax.nn.logsumexp(logits_BKGQS, axis=-1)
+    if mask_BTS is not None:                # a query that sees nothing: -inf, weight 0
+        lse_BKGQ = jnp.where(mask_B11QS.any(-1), lse_BKGQ, -jnp.inf)
+    lse_BTN = lse_BKGQ.reshape(Bk, K * G, W, T).transpose(0, 2, 3, 1).reshape(B, T, N)
+    return out_BTNH, probs_BNTS, lse_BTN
+
+
+def _weighted(probs_BKGQS, v_BSKH, shape, dropout_rate, dropout_rng):
+    """(out_BTNH, probs_BNTS) from the probabilities of the folded queries."""
+    B, T, N, H = shape
+    Bk, K, G, _, S = probs_BKGQS.shape
+    W = B // Bk
     if dropout_rate > 0.0 and dropout_rng is not None:
         keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, probs_BKGQS.shape)
         probs_BKGQS = jnp.where(keep, probs_BKGQS / (1.0 - dropout_rate), 0.0)
@@ -84,7 +105,7 @@ def dot_product_attention(
 
 
 def xla_attention(q_BTNH, k_BSKH, v_BSKH, spec: MaskSpec, bias=None, *, scale: float,
-                  dropout_rate: float = 0.0, dropout_rng=None):
+                  dropout_rate: float = 0.0, dropout_rng=None, with_lse: bool = False):
     """`dot_product_attention` of a mask description (`MaskSpec`) and a bias description
     (None, or a `models.relative.RelativeBias`), both materialised here."""
     B, Bk = q_BTNH.shape[0], k_BSKH.shape[0]
@@ -98,4 +119,4 @@ def xla_attention(q_BTNH, k_BSKH, v_BSKH, spec: MaskSpec, bias=None, *, scale: f
         q_BTNH, k_BSKH, v_BSKH, None if mask is None else jnp.broadcast_to(
             mask, (B, q_BTNH.shape[1], k_BSKH.shape[1])),
         bias_BNTS=None if bias is None else bias.materialize(), scale=scale,
-        dropout_rate=dropout_rate, dropout_rng=dropout_rng)
+        dropout_rate=dropout_rate, dropout_rng=dropout_rng, with_lse=with_lse)
