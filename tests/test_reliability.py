@@ -31,6 +31,7 @@ from tests.train_helpers import (
     worker_summary,
 )
 from train import checkpoint, integrity, parallel, setup, workdir as workdir_lib
+from train.run_config import RunConfig
 from train.state import TrainState
 from train.trainer import train_and_evaluate
 
@@ -321,7 +322,7 @@ def test_files_are_written_whole_or_not_at_all(tmp_path, monkeypatch):
 
 
 def test_the_run_tokenizer_is_saved_whole_or_not_at_all(tmp_path, monkeypatch):
-    config = tiny_train_config("unused")
+    run = RunConfig.from_config(tiny_train_config("unused"))
     save = ByteTokenizer.save
 
     def half_then_full_disk(self, directory):
@@ -329,10 +330,10 @@ def test_the_run_tokenizer_is_saved_whole_or_not_at_all(tmp_path, monkeypatch):
         raise OSError(28, "No space left on device")
     monkeypatch.setattr(ByteTokenizer, "save", half_then_full_disk)
     with pytest.raises(OSError, match=f"{tmp_path}/tokenizer"):
-        setup.get_tokenizer(config, None, str(tmp_path))
+        setup.get_tokenizer(run.model, run.data, None, str(tmp_path))
     assert os.listdir(tmp_path) == []             # no half tokenizer for a later run to load
     monkeypatch.setattr(ByteTokenizer, "save", save)
-    assert setup.get_tokenizer(config, None, str(tmp_path)).vocab_size == 260
+    assert setup.get_tokenizer(run.model, run.data, None, str(tmp_path)).vocab_size == 260
     assert os.listdir(tmp_path) == ["tokenizer"]
 
 
