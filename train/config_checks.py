@@ -1,6 +1,6 @@
 """Rules for config values, and `Part`: a frozen dataclass whose fields check themselves.
 
-A part of the run config (`train.run_config`) declares each key once, as a field with its
+A part of the run config (`train.settings`) declares each key once, as a field with its
 default and its rule; making the part checks every field, then the rules between its own
 fields (`Part.check`):
 

@@ -6,13 +6,14 @@ parts out, each checked when it is made.
     base_config()                                         # every key with its default
 
 Every key is declared once, as a field of one part (`train.settings`) with its default and
-its rule (`train.config_checks.setting`); `base_config()` (which every file in `train/configs/`
-starts from) is made from those fields, so the keys, their defaults and their rules cannot
-drift apart. Rules between keys of one part live with that part (`Part.check`); the two
-that span parts (the tokenizer's size, and the model fitting the dataset) are
-`RunConfig.check`'s. Each part of the trainer receives the part it reads: the optimiser
-`OptimizerSettings`, the wrappers `ParallelSettings`, the pipeline `DataSettings` and
-`BatchSettings`, the objective `ObjectiveSettings`, evaluation `EvalSettings`.
+its rule (`train.config_checks.setting`); `base_config()` (which every file in
+`train/configs/` starts from) is made from those fields, so the keys, their defaults and
+their rules cannot drift apart. Rules between keys of one part live with that part
+(`Part.check`); the two that span parts (the tokenizer's size, and the model fitting the
+dataset) are `RunConfig.check`'s. Each part of the trainer receives the part it reads:
+the optimiser `OptimizerSettings`, the wrappers `ParallelSettings`, the pipeline
+`DataSettings` and `BatchSettings`, the objective `ObjectiveSettings`, evaluation
+`EvalSettings`.
 """
 
 from __future__ import annotations
@@ -39,19 +40,11 @@ from train.settings import (
     ParallelSettings,
 )
 
-# The parts in the order the config is read (a mistake in an earlier one is reported
-# first), by the attribute of `RunConfig` that holds each.
-PARTS: dict[str, type[Part]] = {
-    "model": ModelSettings, "data": DataSettings, "batch": BatchSettings,
-    "optimizer": OptimizerSettings, "objective": ObjectiveSettings,
-    "parallel": ParallelSettings, "hosts": HostSettings, "checkpoints": CheckpointSettings,
-    "loop": LoopSettings, "evaluation": EvalSettings,
-}
-
 
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
-    """Every part of a run's config, checked (see the module docstring).
+    """Every part of a run's config, checked (see the module docstring). The parts are
+    read in the order of these fields (a mistake in an earlier one is reported first).
 
     Attributes:
         model, data, batch, optimizer, objective, parallel, hosts, checkpoints, loop,
@@ -146,6 +139,9 @@ class RunConfig:
         entry.objective.check_settings(self.objective, cfg, model_name=model.model)
 
 
+# {attribute of RunConfig: its part's class}: every part, in the order the config is read.
+PARTS: dict[str, type[Part]] = {f.name: f.default_factory for f in dataclasses.fields(RunConfig)
+                                if f.default_factory is not dataclasses.MISSING}
 RULES = {key: rule for part in PARTS.values() for key, rule in part.key_rules().items()}
 
 
