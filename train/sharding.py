@@ -193,6 +193,7 @@ class Sharded(Wrapper):
         the batch axes (`models.axes.constrain`)."""
         with sharded_activations(self.mesh, self.rules):
             return self._train.lower(state, batch)
+
     def put_state(self, state):
         """A host (or differently placed) state moved onto its shards."""
         return jax.device_put(state, self.state_shardings)
