@@ -20,9 +20,12 @@ import time
 import jax
 
 import models
-from train import configs, data as data_lib, parallel, state as state_lib, step as step_lib
-from train.model_config import model_config
-from train.setup import pipeline_config
+from train import configs, data as data_lib, state as state_lib
+from train.model_config import preset_config
+from train.objectives import fit
+from train.run_config import RunConfig
+from train.setup import make_wrapper, pipeline_config
+from train.step import Steps
 
 
 def _examples(batch: dict) -> int:
@@ -37,11 +40,12 @@ def main(argv=None) -> None:
     p.add_argument("--data-dir", default=None, help="TFDS data dir (default TFDS's)")
     args = p.parse_args(argv)
 
-    config = configs.get("default")
-    ds = data_lib.load_dataset(config.dataset, args.data_dir)
+    settings = RunConfig.from_config(configs.get("default"))
+    data = settings.data
+    ds = data_lib.load_dataset(data.dataset, args.data_dir)
     texts = (t for ex in ds.examples("train", range(len(ds.split("train")))) for t in ex)
-    tok = data_lib.train_sentencepiece(texts, config.vocab_size, model_type=config.spm_model_type)
-    pcfg = pipeline_config(config)
+    tok = data_lib.train_sentencepiece(texts, data.vocab_size, model_type=data.spm_model_type)
+    pcfg = pipeline_config(settings)
     source, _ = data_lib.train_source(ds, tok, pcfg)
     iterator = data_lib.train_iterator(source, pcfg)
     next(iterator)                                            # first epoch plan, threads up
@@ -51,11 +55,15 @@ def main(argv=None) -> None:
     pipeline_rate = n / (time.perf_counter() - t0)
     del iterator                      # stop its prefetch threads before timing the step
 
-    model = models.build(model_config(config, tok.vocab_size))
-    first = jax.tree.map(lambda x: x[0], source[0])
-    params = jax.jit(model.init)(jax.random.key(0), first["inputs"], first["targets"])["params"]
-    tx, schedule = state_lib.make_optimizer(config)
-    dp = parallel.DataParallel(config.parallel, *step_lib.make_steps(model, config, schedule))
+    cfg = preset_config(settings.model, tok.vocab_size, max_len=settings.needed_max_len)
+    cfg, objective = fit(cfg, ds, tok, settings.objective, model_name=settings.model.name)
+    model = models.build(cfg)
+    init_args, method = objective.init_inputs(jax.tree.map(lambda x: x[0], source[0]))
+    params = jax.jit(model.init, static_argnames="method")(
+        jax.random.key(0), *init_args, method=method)["params"]
+    tx, schedule = state_lib.make_optimizer(settings.optimizer, settings.loop.num_train_steps)
+    dp = make_wrapper(settings.parallel, Steps(model, objective, schedule), tx,
+                      seed=settings.loop.seed)
     state = dp.put_state(state_lib.TrainState.create(params, tx, 0))
     batches = [source[i] for i in range(args.train_steps + 1)]
     state, m = dp.train_step(state, batches[0])
@@ -71,7 +79,7 @@ def main(argv=None) -> None:
                       "train_examples_per_s": round(train_rate, 1),
                       "ratio": round(pipeline_rate / train_rate, 2),
                       "devices": jax.local_device_count(), "backend": jax.default_backend(),
-                      "per_device_batch_size": config.per_device_batch_size}))
+                      "per_device_batch_size": settings.batch.per_device_batch_size}))
 
 
 if __name__ == "__main__":

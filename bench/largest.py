@@ -21,8 +21,7 @@ import re
 import jax
 
 import models
-from bench.train import compile_step, make_wrapper, param_count, step_memory
-from train import configs, state as state_lib
+from bench.common import bench_settings, compile_step, make_wrapper, param_count, step_memory
 
 
 def parse_bytes(text: str) -> int:
@@ -84,7 +83,7 @@ def largest_fitting(measure, budget: float, limit: int = 4096) -> tuple[int, dic
     return lo, seen
 
 
-def largest_models(budget: int, d_model: int = 2048, vocab_size: int = 32_000,
+def largest_models(budget: int, *, d_model: int = 2048, vocab_size: int = 32_000,
                    length: int = 128, rows: int | None = None, dtype: str = "float32",
                    max_layers: int = 4096, report=None) -> dict:
     """The largest `search_config` models (by layers) whose train step compiles within
@@ -101,8 +100,7 @@ def largest_models(budget: int, d_model: int = 2048, vocab_size: int = 32_000,
     """
     devices = jax.device_count()
     rows = rows or devices
-    config = configs.get("default")
-    config.update(num_train_steps=1000, warmup_steps=100)
+    settings = bench_settings()
     shapes = {k: (rows, length) for k in ("targets", "targets_segmentation", "targets_position")}
     out = {"budget_bytes": budget, "d_model": d_model}
 
@@ -112,9 +110,8 @@ def largest_models(budget: int, d_model: int = 2048, vocab_size: int = 32_000,
         def measure(n, name=name, mesh_shape=mesh_shape, params=params):
             cfg = search_config(d_model, n, vocab_size, length, dtype)
             model = models.build(cfg)
-            optimizer = state_lib.make_optimizer(config)
-            wrapper = make_wrapper(model, config, optimizer, mesh_shape, rows)
-            compiled, seconds, batch_bytes = compile_step(wrapper, model, optimizer[0], shapes)
+            wrapper, tx = make_wrapper(model, settings, mesh_shape=mesh_shape, rows=rows)
+            compiled, seconds, batch_bytes = compile_step(wrapper, model, tx, shapes)
             mem = step_memory(compiled, batch_bytes)
             params[n] = param_count(model)
             if report:

@@ -49,18 +49,24 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import models
+from bench.common import (
+    bench_settings,
+    compile_step,
+    make_state_fn,
+    make_wrapper,
+    param_count,
+    step_memory,
+)
 from bench.decode import best_of, timed
+from bench.largest import largest_models, parse_bytes
 from models.layers import GATED
-from train import configs, parallel, sharding, state as state_lib, step as step_lib
 
 # Dense (no sparsity) datasheet peaks, FLOP/s, by device kind substring and dtype.
 CHIP_PEAKS = {
@@ -116,10 +122,12 @@ def model_flops(cfg: models.TransformerConfig, batch: int, src_len: int, tgt_len
             "model_flops_per_step": 3 * (dense + attn), "attention_share": attn / (dense + attn)}
 
 
-def make_batch(cfg, devices: int, batch: int, src_len: int, tgt_len: int, seed: int = 0):
-    """Full rows of random tokens, `[R, batch / R, W]`, with the pipeline's keys."""
+def make_batch(cfg, devices: int, batch: int, lengths: tuple[int, int], *, seed: int = 0):
+    """Full rows of random tokens, `[R, batch / R, W]`, with the pipeline's keys; `lengths`
+    are (source, target)."""
     r = np.random.default_rng(seed)
     out = {}
+    src_len, tgt_len = lengths
     sides = (("inputs", src_len), ("targets", tgt_len)) if cfg.is_encoder_decoder else \
         (("targets", tgt_len),)
     for side, w in sides:
@@ -146,101 +154,6 @@ def use_fake_devices(n: int) -> None:
                          f"{jax.device_count()} {jax.default_backend()} device(s)")
 
 
-def make_state_fn(model, tx):
-    """`make_state()`: the fresh train state (params from key 0), to run under jit, into
-    shards (`Sharded.init`), or abstractly (`jax.eval_shape`)."""
-    args, method = models.axes.init_args(model.config)
-
-    def make_state():
-        tokens = [jnp.zeros(a.shape, a.dtype) for a in args]
-        params = model.init(jax.random.key(0), *tokens, method=method)["params"]
-        return state_lib.TrainState.create(params, tx, 0)
-    return make_state
-
-
-def param_count(model) -> int:
-    """The model's parameter count, from an abstract initialisation."""
-    args, method = models.axes.init_args(model.config)
-    params = jax.eval_shape(lambda *a: model.init(jax.random.key(0), *a, method=method),
-                            *args)["params"]
-    return sum(math.prod(x.shape) for x in jax.tree.leaves(params))
-
-
-def make_sharded(model, config, schedule, tx, mesh_shape) -> sharding.Sharded:
-    """The steps under `train.sharding.Sharded` on a (data, fsdp, tensor) mesh of all
-    devices, as the trainer builds them for `parallel="sharded"` (default rules).
-
-    Raises:
-        UserError: a mesh that does not match the devices, or heads that do not divide the
-            tensor axis (naming the numbers).
-    """
-    mesh = sharding.make_mesh(mesh_shape)
-    rules = sharding.check_rules(sharding.DEFAULT_RULES)
-    return sharding.for_model(model, config, schedule, tx, mesh, rules)
-
-
-def make_wrapper(model, config, optimizer, mesh_shape, rows: int):
-    """The trainer's wrapper of the steps: pmap's `DataParallel` (`mesh_shape` None, the
-    state replicated on every device) or `Sharded` on the mesh (`make_sharded`).
-
-    Args:
-        optimizer: (tx, schedule) from `train.state.make_optimizer(config)`.
-        rows: the global batch, which must divide over data x fsdp.
-
-    Raises:
-        UserError: a mesh that does not fit the devices, the heads or the batch.
-    """
-    tx, schedule = optimizer
-    if mesh_shape is None:
-        return parallel.DataParallel("pmap", *step_lib.make_steps(model, config, schedule))
-    wrapper = make_sharded(model, config, schedule, tx, mesh_shape)
-    wrapper.check_rows(rows)
-    return wrapper
-
-
-def compile_step(wrapper, model, tx, batch_shapes: dict):
-    """`wrapper`'s train step compiled from abstract shapes: nothing is allocated.
-
-    Args:
-        tx: the optimiser the wrapper's steps were made with; states given to the
-            executable must hold this same `tx`.
-        batch_shapes: {key: (rows, width)} of the global batch, int32.
-
-    Returns:
-        (compiled executable, seconds to lower and compile, this device's batch bytes).
-    """
-    abstract = jax.eval_shape(make_state_fn(model, tx))
-    t0 = time.perf_counter()
-    if wrapper.kind == "pmap":
-        r = jax.local_device_count()
-        state = jax.tree.map(lambda a: jax.ShapeDtypeStruct((r, *a.shape), a.dtype), abstract)
-        batch = {k: jax.ShapeDtypeStruct((r, rows // r, w), jnp.int32)
-                 for k, (rows, w) in batch_shapes.items()}
-        batch_bytes = sum(rows // r * w * 4 for rows, w in batch_shapes.values())
-    else:
-        state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                             abstract, wrapper.state_shardings)
-        batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=wrapper.batch_sharding)
-                 for k, shape in batch_shapes.items()}
-        batch_bytes = sum(math.prod(wrapper.batch_sharding.shard_shape(shape)) * 4
-                          for shape in batch_shapes.values())
-    lower = wrapper._train.lower if wrapper.kind == "pmap" else wrapper.lower
-    compiled = lower(state, batch).compile()
-    return compiled, time.perf_counter() - t0, batch_bytes
-
-
-def step_memory(compiled, batch_bytes: int) -> dict:
-    """Per-device bytes of a compiled step, from XLA's `memory_analysis()` (see the module
-    docstring; empty where the backend gives none)."""
-    m = compiled.memory_analysis()
-    if m is None:
-        return {}
-    args, temp = m.argument_size_in_bytes, m.temp_size_in_bytes
-    unaliased = m.output_size_in_bytes - m.alias_size_in_bytes
-    return {"state_bytes": args - batch_bytes, "batch_bytes": batch_bytes, "temp_bytes": temp,
-            "output_not_aliased_bytes": unaliased, "per_device_bytes": args + temp + unaliased}
-
-
 def time_compiled(wrapper, compiled, state, batch, steps: int) -> tuple[float, float]:
     """(best, median) seconds of `steps` steps of `compiled` after one untimed step; the
     batch is placed on the devices within each step, as in training."""
@@ -254,9 +167,8 @@ def time_compiled(wrapper, compiled, state, batch, steps: int) -> tuple[float, f
     return min(times), statistics.median(times)
 
 
-def compare_meshes(name: str, cfg, config, batch: dict, lengths: tuple[int, int],
-                   mesh_shapes, steps: int, common: dict, peak: float,
-                   chip: float | None) -> list[dict]:
+def compare_meshes(cfg, batch: dict, mesh_shapes, *, name: str, lengths: tuple[int, int],
+                   steps: int, common: dict, peak: float, chip: float | None) -> list[dict]:
     """`train` lines for pmap, then for each mesh with its ratios to pmap (see the module
     docstring), each printed as it is measured.
 
@@ -267,8 +179,7 @@ def compare_meshes(name: str, cfg, config, batch: dict, lengths: tuple[int, int]
         SystemExit: a mesh that does not fit the devices, the model's heads or the batch.
     """
     model = models.build(cfg)
-    optimizer = state_lib.make_optimizer(config)
-    make_state = make_state_fn(model, optimizer[0])
+    settings = bench_settings()
     src_len, tgt_len = lengths
     rows = batch["targets"].shape[0] * batch["targets"].shape[1]
     shapes = {k: (rows, v.shape[2]) for k, v in batch.items()}
@@ -277,14 +188,13 @@ def compare_meshes(name: str, cfg, config, batch: dict, lengths: tuple[int, int]
     wrappers = []                       # all made first: a bad mesh stops before any work
     for mesh_shape in [None, *mesh_shapes]:
         try:
-            wrappers.append(make_wrapper(model, config, optimizer, mesh_shape, rows))
+            wrappers.append(make_wrapper(model, settings, mesh_shape=mesh_shape, rows=rows))
         except ValueError as e:
             raise SystemExit(f"error: --mesh {' '.join(map(str, mesh_shape))}: {e}") from None
     lines = []
-    for wrapper, mesh_shape in zip(wrappers, [None, *mesh_shapes], strict=True):
-        compiled, compile_s, batch_bytes = compile_step(wrapper, model, optimizer[0], shapes)
-        state = (wrapper.put_state(jax.jit(make_state)()) if mesh_shape is None
-                 else wrapper.init(make_state))
+    for (wrapper, tx), mesh_shape in zip(wrappers, [None, *mesh_shapes], strict=True):
+        compiled, compile_s, batch_bytes = compile_step(wrapper, model, tx, shapes)
+        state = wrapper.init_state(make_state_fn(model, tx))
         best, median = time_compiled(wrapper, compiled, state, batch, steps)
         del state
         line = {
@@ -315,7 +225,6 @@ def compare_meshes(name: str, cfg, config, batch: dict, lengths: tuple[int, int]
 
 
 def main(argv=None) -> None:
-    from bench.largest import largest_models, parse_bytes  # it imports this module
     p = argparse.ArgumentParser(prog="python -m bench.train", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="transformer-base", help="a preset name")
     p.add_argument("--vocab-size", type=int, default=None, help="default: the preset's")
@@ -356,8 +265,9 @@ def main(argv=None) -> None:
     if args.memory_budget is not None:
         def report(line):
             print(json.dumps(line), flush=True)
-        found = largest_models(args.memory_budget, args.search_width, args.search_vocab,
-                               args.search_length, dtype=dtype, report=report)
+        found = largest_models(args.memory_budget, d_model=args.search_width,
+                               vocab_size=args.search_vocab, length=args.search_length,
+                               dtype=dtype, report=report)
         print(json.dumps({"what": "largest_under_budget", **common, **found}), flush=True)
         return
     if args.batch % devices:
@@ -378,23 +288,15 @@ def main(argv=None) -> None:
     print(json.dumps({"what": "peak", **common, "measured_matmul_flops_per_s": round(peak),
                       "chip_peak_flops_per_s": chip}), flush=True)
 
-    config = configs.get("default")
-    config.update(num_train_steps=1000, warmup_steps=100,
-                  parallel="pmap" if args.parallel == "sharded" else args.parallel)
-    batch = make_batch(cfg, devices, args.batch, src_len, tgt_len)
+    batch = make_batch(cfg, devices, args.batch, (src_len, tgt_len))
     if args.parallel == "sharded":
-        compare_meshes(args.model, cfg, config, batch, (src_len, tgt_len),
-                       [tuple(m) for m in args.mesh or [(1, -1, 1)]], args.steps, common,
-                       peak, chip)
+        compare_meshes(cfg, batch, [tuple(m) for m in args.mesh or [(1, -1, 1)]],
+                       name=args.model, lengths=(src_len, tgt_len), steps=args.steps,
+                       common=common, peak=peak, chip=chip)
         return
     model = models.build(cfg)
-    first = jax.tree.map(lambda x: x[0], batch)
-    init_args = ((first["inputs"], first["targets"]) if cfg.is_encoder_decoder
-                 else (first["targets"],))
-    params = jax.jit(model.init)(jax.random.key(0), *init_args)["params"]
-    tx, schedule = state_lib.make_optimizer(config)
-    dp = parallel.DataParallel(args.parallel, *step_lib.make_steps(model, config, schedule))
-    state = dp.put_state(state_lib.TrainState.create(params, tx, 0))
+    dp, tx = make_wrapper(model, bench_settings(), rows=args.batch, parallel=args.parallel)
+    state = dp.init_state(make_state_fn(model, tx))
 
     def step():
         nonlocal state
@@ -410,7 +312,7 @@ def main(argv=None) -> None:
         "what": "train", **common, "model": args.model, "vocab_size": cfg.vocab_size,
         "batch": args.batch, "source_length": src_len if cfg.is_encoder_decoder else None,
         "target_length": tgt_len,
-        "params": int(sum(x.size for x in jax.tree.leaves(params))), **flops,
+        "params": param_count(model), **flops,
         "compile_s": round(first_call - median, 2), "step_s_best": round(best, 4),
         "step_s_median": round(median, 4), "target_tokens_per_s": round(tokens / best, 1),
         "model_flops_per_s": round(flops["model_flops_per_step"] / best),

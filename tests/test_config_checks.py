@@ -1,5 +1,6 @@
-"""check_config: every key of train/configs/_base.py has a rule, and each broken rule is an
-error naming the key, the value and the rule, found before any data is prepared."""
+"""The run config (`train.run_config`): every key of train/configs/_base.py has a rule, and
+each broken rule is an error naming the key, the value and the rule, found before any data
+is prepared."""
 
 import re
 
@@ -10,8 +11,8 @@ import pytest
 
 import models
 from train import configs
-from train.config_checks import RULES, check_config
 from train.configs._base import base_config
+from train.run_config import RULES, check_config
 
 
 def _config(name="default", **changes):
@@ -198,7 +199,7 @@ def test_init_from_must_be_a_model_directory(tmp_path):
 
 def test_an_encoder_only_model_trains_on_text_or_classification_and_nothing_else():
     from train import configs
-    from train.config_checks import check_config
+    from train.run_config import check_config
     config = configs.get("default")
     config.model = "bert-tiny"
     with pytest.raises(ValueError, match=r"model='bert-tiny' .*\(encoder_only\) does not fit "

@@ -23,8 +23,8 @@ import sacrebleu
 
 import models
 from tests.helpers import tiny
-from tests.train_helpers import tiny_train_config
-from train import evaluate, parallel, step as step_lib
+from tests.train_helpers import next_token_steps, tiny_train_config
+from train import evaluate, parallel
 from train.data import BOS_ID, EOS_ID, ByteTokenizer, Dataset, load_dataset
 
 TOK = ByteTokenizer()
@@ -291,7 +291,7 @@ def loss_setup():
     model = models.build(cfg)
     params = jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, W), jnp.int32),
                                  jnp.zeros((1, W), jnp.int32))["params"]
-    train_fn, eval_fn = step_lib.make_steps(model, tiny_train_config(""), schedule=None)
+    train_fn, eval_fn = next_token_steps(model, tiny_train_config(""))[0].functions()
     dp = parallel.DataParallel("pmap", train_fn, eval_fn)
     return model, params, dp
 

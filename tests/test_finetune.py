@@ -16,7 +16,7 @@ import pytest
 import decode.__main__ as decode_cli
 import models
 from tests.train_helpers import tiny_train_config, train_metric_rows
-from train import configs, export as export_lib, step as step_lib
+from train import configs, export as export_lib
 from train.data import (
     PipelineConfig,
     eval_batches,
@@ -24,6 +24,7 @@ from train.data import (
     load_tokenizer,
     tokenize_split,
 )
+from train.objectives import next_token
 from train.trainer import train_and_evaluate
 
 torch = pytest.importorskip("torch")
@@ -205,8 +206,8 @@ def test_marian_sources_and_targets_are_encoded_by_their_own_models_as_transform
                                                        max_target_length=24), "validation",
                                num_devices=1)
     batch = {k: v[0] for k, v in batch.items()}
-    dec_in = step_lib.shift_right(batch["targets"], batch["targets_position"],
-                                  batch["targets_segmentation"], pre.config.bos_id)
+    dec_in = next_token.shift_right(batch["targets"], batch["targets_position"],
+                                    batch["targets_segmentation"], pre.config.bos_id)
     n = len(want["labels"][0])
     from transformers.models.marian.modeling_marian import shift_tokens_right
     expected_in = shift_tokens_right(torch.tensor(want["labels"][:1]), tok.pad_id,
@@ -214,8 +215,8 @@ def test_marian_sources_and_targets_are_encoded_by_their_own_models_as_transform
     assert pre.config.bos_id == tok.pad_id == len(tok.hf) - 1
     assert np.asarray(dec_in)[0, :n].tolist() == expected_in
     with jax.default_matmul_precision("highest"):
-        logits = step_lib.forward(pre.model, pre.params, batch, dec_in, dropout_rng=None,
-                                  deterministic=True)
+        logits = next_token.forward(pre.model, pre.params, batch, dec_in, dropout_rng=None,
+                                    deterministic=True)
     hf = transformers.MarianMTModel.from_pretrained(model_dir, attn_implementation="eager")
     with torch.no_grad():                          # the first example alone, unpadded
         expected = hf(input_ids=torch.tensor(want["input_ids"][:1]),

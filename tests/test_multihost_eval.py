@@ -131,7 +131,8 @@ def _eval_worker(process_id: str, address: str, data_dir: str, files: str, other
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(address, num_processes=2, process_id=int(process_id))
     import models
-    from train import evaluate, parallel, step as step_lib
+    from tests.train_helpers import next_token_steps
+    from train import evaluate, parallel
     pid, tok = jax.process_index(), data.ByteTokenizer()
     config = tiny_train_config(data_dir)
     model = models.build(models.get_config(
@@ -139,7 +140,7 @@ def _eval_worker(process_id: str, address: str, data_dir: str, files: str, other
         num_encoder_layers=1, num_decoder_layers=1, max_len=16))
     src = np.ones((1, 12), np.int32)
     params = model.init(jax.random.key(0), src, src)["params"]
-    dp = parallel.DataParallel("pmap", *step_lib.make_steps(model, config, lambda s: 0.0))
+    dp = parallel.DataParallel("pmap", *next_token_steps(model, config)[0].functions())
     replicated = parallel.replicate(params, jax.local_devices())
     cfg = data.PipelineConfig(per_device_batch_size=1, max_source_length=12,
                               max_target_length=12)

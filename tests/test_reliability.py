@@ -31,6 +31,7 @@ from tests.train_helpers import (
     worker_summary,
 )
 from train import checkpoint, integrity, parallel, setup, workdir as workdir_lib
+from train.run_config import RunConfig
 from train.state import TrainState
 from train.trainer import train_and_evaluate
 
@@ -246,6 +247,45 @@ def test_cli_errors_a_user_can_fix_are_one_line_and_exit_2(tmp_path, capfd):
     assert _cli(["--config", "copy", "--workdir", str(in_the_way), "--verbose"]) == 2
     err = capfd.readouterr().err
     assert "Traceback" in err and err.strip().splitlines()[-1].startswith("error: workdir")
+    # A config value that breaks its rule: one line, before any work.
+    assert _cli(["--config", "copy", "--workdir", str(tmp_path / "run"),
+                 "--config.num_train_steps=-1"]) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert err == ["error: num_train_steps=-1 must be an int >= 0"]
+
+
+def test_cli_a_bug_inside_the_run_is_an_internal_error_with_its_traceback_exit_1(
+        data_dir, tmp_path, capfd, monkeypatch):
+    """A plain ValueError (as a library raises one) is not the user's mistake: its
+    traceback, a line saying it is a bug, and exit 1; the workdir's lock is released."""
+    def broken(data):
+        raise ValueError("operands could not be broadcast together")
+    monkeypatch.setattr("train.setup.load_dataset", broken)
+    workdir = tmp_path / "run"
+    assert _cli(["--config", "copy", "--workdir", str(workdir),
+                 f"--config.data_dir={data_dir}"]) == 1
+    err = capfd.readouterr().err
+    assert "Traceback" in err and "in broken" in err
+    assert err.strip().splitlines()[-1] == (
+        "error: internal error (a bug in jax-transformer-zoo or a library it uses): "
+        "ValueError: operands could not be broadcast together")
+    workdir_lib.claim(str(workdir)).release()
+
+
+def test_export_cli_errors_follow_the_same_rule(tmp_path, capfd, monkeypatch):
+    from train import export as export_lib
+    assert export_lib.main(["--workdir", str(tmp_path)]) == 2          # no checkpoints
+    assert capfd.readouterr().err.strip().splitlines() == [
+        f"error: no checkpoints in {str(tmp_path)!r} (looked for {tmp_path / 'checkpoints'})"]
+
+    def broken(workdir, step=None):
+        raise KeyError("params")
+    monkeypatch.setattr(export_lib.checkpoint, "restore_model", broken)
+    assert export_lib.main(["--workdir", str(tmp_path)]) == 1
+    err = capfd.readouterr().err
+    assert "Traceback" in err and err.strip().splitlines()[-1] == (
+        "error: internal error (a bug in jax-transformer-zoo or a library it uses): "
+        "KeyError: 'params'")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -321,7 +361,7 @@ def test_files_are_written_whole_or_not_at_all(tmp_path, monkeypatch):
 
 
 def test_the_run_tokenizer_is_saved_whole_or_not_at_all(tmp_path, monkeypatch):
-    config = tiny_train_config("unused")
+    run = RunConfig.from_config(tiny_train_config("unused"))
     save = ByteTokenizer.save
 
     def half_then_full_disk(self, directory):
@@ -329,10 +369,10 @@ def test_the_run_tokenizer_is_saved_whole_or_not_at_all(tmp_path, monkeypatch):
         raise OSError(28, "No space left on device")
     monkeypatch.setattr(ByteTokenizer, "save", half_then_full_disk)
     with pytest.raises(OSError, match=f"{tmp_path}/tokenizer"):
-        setup.get_tokenizer(config, None, str(tmp_path))
+        setup.get_tokenizer(run.model, run.data, None, str(tmp_path))
     assert os.listdir(tmp_path) == []             # no half tokenizer for a later run to load
     monkeypatch.setattr(ByteTokenizer, "save", save)
-    assert setup.get_tokenizer(config, None, str(tmp_path)).vocab_size == 260
+    assert setup.get_tokenizer(run.model, run.data, None, str(tmp_path)).vocab_size == 260
     assert os.listdir(tmp_path) == ["tokenizer"]
 
 

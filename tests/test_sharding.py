@@ -16,8 +16,8 @@ import models
 from models import axes
 from tests.helpers import tiny
 from tests.test_train_step import W, _batch
-from tests.train_helpers import tiny_train_config
-from train import parallel, sharding, state as state_lib, step as step_lib
+from tests.train_helpers import next_token_steps, tiny_train_config
+from train import parallel, sharding, state as state_lib
 
 
 def _variant(arch: str, gqa: bool, scan: bool) -> models.TransformerConfig:
@@ -35,14 +35,13 @@ def _init_args(cfg):
 
 def _problem(cfg):
     model = models.build(cfg)
-    config = tiny_train_config("", adam_eps=1e-6)
-    tx, schedule = state_lib.make_optimizer(config)
+    steps, tx = next_token_steps(model, tiny_train_config("", adam_eps=1e-6))
     args = _init_args(cfg)
 
     def make_state(params=None):
         params = model.init(jax.random.key(0), *args)["params"] if params is None else params
         return state_lib.TrainState.create(params, tx, 0)
-    return model, config, schedule, tx, args, make_state
+    return steps, tx, make_state
 
 
 def _batches(cfg):
@@ -54,8 +53,8 @@ def _batches(cfg):
 
 def _one_device(cfg):
     """Three steps with pmap over one device: the reference."""
-    model, config, schedule, _, _, make_state = _problem(cfg)
-    train_fn, _ = step_lib.make_steps(model, config, schedule)
+    steps, _, make_state = _problem(cfg)
+    train_fn, _ = steps.functions()
     one = jax.pmap(train_fn, axis_name="batch", devices=jax.devices()[:1])
     s = parallel.replicate(make_state(), jax.devices()[:1])
     for b in _batches(cfg):
@@ -64,9 +63,9 @@ def _one_device(cfg):
 
 
 def _sharded(cfg, mesh_shape):
-    model, config, schedule, tx, _, make_state = _problem(cfg)
-    sh = sharding.for_model(model, config, schedule, tx, sharding.make_mesh(mesh_shape),
-                            sharding.check_rules(sharding.DEFAULT_RULES))
+    steps, tx, make_state = _problem(cfg)
+    sh = sharding.for_model(steps, tx, mesh=sharding.make_mesh(mesh_shape),
+                            rules=sharding.check_rules(sharding.DEFAULT_RULES))
     return sh, make_state
 
 
@@ -97,7 +96,7 @@ def test_three_sharded_steps_equal_one_device_and_each_device_holds_its_share(na
     for arch, gqa, scan in variants:
         cfg = _variant(arch, gqa, scan)
         sh, make_state = _sharded(cfg, mesh_shape)
-        state = sh.init(make_state)
+        state = sh.init_state(make_state)
         batches = [sh.put_batch(jax.tree.map(lambda x: x.reshape(4, -1, W), b))
                    for b in _batches(cfg)]
         step = sh.lower(state, batches[0]).compile()
@@ -119,7 +118,7 @@ def test_three_sharded_steps_equal_one_device_and_each_device_holds_its_share(na
 def test_parameters_and_adam_moments_split_as_the_rules_say():
     cfg = _variant("decoder_only", gqa=True, scan=True)
     sh, make_state = _sharded(cfg, (1, 2, 2))
-    state = sh.init(make_state)
+    state = sh.init_state(make_state)
     up = state.params["decoder"]["layers"]["mlp"]["up"]["kernel"]          # [L, D, F]
     assert up.sharding.spec == P(None, "fsdp", "tensor")
     assert up.addressable_data(0).shape == (2, 16, 128)        # a quarter on each device
@@ -219,7 +218,7 @@ def test_load_puts_each_array_on_its_shards_with_the_saved_values(tmp_path):
 
 
 def test_the_config_refuses_a_bad_mesh_shape_or_rules_by_name():
-    from train.config_checks import check_config
+    from train.run_config import check_config
     with pytest.raises(ValueError, match=r"mesh_shape=\(1, -1, -1\) must be three sizes"):
         check_config(tiny_train_config("", mesh_shape=(1, -1, -1)))
     with pytest.raises(ValueError, match="logical_axis_rules=.* must be pairs"):

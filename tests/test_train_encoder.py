@@ -5,6 +5,8 @@ the loss is the cross-entropy at the chosen positions over their global count, e
 masks are fixed, and F1 follows its formula.
 """
 
+import types
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -14,13 +16,17 @@ import pytest
 import models
 from tests.helpers import tiny
 from tests.train_helpers import tiny_train_config
-from train import losses, parallel, state as state_lib, step as step_lib
+from train import losses, parallel, state as state_lib
 from train.masking import Masking
+from train.objectives import Classification, MaskedLM, fit
+from train.run_config import RunConfig
+from train.settings import ObjectiveSettings
+from train.step import Steps
 
 W, V, MASK = 12, 64, 63
 SPECIALS = (0, 1, 2, 3, MASK)
-MLM = step_lib.Objective("mlm", MASK, SPECIALS, Masking(rate=0.3))
-CLASSIFY = step_lib.Objective("classify")
+MLM = MaskedLM(mask_id=MASK, vocab_size=V, special_ids=SPECIALS, masking=Masking(rate=0.3))
+CLASSIFY = Classification()
 
 
 def _rows(seed, rows, name):
@@ -42,18 +48,18 @@ def _rows(seed, rows, name):
 
 
 def _setup(num_labels):
-    config = tiny_train_config("", adam_eps=1e-6, label_smoothing=0.0)
+    run = RunConfig.from_config(tiny_train_config("", adam_eps=1e-6, label_smoothing=0.0))
     cfg = tiny("encoder_only", vocab_size=V, max_len=W, num_labels=num_labels, use_bias=False)
     model = models.build(cfg)
     params = model.init(jax.random.key(0), jnp.zeros((1, W), jnp.int32),
                         method="classify" if num_labels else None)["params"]
-    tx, schedule = state_lib.make_optimizer(config)
-    return model, config, state_lib.TrainState.create(params, tx, 0), schedule
+    tx, schedule = state_lib.make_optimizer(run.optimizer, run.loop.num_train_steps)
+    return model, state_lib.TrainState.create(params, tx, 0), schedule
 
 
 def _run(kind, devices, batches, objective, num_labels):
-    model, config, state, schedule = _setup(num_labels)
-    train_fn, eval_fn = step_lib.make_steps(model, config, schedule, objective)
+    model, state, schedule = _setup(num_labels)
+    train_fn, eval_fn = Steps(model, objective, schedule).functions()
     dp = parallel.DataParallel(kind, train_fn, eval_fn)
     if devices == 1:
         step = jax.pmap(train_fn, axis_name="batch", devices=jax.devices()[:1])
@@ -82,9 +88,9 @@ def test_pmap_and_shard_map_over_4_devices_equal_one_device(objective, name, lab
 
 
 def test_masked_lm_scores_only_the_chosen_real_tokens_and_normalises_by_their_count():
-    model, config, state, _ = _setup(0)
+    model, state, _ = _setup(0)
     batch = jax.tree.map(jnp.asarray, _rows(5, 8, "targets"))
-    task = step_lib.prepare(model, MLM, batch, jax.random.key(3), jnp.arange(8))
+    task = MLM.prepare(batch, key=jax.random.key(3), row_ids=jnp.arange(8))
     chosen = np.asarray(task["weights"]) > 0
     tokens = np.asarray(batch["targets"])
     assert chosen.any() and not np.isin(tokens[chosen], SPECIALS).any()
@@ -96,15 +102,15 @@ def test_masked_lm_scores_only_the_chosen_real_tokens_and_normalises_by_their_co
                          positions=batch["targets_position"])
     log_p = jax.nn.log_softmax(logits)
     nll = -np.take_along_axis(np.asarray(log_p), tokens[..., None], -1)[..., 0]
-    sums = step_lib._sums(model, state.params, batch, task, jax.random.key(0), config, 0,
-                          deterministic=True)
+    sums = MLM.loss_sums(model, state.params, batch, task, dropout_rng=jax.random.key(0),
+                         sample_rng=jax.random.key(1), step=0, train=False)
     np.testing.assert_allclose(sums["loss"] / sums["weight"], nll[chosen].mean(), rtol=1e-5)
     assert sums["weight"] == chosen.sum()
 
 
 def test_evaluation_masks_each_example_alike_whatever_its_row_and_device():
-    model, config, state, schedule = _setup(0)
-    _, eval_fn = step_lib.make_steps(model, config, schedule, MLM)
+    model, state, schedule = _setup(0)
+    _, eval_fn = Steps(model, MLM, schedule).functions()
     batch = _rows(9, 8, "targets")
     batch["example_index"] = np.arange(8, dtype=np.int32)[::-1].copy()
     shuffled = jax.tree.map(lambda x: x[::-1], batch)          # rows in another order
@@ -136,8 +142,15 @@ def test_f1_of_each_class_follows_its_formula():
 def test_masked_lm_without_a_mask_token_is_refused_by_name():
     from models.tokenizer import ByteTokenizer
     cfg = tiny("encoder_only", vocab_size=261)
+    text = types.SimpleNamespace(name="toy_text", kind="text", label_names=())
+    settings = ObjectiveSettings()
     with pytest.raises(ValueError, match=r"masked LM needs a mask token, and the tokenizer "
                                          r"\(byte\) has none"):
-        step_lib.objective_for(cfg, ByteTokenizer())
-    assert step_lib.objective_for(cfg, ByteTokenizer(mask=True)).mask_id == 260
-    assert step_lib.objective_for(cfg.replace(num_labels=2), ByteTokenizer()).kind == "classify"
+        fit(cfg, text, ByteTokenizer(), settings, model_name="tiny")
+    assert fit(cfg, text, ByteTokenizer(mask=True), settings,
+               model_name="tiny")[1].mask_id == 260
+    labelled = types.SimpleNamespace(name="toy_classification", kind="classification",
+                                     label_names=("a", "b"))
+    _, objective = fit(cfg.replace(num_labels=2), labelled, ByteTokenizer(), settings,
+                       model_name="tiny")
+    assert isinstance(objective, Classification)

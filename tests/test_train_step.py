@@ -8,8 +8,12 @@ import pytest
 
 import models
 from tests.helpers import tiny
-from tests.train_helpers import tiny_train_config
-from train import losses, parallel, state as state_lib, step as step_lib
+from tests.train_helpers import next_token_steps, tiny_train_config
+from train import losses, parallel, state as state_lib
+from train.objectives.next_token import shift_right
+from train.objectives.scheduled_sampling import ScheduledSampling, mix_predictions
+from train.run_config import RunConfig
+from train.settings import OptimizerSettings
 
 W = 12
 
@@ -47,13 +51,13 @@ def _setup(**overrides):
                               num_encoder_layers=1, num_decoder_layers=1))
     params = model.init(jax.random.key(0), jnp.zeros((1, W), jnp.int32),
                         jnp.zeros((1, W), jnp.int32))["params"]
-    tx, schedule = state_lib.make_optimizer(config)
-    return model, config, state_lib.TrainState.create(params, tx, 0), schedule
+    steps, tx = next_token_steps(model, config)
+    return steps, state_lib.TrainState.create(params, tx, 0)
 
 
 def _run(kind, devices, batches, **overrides):
-    model, config, state, schedule = _setup(**overrides)
-    train_fn, eval_fn = step_lib.make_steps(model, config, schedule)
+    steps, state = _setup(**overrides)
+    train_fn, eval_fn = steps.functions()
     if devices == 1:
         dp = parallel.DataParallel("pmap", train_fn, eval_fn)
         one = jax.pmap(train_fn, axis_name="batch", devices=jax.devices()[:1])
@@ -118,35 +122,32 @@ def test_scheduled_sampling_at_rate_0_is_teacher_forcing_and_at_1_feeds_predicti
     assert any(not np.allclose(a, b) for a, b in zip(jax.tree.leaves(mixed),
                                                      jax.tree.leaves(plain), strict=True))
     b = _batch(3, 2)
-    dec_in = step_lib.shift_right(b["targets"], b["targets_position"],
-                                  b["targets_segmentation"], 2)
+    dec_in = shift_right(b["targets"], b["targets_position"], b["targets_segmentation"], 2)
     logits = jax.random.normal(jax.random.key(1), (2, W, 61))
     pred = np.asarray(jnp.argmax(logits, -1))
     args = (b["targets_position"], b["targets_segmentation"])
-    all_pred = np.asarray(step_lib.mix_predictions(dec_in, logits, *args, 1.0, jax.random.key(2)))
+    all_pred = np.asarray(mix_predictions(dec_in, logits, *args, rate=1.0, rng=jax.random.key(2)))
     inner = (b["targets_position"] > 0) & (b["targets_segmentation"] > 0)
     np.testing.assert_array_equal(all_pred[:, 1:][inner[:, 1:]], pred[:, :-1][inner[:, 1:]])
     np.testing.assert_array_equal(all_pred[~inner], np.asarray(dec_in)[~inner])   # BOS, pads
-    none = step_lib.mix_predictions(dec_in, logits, *args, 0.0, jax.random.key(2))
+    none = mix_predictions(dec_in, logits, *args, rate=0.0, rng=jax.random.key(2))
     np.testing.assert_array_equal(none, dec_in)
 
 
 def test_sampling_schedules_rise_from_zero_to_the_maximum():
-    c = tiny_train_config("")
     for name, k in (("linear", 1.0), ("exponential", 0.99), ("inverse_sigmoid", 50.0)):
-        c.scheduled_sampling.update(schedule=name, k=k, max_rate=0.4, ramp_steps=100)
-        rates = [float(step_lib.sampling_rate(s, c)) for s in (0, 50, 100, 10_000)]
+        schedule = ScheduledSampling(schedule=name, k=k, max_rate=0.4, ramp_steps=100)
+        rates = [float(schedule.rate(s)) for s in (0, 50, 100, 10_000)]
         assert rates == sorted(rates) and rates[0] < 0.05 and abs(rates[-1] - 0.4) < 1e-3, name
-    c.scheduled_sampling.schedule = "cubic"
     with pytest.raises(ValueError, match="schedule='cubic' must be"):
-        step_lib.sampling_rate(0, c)
+        ScheduledSampling(schedule="cubic")
 
 
 def test_shift_right_restarts_each_packed_segment_behind_bos():
     t = jnp.array([[5, 6, 1, 7, 1, 0]])
     pos = jnp.array([[0, 1, 2, 0, 1, 0]])
     seg = jnp.array([[1, 1, 1, 2, 2, 0]])
-    np.testing.assert_array_equal(step_lib.shift_right(t, pos, seg, 2), [[2, 5, 6, 2, 7, 0]])
+    np.testing.assert_array_equal(shift_right(t, pos, seg, 2), [[2, 5, 6, 2, 7, 0]])
 
 
 @pytest.mark.parametrize("decay", ["rsqrt", "cosine", "constant"])
@@ -160,9 +161,11 @@ def test_every_warmup_starts_above_zero_and_reaches_the_peak(decay):
 
 def test_bad_optimiser_settings_are_named():
     with pytest.raises(ValueError, match="lr_decay='linear' must be"):
-        state_lib.make_optimizer(tiny_train_config("", lr_decay="linear"))
-    with pytest.raises(ValueError, match="grad_accum_steps=0 must be >= 1"):
-        state_lib.make_optimizer(tiny_train_config("", grad_accum_steps=0))
+        RunConfig.from_config(tiny_train_config("", lr_decay="linear"))
+    with pytest.raises(ValueError, match="lr_decay='linear' must be"):
+        state_lib.learning_rate_schedule(1e-3, 10, "linear", 100)
+    with pytest.raises(ValueError, match="grad_accum_steps=0 must be an int >= 1"):
+        OptimizerSettings(grad_accum_steps=0)
     with pytest.raises(ValueError, match="parallel='pjit' must be"):
         parallel.DataParallel("pjit", None, None)
 
@@ -172,8 +175,8 @@ def test_the_wrapped_step_compiles_once_for_all_steps(kind):
     """State comes back from a donated step with the sharding it went in with, so step 2
     reuses step 1's executable (a replicated state on a mesh whose axis pmap does not name
     used to cost a second full compilation)."""
-    model, config, state, schedule = _setup()
-    dp = parallel.DataParallel(kind, *step_lib.make_steps(model, config, schedule))
+    steps, state = _setup()
+    dp = parallel.DataParallel(kind, *steps.functions())
     s = dp.put_state(state)
     compiles = []
 

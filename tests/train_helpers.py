@@ -16,6 +16,19 @@ from train import configs
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
 
+def next_token_steps(model, config):
+    """(`train.step.Steps`, optimiser) for `model` trained with next-token prediction as a
+    run of `config` (an ml_collections config) trains it."""
+    from train.objectives import NextToken
+    from train.run_config import RunConfig
+    from train.state import make_optimizer
+    from train.step import Steps
+    run = RunConfig.from_config(config)
+    tx, schedule = make_optimizer(run.optimizer, run.loop.num_train_steps)
+    objective = NextToken.build(model.config, None, run.objective, model_name="test")
+    return Steps(model, objective, schedule, run.optimizer.grad_accum_steps), tx
+
+
 def tiny_train_config(data_dir: str, **overrides):
     c = configs.get("copy")
     c.data_dir = data_dir

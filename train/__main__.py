@@ -5,14 +5,17 @@ resumes from its newest checkpoint. With no arguments: the `default` config (a t
 encoder-decoder on toy_translation) into ./runs/default. Overrides follow ml_collections'
 convention, e.g. `--config.num_train_steps=500 --config.model_overrides.d_model=64`.
 
-Exit status:
+Exit status (`train.cli_errors`):
     0    the run finished (summary.json holds its results).
     1    the run failed while training: a loss, parameters or optimiser state that are not
-         finite (the last good checkpoint is kept), or a bug (with its traceback).
-    2    an error the user can fix, found before or during the run: a bad config value or
-         argument, a missing or unwritable path (a full disk included), a workdir in use by
-         another run, checkpoints that are unusable or belong to another model. One
-         `error: ...` line on stderr; `--verbose` adds the traceback.
+         finite (the last good checkpoint is kept; one `error: ...` line), or a bug: its
+         traceback, then `error: internal error (a bug in jax-transformer-zoo or a library
+         it uses): TYPE: MESSAGE`.
+    2    an error the user can fix (`models.errors.UserError`, or an OSError), found before
+         or during the run: a bad config value or argument, a missing or unwritable path (a
+         full disk included), a workdir in use by another run, checkpoints that are
+         unusable or belong to another model. One `error: ...` line on stderr; `--verbose`
+         adds the traceback.
     128+N    stopped by signal N after saving a checkpoint and exporting the model: 143 for
          SIGTERM (a preempted job), 130 for Ctrl-C. summary.json says "preempted": true;
          running the same command again resumes.
@@ -24,29 +27,25 @@ import os
 import re
 import signal
 import sys
-import traceback
 
 from absl import app, flags
 from ml_collections import config_flags
 
-from train import configs
+from models.errors import UserError
+from train import cli_errors, configs
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("workdir", None, "run directory (default ./runs/<config name>)")
 flags.DEFINE_bool("verbose", False, "with an error, print its traceback too (and log the "
                   "traceback of each checkpoint set aside)")
 
-FAILED, USAGE = 1, 2
 
 
-def _fail(message, status: int, *, verbose: bool = False) -> SystemExit:
-    """Prints `error: message` (after the traceback when `verbose`) and returns the
-    SystemExit to raise: exit `status`, its text the message."""
-    if verbose:
-        traceback.print_exc()
-    print(f"error: {message}", file=sys.stderr, flush=True)
-    exit_ = SystemExit(f"error: {message}")
-    exit_.code = status
+def _exit(error: BaseException, *, verbose: bool = False) -> SystemExit:
+    """Reports `error` (`train.cli_errors.report`) and returns the SystemExit to raise: its
+    status, its text the error's."""
+    exit_ = SystemExit(f"error: {error}")
+    exit_.code = cli_errors.report(error, verbose=verbose)
     return exit_
 
 
@@ -70,16 +69,16 @@ def main(argv: list[str] | None = None) -> None:
     name = _config_name(argv[1:])
     try:
         config = configs.get(name)
-    except (ValueError, OSError) as e:
-        raise _fail(e, USAGE) from None
+    except (UserError, OSError) as e:
+        raise _exit(e) from None
     # `--config NAME` selects the file; what ml_collections parses is only the overrides,
     # and it looks for them in the argv it is given (sys.argv by default).
     argv = [a for i, a in enumerate(argv) if not (a == "--config" or a.startswith("--config=")
                                                   or (i > 0 and argv[i - 1] == "--config"))]
     try:
         _make_room_for_model_overrides(config, argv)
-    except ValueError as e:
-        raise _fail(e, USAGE) from None
+    except UserError as e:
+        raise _exit(e) from None
     if FLAGS.is_parsed():           # called again in one process (tests): start afresh
         FLAGS.unparse_flags()
     if "config" in FLAGS:
@@ -126,9 +125,9 @@ def _run(name: str, args: list[str]) -> int:
     from train.trainer import train_and_evaluate
     verbose = FLAGS.verbose
     if args[1:]:
-        raise _fail(f"unexpected argument {args[1]!r}: python -m train takes only flags "
-                    "(--config NAME_OR_PATH, --workdir DIR, --config.KEY=VALUE, --verbose)",
-                    USAGE)
+        raise _exit(UserError(f"unexpected argument {args[1]!r}: python -m train takes only "
+                              "flags (--config NAME_OR_PATH, --workdir DIR, --config.KEY=VALUE,"
+                              " --verbose)"))
     if not FLAGS["verbosity"].present:   # TFDS and orbax log every file at INFO; -v 0 shows it
         logging.set_verbosity(logging.WARNING)
     if verbose:
@@ -139,10 +138,8 @@ def _run(name: str, args: list[str]) -> int:
     workdir = FLAGS.workdir or os.path.join("runs", os.path.basename(name).removesuffix(".py"))
     try:
         summary = train_and_evaluate(config, workdir)
-    except FloatingPointError as e:
-        raise _fail(e, FAILED, verbose=verbose) from None
-    except (ValueError, OSError) as e:    # config values, paths, locks, checkpoints
-        raise _fail(e, USAGE, verbose=verbose) from None
+    except Exception as e:      # the status says whose mistake it was (train.cli_errors)
+        raise _exit(e, verbose=verbose) from None
     if "stopped_by" in summary:
         return 128 + signal.Signals[summary["stopped_by"]].value
     test = summary.get("test", {})

@@ -15,7 +15,7 @@ import sys
 import models
 from models.pretrained import GenerationDefaults
 from models.tokenizer import Tokenizer
-from train import checkpoint
+from train import checkpoint, cli_errors
 
 
 def write_model(path: str, config: models.TransformerConfig, params, tokenizer: Tokenizer,
@@ -57,9 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         out = export(args.workdir, args.step, args.out)
-    except (OSError, ValueError) as e:       # no (readable) checkpoint, an unwritable --out
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except Exception as e:    # no (readable) checkpoint, an unwritable --out; or a bug
+        return cli_errors.report(e)
     print(f"exported {args.workdir} to {out}")
     return 0
 

@@ -3,17 +3,22 @@
 Both wrap the same per-device step (`train.step`) and take batches shaped `[R, B, W]` for the
 `R` local devices. Under pmap the state is replicated with a leading device axis; under
 shard_map it is one replicated global array over a one-axis mesh named "batch". Checkpoints
-always hold plain, unreplicated arrays (`host_state`).
+always hold plain, unreplicated arrays (`host_state`). The interface is `train.wrapper`'s.
+
+    wrapper = DataParallel("pmap", *Steps(model, objective, schedule).functions())
 """
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+import models
 from models.errors import UserError
 from train.step import AXIS
+from train.wrapper import Wrapper
 
 
 def replicate(tree, devices):
@@ -29,12 +34,12 @@ def replicate(tree, devices):
                                  sharding), tree)
 
 
-class DataParallel:
+class DataParallel(Wrapper):
     """Puts state and batches on devices and runs the wrapped steps.
 
     Args:
         kind: "pmap" (default) or "shard_map".
-        train_step, eval_step: per-device functions from `train.step.make_steps`.
+        train_step, eval_step: per-device functions from `train.step.Steps.functions()`.
     """
 
     def __init__(self, kind: str, train_step, eval_step):
@@ -59,6 +64,12 @@ class DataParallel:
             lambda p, b: eval_step(p, squeeze(b)), mesh=self.mesh, in_specs=(P(), P(AXIS)),
             out_specs=P()))
 
+    def init_state(self, make_state, *args):
+        return self.put_state(jax.jit(make_state)(*args))
+
+    def load_params(self, path: str, **runtime):
+        return models.load(path, **runtime).params
+
     def put_state(self, state):
         if self.kind == "pmap":
             return replicate(state, jax.local_devices())
@@ -74,8 +85,9 @@ class DataParallel:
         """
         return jax.tree.map(self._first_replica, state)
 
-    # What a checkpoint holds: plain host arrays.
-    saved_state = host_state
+    def saved_state(self, state):
+        """What a checkpoint holds: plain host arrays (`host_state`)."""
+        return self.host_state(state)
 
     def put_batch(self, batch: dict):
         if self.kind == "pmap":
@@ -92,6 +104,25 @@ class DataParallel:
     def metrics(self, metrics) -> dict:
         """Host values of summed metrics (identical on every device after psum)."""
         return jax.tree.map(self._first_replica, metrics)
+
+    def abstract_inputs(self, abstract, batch_shapes):
+        r = jax.local_device_count()
+        if self.kind == "pmap":       # a leading device axis, split as `replicate` splits it
+            split = NamedSharding(Mesh(np.asarray(jax.local_devices()), (AXIS,)), P(AXIS))
+            batch_sharding = split
+            state = jax.tree.map(lambda a: jax.ShapeDtypeStruct((r, *a.shape), a.dtype,
+                                                                sharding=split), abstract)
+        else:
+            batch_sharding = self._sharded
+            state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,
+                                                                sharding=self._replicated),
+                                 abstract)
+        batch = {k: jax.ShapeDtypeStruct((r, rows // r, w), jnp.int32, sharding=batch_sharding)
+                 for k, (rows, w) in batch_shapes.items()}
+        return state, batch
+
+    def lower(self, state, batch):
+        return self._train.lower(state, batch)
 
     def _first_replica(self, x) -> np.ndarray:
         """This process's first copy of a replicated array, without the pmap device axis."""

@@ -1,8 +1,15 @@
 """Everything a run fixes before its first step: processes, data, tokenizer, model, state.
 
-    run, start = start_run(config, workdir)
-    run.model, run.tokenizer, run.dp ...       # fixed for the whole run (a frozen `Run`)
+    run, start = start_run(config, workdir)   # config: an ml_collections.ConfigDict
+    run.config.loop, run.model, run.objective, run.wrapper ...   # fixed for the whole run
     start.state, start.iterator, start.step    # where the loop begins (resumed or fresh)
+
+The config is read once, here (`train.run_config.RunConfig`), and each piece gets the part
+it reads: the dataset and tokenizer `run.config.data`, the model `run.config.model`, the
+objective (`train.objectives.fit`: chosen by the model and the dataset's kind)
+`run.config.objective`, the optimiser `run.config.optimizer`, the wrapper
+(`make_wrapper`: pmap, shard_map or sharded, all behind `train.wrapper.Wrapper`)
+`run.config.parallel`.
 
 Before anything else, every process locks the workdir (`train.workdir.claim`: one run per
 workdir, and a workdir that cannot be written is found in seconds, naming the path).
@@ -20,7 +27,6 @@ import os
 import flax.linen as nn
 import grain
 import jax
-import ml_collections
 import orbax.checkpoint as ocp
 
 import models
@@ -32,14 +38,16 @@ from train import (
     parallel,
     sharding,
     state as state_lib,
-    step as step_lib,
     workdir as workdir_lib,
 )
-from train.config_checks import check_config
 from train.export import write_model
-from train.masking import Masking
 from train.metrics import MetricWriter
 from train.model_config import ModelChoice, choose_model
+from train.objectives import Objective, fit
+from train.run_config import RunConfig
+from train.settings import DataSettings, HostSettings, ModelSettings, ParallelSettings
+from train.step import Steps
+from train.wrapper import Wrapper
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,30 +55,33 @@ class Run:
     """What a run fixes at its start; the loop only reads it.
 
     Attributes:
-        config: the experiment config.
+        config: the run config's typed parts (`train.run_config.RunConfig`).
         workdir: the run directory.
         lead: this is process 0 (it prints, writes metrics and the summary).
         dataset, tokenizer, model: the data, its tokenizer and the model built for them.
         choice: the model's config and, fine-tuning, the directory's type and defaults.
+        objective: what the run trains the model to do (`train.objectives`).
         data_record: what the data are (`train.data.data_record`), kept in checkpoints.
+        eval_pipeline: how evaluation batches are made (one example per row, no workers).
         eval_batches: the validation batches, the same on every evaluation.
-        dp: the wrapper of the train and eval steps: data-parallel (`parallel.DataParallel`)
-            or sharded over a mesh (`sharding.Sharded`).
+        wrapper: where the train and eval steps run (`train.wrapper.Wrapper`).
         writer: metrics.jsonl and TensorBoard (inert on the other processes).
         checkpoints: the orbax checkpoint manager of `workdir/checkpoints`.
         lock: this process's lock on the workdir (`release()` it when the run ends).
     """
 
-    config: ml_collections.ConfigDict
+    config: RunConfig
     workdir: str
     lead: bool
     dataset: data_lib.Dataset
     tokenizer: data_lib.Tokenizer
     model: nn.Module
     choice: ModelChoice
+    objective: Objective
     data_record: dict
+    eval_pipeline: data_lib.PipelineConfig
     eval_batches: list[dict]
-    dp: parallel.DataParallel | sharding.Sharded
+    wrapper: Wrapper
     writer: MetricWriter
     checkpoints: ocp.CheckpointManager
     lock: workdir_lib.Lock
@@ -89,15 +100,15 @@ class Run:
             raise FloatingPointError(f"{bad} is not finite (nan or inf) at step {step}; "
                                      "stopping without saving it, the last good checkpoint "
                                      "is kept")
-        item = checkpoint.config_item(json.loads(self.config.to_json()), self.choice,
+        item = checkpoint.config_item(json.loads(self.config.experiment), self.choice,
                                       self.data_record)
-        checkpoint.save(self.checkpoints, step, self.dp.saved_state(state),
+        checkpoint.save(self.checkpoints, step, self.wrapper.saved_state(state),
                         iterator.get_state(), item, tok=self.tokenizer)
 
     def export(self, state) -> str | None:
         """The model as a directory, WORKDIR/model (written by the lead process; every
         process gathers the params, a collective when they are sharded)."""
-        params = self.dp.host_state(state).params
+        params = self.wrapper.host_state(state).params
         if not self.lead:
             return None
         path = os.path.join(self.workdir, "model")
@@ -133,38 +144,38 @@ def lead_first(make, name: str):
     return result if jax.process_index() == 0 else make()
 
 
-def maybe_initialize_distributed(config) -> None:
-    """`jax.distributed.initialize()` when `config.distributed`: with `coordinator_address`
+def maybe_initialize_distributed(hosts: HostSettings) -> None:
+    """`jax.distributed.initialize()` when `hosts.distributed`: with `coordinator_address`
     (host:port of process 0), `num_processes` and `process_id` as given; without it, as the
     cluster says (TPU pods, SLURM, Open MPI and Kubernetes are detected by JAX)."""
-    if not config.distributed or jax.distributed.is_initialized():
+    if not hosts.distributed or jax.distributed.is_initialized():
         return
     jax.config.update("jax_cpu_collectives_implementation", "gloo")   # CPU-only runs
-    if config.coordinator_address:
-        jax.distributed.initialize(coordinator_address=config.coordinator_address,
-                                   num_processes=config.num_processes,
-                                   process_id=config.process_id)
+    if hosts.coordinator_address:
+        jax.distributed.initialize(coordinator_address=hosts.coordinator_address,
+                                   num_processes=hosts.num_processes,
+                                   process_id=hosts.process_id)
     else:
         jax.distributed.initialize()
 
 
-def load_dataset(config) -> data_lib.Dataset:
-    """The config's dataset, prepared once (by the lead process) and opened."""
-    files = tuple(p for p in config.data_files.split(",") if p)
+def load_dataset(data: DataSettings) -> data_lib.Dataset:
+    """The run's dataset, prepared once (by the lead process) and opened."""
     return lead_first(lambda: data_lib.load_dataset(
-        config.dataset, config.data_dir or None, data_files=files,
-        reverse_translation=config.reverse_translation), "dataset prepared")
+        data.dataset, data.data_dir or None, data_files=data.files,
+        reverse_translation=data.reverse_translation), "dataset prepared")
 
 
-def get_tokenizer(config, ds: data_lib.Dataset, workdir: str) -> data_lib.Tokenizer:
+def get_tokenizer(model: ModelSettings, data: DataSettings, ds: data_lib.Dataset,
+                  workdir: str) -> data_lib.Tokenizer:
     """The run's tokenizer: reloaded from `workdir/tokenizer`, or made and saved there (by
     the lead process; the others load that one, so all encode with the same pieces). Made
     means: `init_from`'s own tokenizer, or a byte tokenizer, or sentencepiece trained on the
-    training split. For an encoder-only preset ours get a mask token and wrap each text in
-    `<s> ... </s>` (`add_special_tokens`), as BERT's [CLS] ... [SEP]."""
+    training split's texts. For an encoder-only preset ours get a mask token and wrap each
+    text in `<s> ... </s>` (`add_special_tokens`), as BERT's [CLS] ... [SEP]."""
     path = os.path.join(workdir, "tokenizer")
-    encoder = (not config.init_from
-               and models.get_config(config.model).architecture == "encoder_only")
+    encoder = (not model.init_from
+               and models.get_config(model.model).architecture == "encoder_only")
 
     def load_or_build() -> data_lib.Tokenizer:
         # Written whole (a temporary directory renamed into place), so a kill never leaves
@@ -172,96 +183,110 @@ def get_tokenizer(config, ds: data_lib.Dataset, workdir: str) -> data_lib.Tokeni
         saved = data_lib.load_tokenizer(path, missing_ok=True)
         if saved is not None:
             return saved
-        if config.init_from:
-            tok = data_lib.load_tokenizer(config.init_from, missing_ok=True)
+        if model.init_from:
+            tok = data_lib.load_tokenizer(model.init_from, missing_ok=True)
             if tok is None:
-                raise UserError(f"init_from={config.init_from!r} has no tokenizer files; "
-                                 "fine-tuning on text needs the model's own tokenizer")
-        elif config.tokenizer == "byte":
+                raise UserError(f"init_from={model.init_from!r} has no tokenizer files; "
+                                "fine-tuning on text needs the model's own tokenizer")
+        elif data.tokenizer == "byte":
             tok = data_lib.ByteTokenizer(mask=encoder, add_bos=encoder, add_eos=encoder)
-        elif config.tokenizer == "sentencepiece":
+        else:
             n = min(len(ds.split("train")), 500_000)
-            sides = 1 if ds.kind == "classification" else len(ds.keys)   # not labels
-            texts = (t for ex in ds.examples("train", range(n)) for t in ex[:sides])
-            tok = data_lib.train_sentencepiece(texts, config.vocab_size,
-                                               model_type=config.spm_model_type, mask=encoder)
+            # An example's fields are texts, but for a classification example's last one,
+            # its label (the dataset has label names then).
+            texts_per_example = len(ds.data_kind.sides)
+            texts = (t for ex in ds.examples("train", range(n))
+                     for t in ex[:texts_per_example])
+            tok = data_lib.train_sentencepiece(texts, data.vocab_size,
+                                               model_type=data.spm_model_type, mask=encoder)
             if encoder:
                 tok = tok.with_specials(add_bos=True, add_eos=True)
-        else:
-            raise UserError(
-                f"tokenizer={config.tokenizer!r} must be 'sentencepiece' or 'byte'")
         workdir_lib.write_dir(path, tok.save)
         return tok
 
     return lead_first(load_or_build, "tokenizer saved")
 
 
-def pipeline_config(config, eval_: bool = False,
-                    model: models.TransformerConfig | None = None) -> data_lib.PipelineConfig:
-    """How the run batches its data; an encoder-only `model` reads sentences (its
-    tokenizer's template) and fixes the class order (its label names)."""
-    encoder = model is not None and model.architecture == "encoder_only"
+def pipeline_config(settings: RunConfig, objective: Objective | None = None, *,
+                    eval_: bool = False) -> data_lib.PipelineConfig:
+    """How the run batches its data (`settings.data`, `.batch` and the seed), with what the
+    objective fixes (the text role, the class order); evaluation: one example per row and
+    no worker processes."""
+    data, batch = settings.data, settings.batch
     return data_lib.PipelineConfig(
-        text_role="sentence" if encoder else "text",
-        label_names=model.label_names if encoder else (),
-        per_device_batch_size=(config.eval_per_device_batch_size if eval_
-                               else config.per_device_batch_size),
-        max_source_length=config.max_source_length, max_target_length=config.max_target_length,
-        packing=config.packing and not eval_, overlong=config.overlong, seed=config.seed,
-        worker_count=0 if eval_ else config.data_workers)
+        per_device_batch_size=(batch.eval_per_device_batch_size if eval_
+                               else batch.per_device_batch_size),
+        max_source_length=data.max_source_length, max_target_length=data.max_target_length,
+        packing=data.packing and not eval_, overlong=data.overlong, seed=settings.loop.seed,
+        worker_count=0 if eval_ else data.data_workers,
+        **(objective.pipeline_options() if objective is not None else {}))
+
+
+def make_wrapper(settings: ParallelSettings, steps: Steps, tx, *, seed: int) -> Wrapper:
+    """The wrapper `settings.parallel` names: data parallel (pmap, shard_map), or sharded
+    over `settings.mesh_shape` with the state's shardings derived from its logical axes
+    (`tx` and `seed` make the state whose shardings those are).
+
+    Raises:
+        UserError: a mesh that does not match the device count, or attention heads that
+            do not divide the tensor axis (naming the numbers).
+    """
+    if settings.parallel != "sharded":
+        return parallel.DataParallel(settings.parallel, *steps.functions())
+    return sharding.for_model(steps, tx, mesh=sharding.make_mesh(settings.mesh_shape),
+                              rules=sharding.check_rules(settings.rules), seed=seed)
 
 
 def start_run(config, workdir: str) -> tuple[Run, Start]:
-    """Sets up a run in `workdir`, resuming from its newest readable checkpoint if any.
+    """Sets up a run of `config` (an `ml_collections.ConfigDict`) in `workdir`, resuming
+    from its newest readable checkpoint if any.
 
     The returned `Run` holds this process's lock on the workdir; release it (`run.lock`)
     when the run ends. If setting up fails, the lock is released here.
 
     Raises:
+        UserError: a config value that breaks its rule (before any other work).
         WorkdirError: the workdir (or a path the run writes in it) cannot be written.
         WorkdirInUse: another live run holds the workdir.
         CheckpointError: checkpoints exist but none is usable, or they are another
             model's.
     """
-    check_config(config)
-    maybe_initialize_distributed(config)
+    settings = RunConfig.from_config(config)
+    maybe_initialize_distributed(settings.hosts)
     lock = workdir_lib.claim(workdir, jax.process_index())
     try:
-        return _start_run(config, workdir, lock)
+        return _start_run(settings, workdir, lock)
     except BaseException:
         lock.release()
         raise
 
 
-def _start_run(config, workdir: str, lock: workdir_lib.Lock) -> tuple[Run, Start]:
+def _start_run(settings: RunConfig, workdir: str, lock: workdir_lib.Lock
+               ) -> tuple[Run, Start]:
     lead = jax.process_index() == 0
-    ds = load_dataset(config)
-    tok = get_tokenizer(config, ds, workdir)
-    choice = choose_model(config, tok.vocab_size, ds.kind, ds.label_names)
-    mcfg = choice.config
-    objective = step_lib.objective_for(mcfg, tok, masking_of(config))
-    if objective.kind == "next_token" and mcfg.bos_id is None:
-        raise UserError(f"model {config.init_from or config.model!r} has no start token "
-                         "(bos_id), which teacher forcing puts first in every sequence")
+    ds = load_dataset(settings.data)
+    tok = get_tokenizer(settings.model, settings.data, ds, workdir)
+    choice = choose_model(settings.model, tok.vocab_size, max_len=settings.needed_max_len)
+    mcfg, objective = fit(choice.config, ds, tok, settings.objective,
+                          model_name=settings.model.name)
+    choice = dataclasses.replace(choice, config=mcfg)
     model = models.build(mcfg)
-    pcfg = pipeline_config(config, model=mcfg)
-    source, stats = data_lib.train_source(ds, tok, pcfg, cache_dir=os.path.join(workdir, "cache"))
-    eval_batches, eval_stats = data_lib.eval_batches(
-        ds, tok, pipeline_config(config, eval_=True, model=mcfg), config.eval_split)
+    pcfg, eval_pcfg = (pipeline_config(settings, objective, eval_=e) for e in (False, True))
+    source, stats = data_lib.train_source(ds, tok, pcfg,
+                                          cache_dir=os.path.join(workdir, "cache"))
+    eval_batches, eval_stats = data_lib.eval_batches(ds, tok, eval_pcfg,
+                                                     settings.data.eval_split)
     if lead:
         bad = f"; {ds.bad_lines.summary()}" if ds.bad_lines.total else ""
-        print(f"data: {config.dataset} train {stats.summary()}; {config.eval_split} "
-              f"{eval_stats.summary()}{bad}", flush=True)
+        print(f"data: {settings.data.dataset} train {stats.summary()}; "
+              f"{settings.data.eval_split} {eval_stats.summary()}{bad}", flush=True)
 
-    tx, schedule = state_lib.make_optimizer(config)
-    first = jax.tree.map(lambda x: x[0], source[0])
-    init_args = ((first["inputs"], first["targets"]) if mcfg.is_encoder_decoder
-                 else (first["inputs"],) if objective.kind == "classify"
-                 else (first["targets"],))
-    init_method = "classify" if objective.kind == "classify" else None
+    tx, schedule = state_lib.make_optimizer(settings.optimizer, settings.loop.num_train_steps)
+    init_args, init_method = objective.init_inputs(jax.tree.map(lambda x: x[0], source[0]))
+    seed = settings.loop.seed
 
     def init():
-        return model.init(jax.random.key(config.seed), *init_args, method=init_method)["params"]
+        return model.init(jax.random.key(seed), *init_args, method=init_method)["params"]
 
     heads = set(jax.eval_shape(init))
 
@@ -269,21 +294,23 @@ def _start_run(config, workdir: str, lock: workdir_lib.Lock) -> tuple[Run, Start
         params = init_params
         if params is None or set(params) != heads:      # a head of its own (see _head_change)
             params = {**init(), **{k: v for k, v in (params or {}).items() if k in heads}}
-        return state_lib.TrainState.create(params, tx, config.seed)
+        return state_lib.TrainState.create(params, tx, seed)
 
-    dp = _wrapper(config, model, objective, schedule, tx, jax.eval_shape(fresh_state))
-    mngr = checkpoint.manager(workdir, config.keep_checkpoints)
+    steps = Steps(model, objective, schedule, settings.optimizer.grad_accum_steps)
+    wrapper = make_wrapper(settings.parallel, steps, tx, seed=seed)
+    if lead:
+        for line in wrapper.notes():
+            print(line, flush=True)
+    mngr = checkpoint.manager(workdir, settings.checkpoints.keep_checkpoints)
     iterator = data_lib.train_iterator(source, pcfg)
-    template = jax.eval_shape(fresh_state)
-    if dp.kind == "sharded":    # restored straight into its shards
-        template = jax.tree.map(
-            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), template,
-            dp.state_shardings)
+    template = wrapper.restore_template(jax.eval_shape(fresh_state))
     restored = checkpoint.restore_latest(mngr, template, set_aside=lead)
     resumed_from = None
     record = data_lib.data_record(ds, tok)
+    init_from = settings.model.init_from
     if restored is not None:
-        resumed_from, state = restored.step, restored.state
+        resumed_from = restored.step
+        state = wrapper.put_state(restored.state)
         iterator.set_state(restored.data)
         saved = restored.config.get("data") if isinstance(restored.config, dict) else None
         changes = data_lib.data_changes(saved, record) if saved else []
@@ -292,65 +319,28 @@ def _start_run(config, workdir: str, lock: workdir_lib.Lock) -> tuple[Run, Start
                   f"{resumed_from}: " + "; ".join(changes), flush=True)
         if lead:
             print(f"resumed from step {resumed_from}", flush=True)
-    elif config.init_from:
-        mesh = dp.mesh if dp.kind == "sharded" else None
-        loaded = models.load(config.init_from, mesh=mesh, rules=_rules(config),
-                             **_runtime(mcfg)).params
-        state = dp.init(fresh_state, loaded) if dp.kind == "sharded" else jax.jit(
-            fresh_state)(loaded)
+    elif init_from:
+        loaded = wrapper.load_params(init_from, **_runtime(mcfg))
+        state = wrapper.init_state(fresh_state, loaded)
         if lead:
-            print(f"initialised from {config.init_from} ({choice.model_type})", flush=True)
+            print(f"initialised from {init_from} ({choice.model_type})", flush=True)
             new, unused = _head_change(heads, loaded)
             if new or unused:
-                print(f"warning: {config.init_from}'s {', '.join(unused) or 'model'} is not "
+                print(f"warning: {init_from}'s {', '.join(unused) or 'model'} is not "
                       f"used; {', '.join(new)} newly initialised for {mcfg.num_labels} "
                       f"labels {list(mcfg.label_names)[:10]}", flush=True)
-    elif dp.kind == "sharded":
-        state = dp.init(fresh_state)            # made straight into its shards
     else:
-        state = jax.jit(fresh_state)()
+        state = wrapper.init_state(fresh_state)
 
     step = int(resumed_from or 0)
-    state = dp.put_state(state)
     # Opened last, so a failure above leaves no file or writer thread open. Rows and events
     # past the step the run goes on from are dropped: each step once.
     writer = MetricWriter(workdir, lead, resume_step=step)
-    run = Run(config=config, workdir=workdir, lead=lead, dataset=ds, tokenizer=tok, model=model,
-              choice=choice, data_record=record, eval_batches=eval_batches, dp=dp, writer=writer,
-              checkpoints=mngr, lock=lock)
+    run = Run(config=settings, workdir=workdir, lead=lead, dataset=ds, tokenizer=tok,
+              model=model, choice=choice, objective=objective, data_record=record,
+              eval_pipeline=eval_pcfg, eval_batches=eval_batches, wrapper=wrapper,
+              writer=writer, checkpoints=mngr, lock=lock)
     return run, Start(state, iterator, step, resumed_from)
-
-
-def _rules(config) -> tuple:
-    return tuple(config.logical_axis_rules) or models.axes.DEFAULT_RULES
-
-
-def _wrapper(config, model, objective, schedule, tx, abstract):
-    """The steps' wrapper the config asks for: data parallel (pmap, shard_map), or sharded
-    over the config's mesh with the state's shardings derived from its logical axes.
-
-    Raises:
-        UserError: a mesh that does not match the device count, or attention heads that
-            do not divide the tensor axis (naming the numbers).
-    """
-    if config.parallel != "sharded":
-        train_fn, eval_fn = step_lib.make_steps(model, config, schedule, objective)
-        return parallel.DataParallel(config.parallel, train_fn, eval_fn)
-    mesh = sharding.make_mesh(config.mesh_shape)
-    rules = sharding.check_rules(_rules(config))
-    dp = sharding.for_model(model, config, schedule, tx, mesh, rules, objective, config.seed)
-    whole = sharding.undivided(dp.specs.params, abstract.params, mesh, rules)
-    if whole and jax.process_index() == 0:
-        print(f"mesh {dict(mesh.shape)}: {len(whole)} parameter(s) kept whole along a "
-              f"dimension that does not divide its axes: " + "; ".join(whole[:4])
-              + (" ..." if len(whole) > 4 else ""), flush=True)
-    return dp
-
-
-def masking_of(config) -> Masking:
-    """The masked-LM corruption the config asks for (`mlm_rate`, `mlm_mask_fraction`,
-    `mlm_random_fraction`)."""
-    return Masking(config.mlm_rate, config.mlm_mask_fraction, config.mlm_random_fraction)
 
 
 def _head_change(heads: set[str], loaded: dict) -> tuple[list[str], list[str]]:

@@ -17,8 +17,11 @@ collectives.
 default (1, -1, 1) is FSDP over every device. The rules (`DEFAULT_RULES`, or the config's
 `logical_axis_rules`) say which mesh axes split which logical axis:
 
-    sharded = for_model(model, config, schedule, tx, mesh, rules)   # a Sharded
-    state = sharded.init(fresh_state)        # made straight into its shards
+    sharded = for_model(Steps(model, objective, schedule), tx, mesh=make_mesh((1, -1, 1)),
+                        rules=check_rules(DEFAULT_RULES))       # a Sharded
+    state = sharded.init_state(fresh_state)  # made straight into its shards
+
+`Sharded` is a `train.wrapper.Wrapper`: setup and the loop use it as they use pmap's.
 
 A dimension that does not divide over its mesh axes stays whole (a byte vocabulary of 261
 over tensor 2, say; `undivided` lists them), except attention heads and kv heads, which
@@ -32,10 +35,12 @@ from collections.abc import Callable, Sequence
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax.core import meta
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+import models
 from models.axes import (
     AXES,
     DEFAULT_RULES,
@@ -48,11 +53,14 @@ from models.axes import (
     shardings,
 )
 from models.errors import UserError
-from train import state as state_lib, step as step_lib
+from train import state as state_lib
+from train.step import Steps
+from train.wrapper import Wrapper
 
 __all__ = ["AXES", "DEFAULT_RULES", "Sharded", "check_model", "check_rules", "for_model",
            "make_mesh",
            "mesh_spec", "resolve_mesh_shape", "shardings", "state_specs", "undivided"]
+
 
 def resolve_mesh_shape(mesh_shape: Sequence[int], num_devices: int) -> tuple[int, int, int]:
     """(data, fsdp, tensor) with the one -1 replaced by what the others leave.
@@ -122,22 +130,20 @@ def state_specs(boxed_params, make_state: Callable):
     return nn.get_partition_spec(jax.eval_shape(make_state, boxed_params))
 
 
-class Sharded:
-    """The train and eval steps under `jax.jit` over a (data, fsdp, tensor) mesh: the same
-    interface as `train.parallel.DataParallel`, for `parallel="sharded"`.
+class Sharded(Wrapper):
+    """The train and eval steps under `jax.jit` over a (data, fsdp, tensor) mesh
+    (`parallel="sharded"`; see `train.wrapper` for the interface).
 
     Args:
-        train_step, eval_step: from `train.step.make_steps(..., axis=None)` (global batch).
+        train_step, eval_step: from `train.step.Steps.functions(axis=None)` (global batch).
         mesh: from `make_mesh`.
         specs: the train state's logical specs (`state_specs`).
         abstract: the train state's shapes (`jax.eval_shape` of its constructor).
         rules: {logical axis: mesh axes} (`check_rules`).
     """
 
-    kind = "sharded"
-
-    def __init__(self, train_step, eval_step, mesh: Mesh, specs, abstract, rules: dict):
-        self.mesh, self.rules, self.specs = mesh, rules, specs
+    def __init__(self, train_step, eval_step, *, mesh: Mesh, specs, abstract, rules: dict):
+        self.mesh, self.rules, self.specs, self.abstract = mesh, rules, specs, abstract
         self.state_shardings = shardings(specs, abstract, mesh, rules)
         self.replicated = NamedSharding(mesh, P())
         batch_axes = tuple(a for a in rules.get("batch", ()) if mesh.shape[a] > 1)
@@ -150,11 +156,36 @@ class Sharded:
                              in_shardings=(self.state_shardings.params, self.batch_sharding),
                              out_shardings=self.replicated)
 
-    def init(self, make_state: Callable, *args):
+    def init_state(self, make_state: Callable, *args):
         """`make_state(*args)` computed straight into the state's shards: no device ever
         holds more than its part."""
         with sharded_activations(self.mesh, self.rules):
             return jax.jit(make_state, out_shardings=self.state_shardings)(*args)
+
+    def restore_template(self, abstract):
+        """The abstract state with its shardings: orbax restores each shard in place."""
+        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                            abstract, self.state_shardings)
+
+    def load_params(self, path: str, **runtime):
+        """The directory's parameters, each array put onto its shards as it is read."""
+        return models.load(path, mesh=self.mesh, rules=tuple(self.rules.items()),
+                           **runtime).params
+
+    def notes(self) -> list[str]:
+        """The parameters a dimension of which stays whole (it does not divide its axes)."""
+        whole = undivided(self.specs.params, self.abstract.params, self.mesh, self.rules)
+        if not whole:
+            return []
+        return [f"mesh {dict(self.mesh.shape)}: {len(whole)} parameter(s) kept whole along a "
+                f"dimension that does not divide its axes: " + "; ".join(whole[:4])
+                + (" ..." if len(whole) > 4 else "")]
+
+    def abstract_inputs(self, abstract, batch_shapes):
+        state = self.restore_template(abstract)
+        batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.batch_sharding)
+                 for k, shape in batch_shapes.items()}
+        return state, batch
 
     def lower(self, state, batch):
         """The train step lowered for `state` and a `put_batch` result (then `.compile()`,
@@ -217,14 +248,18 @@ class Sharded:
         return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), metrics)
 
 
-def for_model(model, config, schedule, tx, mesh: Mesh, rules: dict,
-              objective: step_lib.Objective | None = None, seed: int = 0) -> Sharded:
-    """`model`'s train and eval steps (`train.step.make_steps(..., axis=None)`) under
-    `Sharded` on `mesh`, the state's shardings derived from the params' logical axes.
+def for_model(steps: Steps, tx, *, mesh: Mesh, rules: dict, seed: int = 0) -> Sharded:
+    """`steps` (`Steps.functions(axis=None)`) under `Sharded` on `mesh`, the state's
+    shardings derived from the params' logical axes.
+
+    Args:
+        tx: the optimiser the state is made with (`TrainState.create(params, tx, seed)`).
+        rules: {logical axis: mesh axes} (`check_rules`).
 
     Raises:
         UserError: heads or kv heads that do not divide their mesh axes (naming both).
     """
+    model = steps.model
     check_model(model.config, mesh, rules)
     args, method = init_args(model.config)
     boxed = boxed_params(model, *args, method=method)
@@ -234,6 +269,5 @@ def for_model(model, config, schedule, tx, mesh: Mesh, rules: dict,
 
     specs = state_specs(boxed, make_state)
     abstract = jax.eval_shape(make_state, meta.unbox(boxed))
-    steps = step_lib.make_steps(model, config, schedule, objective or step_lib.Objective(),
-                                axis=None)
-    return Sharded(*steps, mesh, specs, abstract, rules)
+    train_fn, eval_fn = steps.functions(axis=None)
+    return Sharded(train_fn, eval_fn, mesh=mesh, specs=specs, abstract=abstract, rules=rules)

@@ -68,26 +68,32 @@ def learning_rate_schedule(learning_rate: float, warmup_steps: int, decay: str,
     raise UserError(f"lr_decay={decay!r} must be 'rsqrt', 'cosine' or 'constant'")
 
 
-def make_optimizer(config) -> tuple[optax.GradientTransformation, optax.Schedule]:
+def make_optimizer(settings, total_steps: int
+                   ) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """adamw behind global-norm clipping, wrapped in MultiSteps when accumulating.
 
-    Config keys: learning_rate, warmup_steps, lr_decay, num_train_steps, adam_b1, adam_b2,
-    adam_eps, weight_decay, grad_clip_norm (0 = off), grad_accum_steps.
+    Args:
+        settings: a `train.run_config.OptimizerSettings` (learning_rate, warmup_steps,
+            lr_decay, adam_b1, adam_b2, adam_eps, weight_decay, grad_clip_norm (0 = off),
+            grad_accum_steps).
+        total_steps: the run's optimiser steps (`num_train_steps`), where cosine reaches 0.
+
+    Returns:
+        (the optimiser, its learning-rate schedule in optimiser updates).
     """
-    schedule = learning_rate_schedule(config.learning_rate, config.warmup_steps,
-                                      config.lr_decay, config.num_train_steps)
+    schedule = learning_rate_schedule(settings.learning_rate, settings.warmup_steps,
+                                      settings.lr_decay, total_steps)
     parts = []
-    if config.grad_clip_norm:
-        parts.append(optax.clip_by_global_norm(config.grad_clip_norm))
+    if settings.grad_clip_norm:
+        parts.append(optax.clip_by_global_norm(settings.grad_clip_norm))
 
     def decay_mask(params):
         return jax.tree.map(lambda p: p.ndim > 1, params)
 
-    parts.append(optax.adamw(schedule, b1=config.adam_b1, b2=config.adam_b2, eps=config.adam_eps,
-                             weight_decay=config.weight_decay, mask=decay_mask))
+    parts.append(optax.adamw(schedule, b1=settings.adam_b1, b2=settings.adam_b2,
+                             eps=settings.adam_eps, weight_decay=settings.weight_decay,
+                             mask=decay_mask))
     tx = optax.chain(*parts)
-    if config.grad_accum_steps < 1:
-        raise UserError(f"grad_accum_steps={config.grad_accum_steps} must be >= 1")
-    if config.grad_accum_steps > 1:
-        tx = optax.MultiSteps(tx, every_k_schedule=config.grad_accum_steps)
+    if settings.grad_accum_steps > 1:
+        tx = optax.MultiSteps(tx, every_k_schedule=settings.grad_accum_steps)
     return tx, schedule

@@ -10,7 +10,12 @@ Ctrl-C stops the run after saving, the model is exported to WORKDIR/model (the d
 status 128 + the signal's number). A NaN or Inf loss, or parameters or optimiser state that
 are not finite when a checkpoint is due, raise `FloatingPointError` naming the step (and the
 array), without saving. The workdir is locked for the whole run (`train.workdir`). Setting up
-(lock, data, tokenizer, model, state, restore) is `train.setup`.
+(lock, config, data, tokenizer, model, objective, wrapper, state, restore) is `train.setup`.
+
+Every evaluation scores the validation loss, accuracy and perplexity, plus what the run's
+objective adds (`train.objectives.Objective.evaluate`: decoded exact match and BLEU for
+translation); the final one also the test split where the objective scores one (decoded
+for translation, loss and per-class F1 for classification).
 """
 
 from __future__ import annotations
@@ -24,9 +29,9 @@ import time
 
 import jax
 
-from train import data as data_lib, evaluate
+from train import evaluate
 from train.metrics import StepLog
-from train.setup import Run, pipeline_config, start_run
+from train.setup import Run, start_run
 from train.workdir import write_text
 
 
@@ -65,46 +70,48 @@ def train_and_evaluate(config, workdir: str, *, hooks=()) -> dict:
     """Trains `config` into `workdir` (resuming if it holds checkpoints); returns the summary.
 
     Args:
+        config: an `ml_collections.ConfigDict` (read once: `train.run_config`).
         hooks: callables `hook(step, metrics)` run on the host after each step's metrics are
             read (tests use them to send signals).
     """
     run, start = start_run(config, workdir)
     try:
-        return _train(run, start, config, workdir, hooks)
+        return _train(run, start, hooks)
     finally:
         run.lock.release()
 
 
-def _train(run: Run, start, config, workdir: str, hooks) -> dict:
+def _train(run: Run, start, hooks) -> dict:
     state, iterator, step = start.state, start.iterator, start.step
+    loop, every_checkpoint = run.config.loop, run.config.checkpoints.checkpoint_every_steps
     from tqdm import tqdm
-    progress = tqdm(total=config.num_train_steps, initial=step, disable=not run.lead,
+    progress = tqdm(total=loop.num_train_steps, initial=step, disable=not run.lead,
                     dynamic_ncols=True, unit="step", mininterval=1.0)
-    log = StepLog(run.writer, progress, config.log_every_steps, hooks)
+    log = StepLog(run.writer, progress, loop.log_every_steps, hooks)
     started = time.time()
     stopped = None
     with _stop_signals() as should_stop, contextlib.closing(run.writer):
         with contextlib.closing(progress):
             pending = None  # (step, metrics) of the previous step, read while the next one runs
-            while step < config.num_train_steps:
+            while step < loop.num_train_steps:
                 stopped = should_stop(step)
                 if stopped:
                     break
-                new_state, metrics = run.dp.train_step(state, next(iterator))
+                new_state, metrics = run.wrapper.train_step(state, next(iterator))
                 if pending is not None:
-                    log(pending[0], run.dp.metrics(pending[1]))
+                    log(pending[0], run.wrapper.metrics(pending[1]))
                 state, pending, step = new_state, (step + 1, metrics), step + 1
-                evaluating = step % config.eval_every_steps == 0 and step < config.num_train_steps
-                saving = step % config.checkpoint_every_steps == 0
+                evaluating = step % loop.eval_every_steps == 0 and step < loop.num_train_steps
+                saving = step % every_checkpoint == 0
                 if evaluating or saving:
-                    log(pending[0], run.dp.metrics(pending[1]))
+                    log(pending[0], run.wrapper.metrics(pending[1]))
                     pending = None
                     if evaluating:
-                        _evaluate(run, state, step, test=False)
+                        _evaluate(run, state, step, final=False)
                     if saving:
                         run.save(step, state, iterator)
             if pending is not None:
-                log(pending[0], run.dp.metrics(pending[1]))
+                log(pending[0], run.wrapper.metrics(pending[1]))
         train_seconds = round(time.time() - started, 2)
         if step not in run.checkpoints.all_steps():
             run.save(step, state, iterator)
@@ -118,52 +125,30 @@ def _train(run: Run, start, config, workdir: str, hooks) -> dict:
                       f"{exported} and stopped", flush=True)
             summary["stopped_by"] = stopped
         else:
-            summary.update(_evaluate(run, state, step, test=True))
+            summary.update(_evaluate(run, state, step, final=True))
     if run.lead:
-        write_text(os.path.join(workdir, "summary.json"), json.dumps(summary, indent=2))
+        write_text(os.path.join(run.workdir, "summary.json"), json.dumps(summary, indent=2))
     return summary
 
 
-def _evaluate(run: Run, state, step: int, *, test: bool) -> dict:
-    """Validation loss metrics and decoded scores; at the end (`test`) the test split too
-    (decoded for translation; loss, accuracy and F1 for classification)."""
-    config, ds, lead = run.config, run.dataset, run.lead
-    names = run.choice.config.label_names
-    val = evaluate.loss_metrics(run.dp, state.params, run.eval_batches, names)
-    out = {"validation": val}
-    decodes = ds.kind == "translation" and config.num_eval_decode
-    tests = test and ds.kind == "translation" and config.num_test_decode \
-        and config.test_split in ds.splits
-    if decodes or tests:
-        host_params = run.dp.host_state(state).params
-
-        def decoded(split: str, n: int, beam: bool):
-            beam_size, options = evaluate.decode_settings(config, run.choice, beam=beam)
-            return evaluate.decoded_metrics(run.model, host_params, run.tokenizer, ds, split,
-                                            n, config, beam_size, **options)
-    if decodes:
-        greedy, triples = decoded(config.eval_split, config.num_eval_decode, False)
-        val.update(greedy)
-        if evaluate.decode_settings(config, run.choice, beam=True)[0] > 1:
-            beam, _ = decoded(config.eval_split, min(config.num_eval_decode, 100), True)
-            val.update({f"beam_{k}": v for k, v in beam.items()})
-        if lead:
-            for s, r, h in triples[:config.show_examples]:
-                print(f"  source:     {s}\n  reference:  {r}\n  hypothesis: {h}", flush=True)
+def _evaluate(run: Run, state, step: int, *, final: bool) -> dict:
+    """Validation loss metrics, with what the objective adds (decoded scores for
+    translation); at the end (`final`) the test split's metrics where the objective scores
+    one (decoded for translation; loss, accuracy and F1 for classification)."""
+    data, lead = run.config.data, run.lead
+    val = evaluate.loss_metrics(run.wrapper, state.params, run.eval_batches,
+                                run.choice.config.label_names)
+    more, test = run.objective.evaluate(run, state, final=final)
+    val.update(more)
     run.writer.write(step, "eval", val)
     if lead:
-        print(f"step {step} {config.eval_split}: "
+        print(f"step {step} {data.eval_split}: "
               + ", ".join(f"{k} {v:.4g}" for k, v in val.items()), flush=True)
-    if tests:
-        out["test"], _ = decoded(config.test_split, config.num_test_decode, False)
-        run.writer.write(step, "test", out["test"])
-    elif test and ds.kind == "classification" and config.test_split in ds.splits:
-        batches, _ = data_lib.eval_batches(
-            ds, run.tokenizer, pipeline_config(config, eval_=True, model=run.choice.config),
-            config.test_split)
-        out["test"] = evaluate.loss_metrics(run.dp, state.params, batches, names)
-        run.writer.write(step, "test", out["test"])
+    out = {"validation": val}
+    if test is not None:
+        out["test"] = test
+        run.writer.write(step, "test", test)
         if lead:
-            print(f"step {step} {config.test_split}: "
-                  + ", ".join(f"{k} {v:.4g}" for k, v in out["test"].items()), flush=True)
+            print(f"step {step} {data.test_split}: "
+                  + ", ".join(f"{k} {v:.4g}" for k, v in test.items()), flush=True)
     return out

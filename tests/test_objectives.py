@@ -1,0 +1,141 @@
+"""The objectives (`train.objectives`): the registry pairs each model with each kind of data
+(and refuses what does not fit, naming both), and every registered objective keeps the
+interface's contract: its init inputs initialise the model, its task scores the positions
+it weights, and its loss sums are cross-entropy sums over those positions."""
+
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import models
+from models.tokenizer import ByteTokenizer
+from tests.helpers import tiny
+from train.objectives import ENTRIES, Classification, MaskedLM, NextToken, entry_for, fit
+from train.settings import ObjectiveSettings, ScheduledSampling
+
+SETTINGS = ObjectiveSettings()
+TOK = ByteTokenizer(mask=True)
+W = 10
+
+
+def _data(kind: str, labels=()):
+    return types.SimpleNamespace(name=f"some_{kind}", kind=kind, label_names=tuple(labels))
+
+
+def _config(architecture: str, **overrides):
+    return tiny(architecture, vocab_size=TOK.vocab_size, max_len=W, **overrides)
+
+
+@pytest.mark.parametrize("architecture,labels,kind,expected", [
+    ("encoder_decoder", 0, "translation", NextToken),
+    ("decoder_only", 0, "text", NextToken),
+    ("encoder_only", 0, "text", MaskedLM),
+    ("encoder_only", 0, "classification", Classification),
+    ("encoder_only", 2, "classification", Classification),
+])
+def test_each_model_and_data_kind_maps_to_its_objective(architecture, labels, kind, expected):
+    cfg = _config(architecture, num_labels=labels)
+    data = _data(kind, ("neg", "pos") if kind == "classification" else ())
+    trained, objective = fit(cfg, data, TOK, SETTINGS, model_name="m")
+    assert type(objective) is expected
+    if expected is NextToken:     # translation's evaluations decode; a language model's not
+        assert objective.decodes == (kind == "translation")
+        assert objective.encoder_decoder == cfg.is_encoder_decoder
+    if kind == "classification":  # a masked-LM model gets a head for the data's labels
+        assert trained.num_labels == 2 and trained.label_names == ("neg", "pos")
+        assert objective.label_names == ("neg", "pos")
+    else:
+        assert trained == cfg
+
+
+@pytest.mark.parametrize("architecture,labels,kind,what", [
+    ("decoder_only", 0, "translation", "decoder_only"),
+    ("encoder_decoder", 0, "text", "encoder_decoder"),
+    ("encoder_decoder", 0, "classification", "encoder_decoder"),
+    ("decoder_only", 0, "classification", "decoder_only"),
+    ("encoder_only", 0, "translation", "encoder_only"),
+    ("encoder_only", 3, "text", "an encoder-only classifier, num_labels=3"),
+])
+def test_an_impossible_pair_is_refused_naming_the_model_and_the_data(architecture, labels,
+                                                                     kind, what):
+    cfg = _config(architecture, num_labels=labels)
+    with pytest.raises(ValueError) as e:
+        entry_for(cfg, kind, model_name="m", dataset_name="d")
+    message = str(e.value)
+    assert message.startswith(f"model 'm' ({what}) does not fit dataset 'd' ({kind}): ")
+    # What each kind needs, from the table itself.
+    assert ("translation needs an encoder-decoder (next token); text needs a decoder-only "
+            "model (next token) or an encoder-only one (masked LM); classification needs an "
+            "encoder-only one (classification)") in message
+
+
+def test_what_an_objective_cannot_do_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"model 'm' has num_labels=2, but dataset "
+                                         r"'some_classification' has 3 labels"):
+        fit(_config("encoder_only", num_labels=2), _data("classification", "abc"), TOK,
+            SETTINGS, model_name="m")
+    with pytest.raises(ValueError, match=r"model 'm' has no start token \(bos_id\)"):
+        fit(_config("decoder_only", bos_id=None), _data("text"), TOK, SETTINGS,
+            model_name="m")
+    sampled = ObjectiveSettings(scheduled_sampling=ScheduledSampling(enabled=True))
+    with pytest.raises(ValueError, match=r"scheduled_sampling.enabled=True needs a model "
+                                         r"that predicts the next token; 'm' is encoder-only"):
+        fit(_config("encoder_only"), _data("text"), TOK, sampled, model_name="m")
+    assert fit(_config("decoder_only"), _data("text"), TOK, sampled,
+               model_name="m")[1].scheduled_sampling.enabled
+
+
+def test_each_objective_fixes_how_the_pipeline_reads_text():
+    def options(architecture: str, kind: str) -> dict:
+        _, objective = fit(_config(architecture), _data(kind, "ab"), TOK, SETTINGS,
+                           model_name="m")
+        return objective.pipeline_options()
+
+    assert options("decoder_only", "text") == {}                   # pieces, then EOS
+    assert options("encoder_only", "text") == {"text_role": "sentence"}
+    assert options("encoder_only", "classification") == {"text_role": "sentence",
+                                                         "label_names": ("a", "b")}
+
+
+def _rows(cfg, rows: int = 4) -> dict:
+    """Packed rows of two segments with padding, with every key any objective reads."""
+    r = np.random.default_rng(0)
+    out = {}
+    for side in ("inputs", "targets"):
+        tok = r.integers(4, TOK.vocab_size - 1, (rows, W)).astype(np.int32)
+        seg = np.ones((rows, W), np.int32)
+        pos = np.tile(np.arange(W, dtype=np.int32), (rows, 1))
+        seg[:, 5:], pos[:, 5:] = 2, np.arange(W - 5)
+        seg[:, -2:], pos[:, -2:], tok[:, -2:] = 0, 0, 0
+        out.update({side: tok, f"{side}_segmentation": seg, f"{side}_position": pos})
+    out["labels"] = r.integers(0, max(cfg.num_labels, 1), (rows, W)).astype(np.int32)
+    if not cfg.is_encoder_decoder and cfg.architecture != "encoder_only":
+        del out["inputs"], out["inputs_segmentation"], out["inputs_position"]
+    return out
+
+
+@pytest.mark.parametrize("entry", ENTRIES, ids=lambda e: f"{e.architecture}-{e.data_kind}")
+def test_every_registered_objective_keeps_the_interface_contract(entry):
+    cfg = _config(entry.architecture, num_labels=2 if entry.classifier is not False
+                  and entry.data_kind == "classification" else 0)
+    cfg, objective = fit(cfg, _data(entry.data_kind, ("a", "b")), TOK, SETTINGS,
+                         model_name="m")
+    model = models.build(cfg)
+    batch = jax.tree.map(jnp.asarray, _rows(cfg))
+    args, method = objective.init_inputs(batch)
+    params = model.init(jax.random.key(0), *args, method=method)["params"]
+    task = objective.prepare(batch, key=jax.random.key(1), row_ids=jnp.arange(4))
+    assert task["targets"].shape == task["weights"].shape
+    assert task["weights"].dtype == jnp.float32 and float(task["weights"].sum()) > 0
+    keys = dict(dropout_rng=jax.random.key(2), sample_rng=jax.random.key(3), step=0)
+    for train in (True, False):
+        sums = objective.loss_sums(model, params, batch, task, train=train, **keys)
+        assert {"loss", "nll", "correct", "weight"} <= set(sums)
+        assert float(sums["weight"]) == float(task["weights"].sum())
+        assert np.isfinite(float(sums["loss"])) and float(sums["loss"]) > 0
+    assert objective == fit(cfg, _data(entry.data_kind, ("a", "b")), TOK, SETTINGS,
+                            model_name="m")[1]         # frozen values: equal when rebuilt
+    hash(objective)

@@ -1,0 +1,161 @@
+"""Next-token prediction by teacher forcing, for both generative families: the decoder
+reads the targets shifted right behind BOS (restarting at every packed segment) and is
+scored at every real target token. Scheduled sampling (`scheduled_sampling`) is its option:
+a second decoder pass where a scheduled fraction of the gold inputs is replaced by the first
+pass's predictions (rate 0 is teacher forcing).
+
+    objective = NextToken(bos_id=2, encoder_decoder=True, label_smoothing=0.1)
+    task = objective.prepare(batch, key=key, row_ids=rows)     # targets, weights
+    sums = objective.loss_sums(model, params, batch, task, dropout_rng=k1, sample_rng=k2,
+                               step=step, train=True)
+
+With `decodes` (translation: the data have references), each evaluation also decodes
+validation examples (greedy, and beam search) and scores them by exact match and BLEU, and
+the final one the test split (`train.evaluate`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+
+import jax.numpy as jnp
+from jax import lax
+
+from models.errors import UserError
+from train import losses
+from train.objectives.base import Objective
+from train.objectives.scheduled_sampling import ScheduledSampling, mix_predictions
+
+
+def shift_right(targets_BT, positions_BT, segmentation_BT, bos_id: int):
+    """Decoder inputs: each segment's targets moved one right behind BOS (packing aware).
+
+        targets       [a1 a2 EOS b1 EOS 0]
+        positions     [ 0  1  2   0  1  0]
+        decoder input [BOS a1 a2 BOS b1 0]
+    """
+    shifted = jnp.pad(targets_BT, ((0, 0), (1, 0)))[:, :-1]
+    inputs = jnp.where(positions_BT == 0, bos_id, shifted)
+    return jnp.where(segmentation_BT > 0, inputs, 0)
+
+
+def forward(model, params, batch, decoder_inputs, *, dropout_rng, deterministic: bool):
+    """Teacher-forced logits `[B, T, V]` for either generative family, segments respected."""
+    rngs = None if deterministic else {"dropout": dropout_rng}
+    if model.config.is_encoder_decoder:
+        return model.apply({"params": params}, batch["inputs"], decoder_inputs,
+                           src_segment_ids=batch["inputs_segmentation"],
+                           tgt_segment_ids=batch["targets_segmentation"],
+                           src_positions=batch["inputs_position"],
+                           tgt_positions=batch["targets_position"],
+                           deterministic=deterministic, rngs=rngs)
+    return model.apply({"params": params}, decoder_inputs,
+                       segment_ids=batch["targets_segmentation"],
+                       positions=batch["targets_position"], deterministic=deterministic,
+                       rngs=rngs)
+
+
+@dataclasses.dataclass(frozen=True)
+class NextToken(Objective):
+    """Teacher forcing (see the module docstring).
+
+    Attributes:
+        bos_id: the start token every segment's decoder input begins with.
+        encoder_decoder: the model reads `inputs` (sources) too.
+        label_smoothing, z_loss: the training loss's (`train.losses.cross_entropy`).
+        scheduled_sampling: the second pass's schedule (off by default).
+        decodes: evaluations decode and score against references (translation).
+    """
+
+    name = "next token"
+    takes_scheduled_sampling = True
+    bos_id: int
+    encoder_decoder: bool = False
+    label_smoothing: float = 0.0
+    z_loss: float = 0.0
+    scheduled_sampling: ScheduledSampling = dataclasses.field(
+        default_factory=ScheduledSampling)
+    decodes: bool = False
+
+    @classmethod
+    def build(cls, model_config, tokenizer, settings, *, model_name: str,
+              decodes: bool = False) -> NextToken:
+        del tokenizer
+        if model_config.bos_id is None:
+            raise UserError(f"model {model_name!r} has no start token (bos_id), which "
+                            "teacher forcing puts first in every sequence")
+        return cls(bos_id=int(model_config.bos_id),
+                   encoder_decoder=model_config.is_encoder_decoder,
+                   label_smoothing=settings.label_smoothing, z_loss=settings.z_loss,
+                   scheduled_sampling=settings.scheduled_sampling, decodes=decodes)
+
+    def init_inputs(self, row: dict) -> tuple[tuple, str | None]:
+        if self.encoder_decoder:
+            return (row["inputs"], row["targets"]), None
+        return (row["targets"],), None
+
+    def prepare(self, batch: dict, *, key, row_ids) -> dict:
+        del key, row_ids
+        return {"targets": batch["targets"],
+                "weights": (batch["targets_segmentation"] > 0).astype(jnp.float32)}
+
+    def loss_sums(self, model, params, batch: dict, task: dict, *, dropout_rng, sample_rng,
+                  step, train: bool) -> dict:
+        """One teacher-forced pass (two under scheduled sampling while training)."""
+        positions, segmentation = batch["targets_position"], batch["targets_segmentation"]
+        dec_in = shift_right(batch["targets"], positions, segmentation, self.bos_id)
+        if self.scheduled_sampling.enabled and train:
+            first = forward(model, params, batch, dec_in, dropout_rng=dropout_rng,
+                            deterministic=False)
+            dec_in = mix_predictions(dec_in, lax.stop_gradient(first), positions,
+                                     segmentation, rate=self.scheduled_sampling.rate(step),
+                                     rng=sample_rng)
+        logits = forward(model, params, batch, dec_in, dropout_rng=dropout_rng,
+                         deterministic=not train)
+        return losses.cross_entropy(logits, task["targets"], task["weights"],
+                                    label_smoothing=self.label_smoothing if train else 0.0,
+                                    z_loss=self.z_loss)
+
+    def evaluate(self, run, state, *, final: bool) -> tuple[dict, dict | None]:
+        """Decoded scores: greedy (and beam search, on up to 100 examples) on
+        `num_eval_decode` validation examples, with `show_examples` triples printed; at the
+        end greedy on `num_test_decode` test examples. Nothing without `decodes`."""
+        settings, data, ds = run.config.evaluation, run.config.data, run.dataset
+        validating = self.decodes and settings.num_eval_decode
+        testing = (final and self.decodes and settings.num_test_decode
+                   and data.test_split in ds.splits)
+        if not (validating or testing):
+            return {}, None
+        from train import evaluate
+        keys = _decoding_keys(run.config)
+        host_params = run.wrapper.host_state(state).params     # a collective when sharded
+
+        def decoded(split: str, n: int, beam: bool):
+            beam_size, options = evaluate.decode_settings(keys, run.choice, beam=beam)
+            return evaluate.decoded_metrics(run.model, host_params, run.tokenizer, ds, split,
+                                            n, keys, beam_size, **options)
+
+        val = {}
+        if validating:
+            greedy, triples = decoded(data.eval_split, settings.num_eval_decode, False)
+            val.update(greedy)
+            if evaluate.decode_settings(keys, run.choice, beam=True)[0] > 1:
+                beam, _ = decoded(data.eval_split, min(settings.num_eval_decode, 100), True)
+                val.update({f"beam_{k}": v for k, v in beam.items()})
+            if run.lead:
+                for s, r, h in triples[:settings.show_examples]:
+                    print(f"  source:     {s}\n  reference:  {r}\n  hypothesis: {h}",
+                          flush=True)
+        test = decoded(data.test_split, settings.num_test_decode, False)[0] if testing else None
+        return val, test
+
+
+def _decoding_keys(config) -> types.SimpleNamespace:
+    """The config keys `train.evaluate`'s decoding functions read, by their key names, from
+    the run config's parts."""
+    settings = config.evaluation
+    return types.SimpleNamespace(
+        beam_size=settings.beam_size, length_penalty=settings.length_penalty,
+        max_decode_length=settings.max_decode_length, metric=settings.metric,
+        max_source_length=config.data.max_source_length)

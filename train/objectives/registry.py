@@ -1,0 +1,115 @@
+"""Which objective a model trains with on which data: the one table that pairs a model's
+architecture with a dataset's kind.
+
+    entry = entry_for(model_config, "translation", model_name="transformer-tiny",
+                      dataset_name="toy_translation")          # NextToken, decoded
+    cfg, objective = fit(model_config, dataset, tokenizer, settings, model_name=...)
+
+    architecture      data kind        objective
+    encoder_decoder   translation      next token, scored by decoding at evaluations
+    decoder_only      text             next token
+    encoder_only      text             masked LM (a model without a classifier head)
+    encoder_only      classification   classification (a masked-LM model gets a head)
+
+An impossible pair is refused naming both. A new objective is a module of its own (a
+subclass of `train.objectives.base.Objective`) and one line in `ENTRIES`. Dataset kinds are
+the strings `train.data.Dataset.kind` holds; this table is where the trainer compares them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from models.errors import UserError
+from train.objectives.base import Objective
+from train.objectives.classification import Classification
+from train.objectives.masked_lm import MaskedLM
+from train.objectives.next_token import NextToken
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """One pairing of a model with a data kind.
+
+    Attributes:
+        architecture: the model's `TransformerConfig.architecture`.
+        data_kind: the dataset's kind (`train.data.Dataset.kind`).
+        objective: the objective's class.
+        classifier: the model must have a classifier head (True), must not (False), or
+            either (None).
+        model_text: how the refusal message names the models of this entry.
+        options: keyword arguments of `objective.build`.
+    """
+
+    architecture: str
+    data_kind: str
+    objective: type[Objective]
+    classifier: bool | None = None
+    model_text: str = ""
+    options: tuple[tuple[str, Any], ...] = ()
+
+    def fits(self, model_config, data_kind: str) -> bool:
+        return (model_config.architecture == self.architecture
+                and data_kind == self.data_kind
+                and self.classifier in (None, bool(model_config.num_labels)))
+
+    def build(self, model_config, tokenizer, settings, *, model_name: str) -> Objective:
+        return self.objective.build(model_config, tokenizer, settings, model_name=model_name,
+                                    **dict(self.options))
+
+
+ENTRIES: tuple[Entry, ...] = (
+    Entry("encoder_decoder", "translation", NextToken, model_text="an encoder-decoder",
+          options=(("decodes", True),)),
+    Entry("decoder_only", "text", NextToken, model_text="a decoder-only model"),
+    Entry("encoder_only", "text", MaskedLM, classifier=False,
+          model_text="an encoder-only one"),
+    Entry("encoder_only", "classification", Classification,
+          model_text="an encoder-only one"),
+)
+
+
+def _fits_text() -> str:
+    """What each data kind needs, from `ENTRIES`: "translation needs an encoder-decoder
+    (next token); text needs a decoder-only model (next token) or ..."."""
+    kinds: dict[str, list[str]] = {}
+    for e in ENTRIES:
+        kinds.setdefault(e.data_kind, []).append(f"{e.model_text} ({e.objective.name})")
+    return "; ".join(f"{kind} needs {' or '.join(needs)}" for kind, needs in kinds.items())
+
+
+def entry_for(model_config, data_kind: str, *, model_name: str, dataset_name: str) -> Entry:
+    """The entry that trains a model of `model_config` on data of `data_kind`.
+
+    Raises:
+        UserError: no entry does, naming the model and the dataset with what each is.
+    """
+    for entry in ENTRIES:
+        if entry.fits(model_config, data_kind):
+            return entry
+    what = model_config.architecture
+    if what == "encoder_only" and model_config.num_labels:
+        what = f"an encoder-only classifier, num_labels={model_config.num_labels}"
+    raise UserError(f"model {model_name!r} ({what}) does not fit dataset {dataset_name!r} "
+                    f"({data_kind}): {_fits_text()}")
+
+
+def fit(model_config, dataset, tokenizer, settings, *, model_name: str):
+    """(the model config the run trains, its objective) for a model and the run's dataset.
+
+    Args:
+        model_config: the chosen model's `TransformerConfig` (`train.model_config`).
+        dataset: the run's `train.data.Dataset` (its name, kind and label names).
+        tokenizer: the run's tokenizer.
+        settings: the `train.run_config.ObjectiveSettings`.
+
+    Raises:
+        UserError: the model does not fit the data, or lacks what the objective needs.
+    """
+    entry = entry_for(model_config, dataset.kind, model_name=model_name,
+                      dataset_name=dataset.name)
+    cfg = entry.objective.adapt_model(model_config, tuple(dataset.label_names),
+                                      model_name=model_name, dataset_name=dataset.name)
+    entry.objective.check_settings(settings, cfg, model_name=model_name)
+    return cfg, entry.build(cfg, tokenizer, settings, model_name=model_name)

@@ -1,0 +1,182 @@
+"""The run config, read once at the edge: an ml_collections `ConfigDict` in, frozen typed
+parts out, each checked when it is made.
+
+    run = RunConfig.from_config(configs.get("default"))   # or a UserError naming the key
+    run.optimizer.learning_rate, run.data.dataset, run.parallel.mesh_shape, ...
+    base_config()                                         # every key with its default
+
+Every key is declared once, as a field of one part (`train.settings`) with its default and
+its rule (`train.config_checks.setting`); `base_config()` (which every file in
+`train/configs/` starts from) is made from those fields, so the keys, their defaults and
+their rules cannot drift apart. Rules between keys of one part live with that part
+(`Part.check`); the two that span parts (the tokenizer's size, and the model fitting the
+dataset) are `RunConfig.check`'s. Each part of the trainer receives the part it reads:
+the optimiser `OptimizerSettings`, the wrappers `ParallelSettings`, the pipeline
+`DataSettings` and `BatchSettings`, the objective `ObjectiveSettings`, evaluation
+`EvalSettings`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+from collections.abc import Mapping
+from typing import Any
+
+import ml_collections
+
+from train.config_checks import Part, fail
+from train.settings import (
+    BatchSettings,
+    CheckpointSettings,
+    DataSettings,
+    EvalSettings,
+    HostSettings,
+    LoopSettings,
+    ModelSettings,
+    ObjectiveSettings,
+    OptimizerSettings,
+    ParallelSettings,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """Every part of a run's config, checked (see the module docstring). The parts are
+    read in the order of these fields (a mistake in an earlier one is reported first).
+
+    Attributes:
+        model, data, batch, optimizer, objective, parallel, hosts, checkpoints, loop,
+            evaluation: the parts (`PARTS`).
+        experiment: the config as given, as JSON (what checkpoints keep of it).
+    """
+
+    model: ModelSettings = dataclasses.field(default_factory=ModelSettings)
+    data: DataSettings = dataclasses.field(default_factory=DataSettings)
+    batch: BatchSettings = dataclasses.field(default_factory=BatchSettings)
+    optimizer: OptimizerSettings = dataclasses.field(default_factory=OptimizerSettings)
+    objective: ObjectiveSettings = dataclasses.field(default_factory=ObjectiveSettings)
+    parallel: ParallelSettings = dataclasses.field(default_factory=ParallelSettings)
+    hosts: HostSettings = dataclasses.field(default_factory=HostSettings)
+    checkpoints: CheckpointSettings = dataclasses.field(default_factory=CheckpointSettings)
+    loop: LoopSettings = dataclasses.field(default_factory=LoopSettings)
+    evaluation: EvalSettings = dataclasses.field(default_factory=EvalSettings)
+    experiment: str = "{}"
+
+    def __post_init__(self):
+        self.check()
+
+    @classmethod
+    def from_config(cls, config) -> RunConfig:
+        """The typed parts of an experiment config; reads no data and builds nothing.
+
+        Args:
+            config: an `ml_collections.ConfigDict` (or a plain mapping) with the keys of
+                `base_config()`.
+
+        Raises:
+            UserError: an unknown key (with the closest known one), a missing key, or a
+                value that breaks its rule, naming the key, the value and the rule (the
+                first one found).
+        """
+        if hasattr(config, "to_dict"):
+            values, experiment = config.to_dict(), config.to_json()
+        else:
+            values = dict(config)
+            experiment = json.dumps(values, sort_keys=True, default=str)
+        _refuse_unknown(values)
+        parts = {name: part.from_mapping(values) for name, part in PARTS.items()}
+        return cls(**parts, experiment=experiment)
+
+    @property
+    def needed_max_len(self) -> int:
+        """The positions the run's longest sequence needs: the rows, and a decoded output
+        behind its start token."""
+        return max(self.data.max_source_length, self.data.max_target_length,
+                   self.evaluation.max_decode_length + 1)
+
+    def check(self) -> None:
+        """The rules between parts: the tokenizer's size, and a model (the preset with its
+        overrides) that builds and has an objective for the dataset's kind.
+
+        Raises:
+            UserError: naming the key, its value and the rule.
+        """
+        from train.data.tokenizer import MIN_SENTENCEPIECE_VOCAB
+        model, data = self.model, self.data
+        if (not model.init_from and data.tokenizer == "sentencepiece"
+                and data.vocab_size < MIN_SENTENCEPIECE_VOCAB):
+            raise fail("vocab_size", data.vocab_size,
+                       f"must be >= {MIN_SENTENCEPIECE_VOCAB} for tokenizer='sentencepiece' "
+                       "(256 byte-fallback pieces and the specials); use tokenizer='byte' "
+                       "for fewer ids")
+        if not model.init_from:     # a directory's own config was read by ModelSettings
+            self._check_preset()
+
+    def _check_preset(self) -> None:
+        from models.config import check_keys
+        from models.tokenizer import ByteTokenizer
+        from train.model_config import preset_config
+        from train.objectives import registry
+        model, data = self.model, self.data
+        overrides = dict(model.model_overrides)
+        try:
+            check_keys(overrides)
+            # The tokenizer's size is known only later; the rules it enters (special ids
+            # below it) hold for both of ours.
+            vocab = (data.vocab_size if data.tokenizer == "sentencepiece"
+                     else ByteTokenizer().vocab_size)
+            cfg = preset_config(model, vocab, max_len=self.needed_max_len)
+        except (ValueError, TypeError) as e:
+            raise fail("model_overrides", overrides, f"{e} (model={model.model!r})",
+                       ": ") from None
+        try:
+            entry = registry.entry_for(cfg, data.kind, model_name=model.model,
+                                       dataset_name=data.dataset)
+        except ValueError as e:
+            raise fail("model", model.model, f"({e})") from None
+        entry.objective.check_settings(self.objective, cfg, model_name=model.model)
+
+
+# {attribute of RunConfig: its part's class}: every part, in the order the config is read.
+PARTS: dict[str, type[Part]] = {f.name: f.default_factory for f in dataclasses.fields(RunConfig)
+                                if f.default_factory is not dataclasses.MISSING}
+RULES = {key: rule for part in PARTS.values() for key, rule in part.key_rules().items()}
+
+
+def _nested() -> dict[str, type[Part]]:
+    return {name: sub for part in PARTS.values() for name, sub in part.nested().items()}
+
+
+def _refuse_unknown(values: Mapping[str, Any]) -> None:
+    """Refuses a key no part declares, naming the closest known one."""
+    nested = _nested()
+    given = {}
+    for key, value in values.items():
+        given[key] = value
+        if key in nested and isinstance(value, Mapping):
+            given.update({f"{key}.{k}": v for k, v in value.items()})
+    for key, value in given.items():
+        if key not in RULES:
+            near = difflib.get_close_matches(key, list(RULES), n=1)
+            hint = f"; did you mean {near[0]!r}?" if near else ""
+            raise fail(key, value, "is not a config key (the keys are those of "
+                       f"train/configs/_base.py){hint}")
+
+
+def base_config() -> ml_collections.ConfigDict:
+    """Every key with its default, made from the parts' fields: what each config file in
+    `train/configs/` starts from."""
+    def config_dict(defaults: dict) -> ml_collections.ConfigDict:
+        c = ml_collections.ConfigDict()
+        for key, value in defaults.items():
+            c[key] = config_dict(dict(value)) if isinstance(value, Mapping) else value
+        return c
+
+    return config_dict({k: v for part in PARTS.values() for k, v in part.defaults().items()})
+
+
+def check_config(config) -> RunConfig:
+    """`RunConfig.from_config(config)`: every value of an experiment config checked."""
+    return RunConfig.from_config(config)

@@ -1,0 +1,306 @@
+"""The parts of the run config: each a frozen group of keys that checks itself when made
+(`train.config_checks.Part`), every key declared once with its default and its rule.
+
+    OptimizerSettings(learning_rate=3e-3, lr_decay="cosine")   # the rest at their defaults
+    OptimizerSettings(lr_decay="linear")   # UserError: lr_decay='linear' must be one of ...
+
+`train.run_config.RunConfig` holds one of each and reads them from an experiment config;
+each part of the trainer takes the part it reads (the optimiser `OptimizerSettings`, the
+wrappers `ParallelSettings`, ...). Rules between keys of one part are its `check`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from models.errors import UserError
+from train.config_checks import (
+    Part,
+    Rule,
+    address,
+    axis_rules,
+    boolean,
+    choice,
+    dataset_name,
+    fail,
+    float_dtype,
+    frozen,
+    integer,
+    mapping,
+    mesh_shape,
+    model_name,
+    number,
+    setting,
+    string,
+    subpart,
+)
+from train.masking import Masking
+from train.objectives.scheduled_sampling import ScheduledSampling
+
+__all__ = ["BatchSettings", "CheckpointSettings", "DataSettings", "EvalSettings",
+           "HostSettings", "LoopSettings", "ModelSettings", "ObjectiveSettings",
+           "OptimizerSettings", "ParallelSettings", "ScheduledSampling"]
+
+SPLITS = ("train", "validation", "test")
+SPM_MODEL_TYPES = ("unigram", "bpe", "char", "word")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSettings(Part):
+    """What model the run trains: a preset from `models.list_configs()` with
+    `model_overrides` (any `TransformerConfig` field; vocab_size comes from the tokenizer
+    and max_len from the longest sequence), or a model directory to fine-tune.
+
+    Attributes:
+        init_from: a model directory (Hugging Face layout, or a run's WORKDIR/model) whose
+            config, weights and tokenizer the run starts from; `model`, `tokenizer` and
+            `vocab_size` are then unused and model_overrides may only set runtime fields
+            (dtype, dropout, scan_layers, remat).
+        dtype: the compute dtype; parameters stay float32.
+    """
+
+    model: str = setting("transformer-tiny", model_name())
+    model_overrides: Mapping[str, Any] = setting(
+        {}, mapping("a dict of TransformerConfig fields"), convert=frozen)
+    init_from: str = setting("", string())
+    dtype: str = setting("float32", float_dtype())
+
+    @property
+    def name(self) -> str:
+        """How messages name the model: the directory, or the preset."""
+        return self.init_from or self.model
+
+    def check(self) -> None:
+        """init_from: a model directory whose config reads, and overrides that keep its
+        architecture; refused by name before any data work."""
+        path = self.init_from
+        if not path:
+            return
+        if not os.path.isdir(path):
+            raise fail("init_from", path, "does not exist" if not os.path.exists(path)
+                       else "is not a directory (a model directory with config.json)")
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise fail("init_from", path, "must be a model directory with config.json; it "
+                       "has none")
+        from models.pretrained import RUNTIME_FIELDS, read_config
+        fixed = sorted(set(self.model_overrides) - RUNTIME_FIELDS)
+        if fixed:
+            raise fail("model_overrides", self.model_overrides,
+                       f"may only set {sorted(RUNTIME_FIELDS)} when fine-tuning init_from="
+                       f"{path!r}; {fixed} would change its architecture", ": ")
+        try:
+            read_config(path)
+        except (ValueError, FileNotFoundError) as e:
+            raise UserError(f"init_from={path!r}: {e}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSettings(Part):
+    """The dataset, its tokenizer and how examples become rows.
+
+    Attributes:
+        data_files: comma-separated paths, read by the local_* datasets only.
+        data_dir: the TFDS data dir ("" = TFDS's default).
+        tokenizer: "sentencepiece" (trained on the training split, `vocab_size` pieces of
+            `spm_model_type`) or "byte".
+        max_source_length / max_target_length: row widths, EOS included.
+        overlong: translation examples longer than a row: "drop" or "truncate".
+        data_workers: grain worker processes (0: threads only).
+        eval_split / test_split: the splits evaluated during and after training.
+    """
+
+    dataset: str = setting("toy_translation", dataset_name())
+    data_files: str = setting("", Rule("a string of comma-separated paths",
+                                       lambda v: isinstance(v, str)))
+    data_dir: str = setting("", string())
+    reverse_translation: bool = setting(False, boolean())
+    tokenizer: str = setting("sentencepiece", choice("sentencepiece", "byte"))
+    vocab_size: int = setting(1024, integer(1))
+    spm_model_type: str = setting("unigram", choice(*SPM_MODEL_TYPES))
+    max_source_length: int = setting(64, integer(2))
+    max_target_length: int = setting(64, integer(2))
+    packing: bool = setting(True, boolean())
+    overlong: str = setting("drop", choice("drop", "truncate"))
+    data_workers: int = setting(0, integer(0))
+    eval_split: str = setting("validation", choice(*SPLITS))
+    test_split: str = setting("test", choice(*SPLITS))
+
+    @property
+    def files(self) -> tuple[str, ...]:
+        return tuple(p for p in self.data_files.split(",") if p)
+
+    @property
+    def kind(self) -> str:
+        """The dataset's kind (a `train.data.kinds` name), from the dataset tables (no data
+        is read)."""
+        from train.data import dataset_kind
+        return dataset_kind(self.dataset)
+
+    def check(self) -> None:
+        self._check_files()
+        path = os.path.expanduser(self.data_dir)
+        if path and os.path.exists(path) and not os.path.isdir(path):
+            raise fail("data_dir", self.data_dir, "is a file, not a directory")
+        from train.data import kinds
+        if self.reverse_translation and not kinds.get(self.kind).reversible:
+            raise fail("reverse_translation", True,
+                       f"needs a translation dataset; {self.dataset!r} is {self.kind}")
+
+    def _check_files(self) -> None:
+        """data_files: required by (and only read by) the local datasets; each a file."""
+        from train.data import builders
+        value, dataset, files = self.data_files, self.dataset, self.files
+        if dataset not in builders.LOCAL:
+            if files:
+                raise fail("data_files", value, f"is only read by the local datasets "
+                           f"({', '.join(sorted(builders.LOCAL))}), not dataset={dataset!r}")
+            return
+        if not files:
+            raise fail("data_files", value, f"must name one or more files (comma-separated) "
+                       f"for dataset={dataset!r}")
+        for path in files:
+            if os.path.isdir(path):
+                raise fail("data_files", value, f"{path!r} is a directory, not a file", ": ")
+            if not os.path.isfile(path):
+                raise fail("data_files", value, f"{path!r} does not exist", ": ")
+        try:
+            builders.LOCAL[dataset].sources(files)      # how the files pair and split
+        except ValueError as e:
+            raise fail("data_files", value, str(e), ": ") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchSettings(Part):
+    """Rows per device per step: training and evaluation (global = rows x devices)."""
+
+    per_device_batch_size: int = setting(32, integer(1))
+    eval_per_device_batch_size: int = setting(64, integer(1))
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerSettings(Part):
+    """adamw behind global-norm clipping (0: none), warmup then `lr_decay` (rsqrt, cosine
+    or constant), and `grad_accum_steps` micro-batches per update (optax.MultiSteps)."""
+
+    learning_rate: float = setting(2e-3, number("> 0", lambda v: v > 0))
+    warmup_steps: int = setting(200, integer(0))
+    lr_decay: str = setting("rsqrt", choice("rsqrt", "cosine", "constant"))
+    adam_b1: float = setting(0.9, number("in [0, 1)", lambda v: 0 <= v < 1))
+    adam_b2: float = setting(0.98, number("in [0, 1)", lambda v: 0 <= v < 1))
+    adam_eps: float = setting(1e-9, number("> 0", lambda v: v > 0))
+    weight_decay: float = setting(0.0, number(">= 0", lambda v: v >= 0))
+    grad_clip_norm: float = setting(1.0, number(">= 0 (0: no clipping)", lambda v: v >= 0))
+    grad_accum_steps: int = setting(1, integer(1))
+
+
+@dataclasses.dataclass(frozen=True)
+class ObjectiveSettings(Part):
+    """What the objectives read (`train.objectives`): the loss's label smoothing and
+    z-loss; masked LM's corruption (of the real, non-special tokens, `mlm_rate` are chosen;
+    of those `mlm_mask_fraction` become the mask token, `mlm_random_fraction` a random one,
+    the rest stay: BERT's 15% and 80/10/10); next-token prediction's scheduled sampling."""
+
+    label_smoothing: float = setting(0.1, number("in [0, 1)", lambda v: 0 <= v < 1))
+    z_loss: float = setting(0.0, number(">= 0", lambda v: v >= 0))
+    mlm_rate: float = setting(Masking.rate, number("in (0, 1]", lambda v: 0 < v <= 1))
+    mlm_mask_fraction: float = setting(Masking.mask_fraction,
+                                       number("in [0, 1]", lambda v: 0 <= v <= 1))
+    mlm_random_fraction: float = setting(Masking.random_fraction,
+                                         number("in [0, 1]", lambda v: 0 <= v <= 1))
+    scheduled_sampling: ScheduledSampling = subpart(
+        ScheduledSampling, "a dict of enabled, schedule, max_rate, ramp_steps, k")
+
+    def check(self) -> None:
+        total = self.mlm_mask_fraction + self.mlm_random_fraction
+        if total > 1:
+            raise fail("mlm_mask_fraction", self.mlm_mask_fraction,
+                       f"plus mlm_random_fraction={self.mlm_random_fraction} is {total:g}, "
+                       "above 1")
+
+    @property
+    def masking(self) -> Masking:
+        return Masking(self.mlm_rate, self.mlm_mask_fraction, self.mlm_random_fraction)
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelSettings(Part):
+    """How the steps run over devices (`train.wrapper`): `pmap`, `shard_map`, or
+    `sharded` over a (data, fsdp, tensor) `mesh_shape` (-1: the devices the others leave;
+    FSDP over all by default) with `logical_axis_rules` (() = `models.axes.DEFAULT_RULES`;
+    see the README's "Sharded training")."""
+
+    parallel: str = setting("pmap", choice("pmap", "shard_map", "sharded"))
+    mesh_shape: tuple[int, int, int] = setting((1, -1, 1), mesh_shape(),
+                                               convert=lambda v: tuple(int(s) for s in v))
+    logical_axis_rules: tuple = setting((), axis_rules(), convert=frozen)
+
+    @property
+    def rules(self) -> tuple:
+        from models.axes import DEFAULT_RULES
+        return tuple(self.logical_axis_rules) or DEFAULT_RULES
+
+
+@dataclasses.dataclass(frozen=True)
+class HostSettings(Part):
+    """Several hosts: `jax.distributed.initialize()` when `distributed`; the other three
+    only with a coordinator address (host:port of process 0; "" = let JAX detect the
+    cluster: TPU pod, SLURM, Open MPI, Kubernetes)."""
+
+    distributed: bool = setting(False, boolean())
+    coordinator_address: str = setting("", address())
+    num_processes: int = setting(1, integer(1))
+    process_id: int = setting(0, integer(0))
+
+    def check(self) -> None:
+        if self.process_id >= self.num_processes:
+            raise fail("process_id", self.process_id,
+                       f"must be in [0, num_processes={self.num_processes})")
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointSettings(Part):
+    """A checkpoint every `checkpoint_every_steps` (and at the end); the newest
+    `keep_checkpoints` are kept."""
+
+    checkpoint_every_steps: int = setting(500, integer(1))
+    keep_checkpoints: int = setting(3, integer(1))
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopSettings(Part):
+    """The loop: its length, how often it logs and evaluates, and the seed of everything
+    random (initialisation, dropout, masks, shuffling)."""
+
+    num_train_steps: int = setting(1000, integer(0))
+    log_every_steps: int = setting(50, integer(1))
+    eval_every_steps: int = setting(500, integer(1))
+    seed: int = setting(0, integer(0))
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSettings(Part):
+    """What an evaluation decodes and how it scores it.
+
+    Attributes:
+        num_eval_decode: validation examples decoded at each evaluation.
+        num_test_decode: test examples decoded at the end (0 = none).
+        beam_size / length_penalty: beam search's (GNMT's alpha: ((5 + length) / 6) **
+            alpha). Fine-tuning (init_from), decoded evaluations follow the directory's
+            generation_config.json (beams, length penalty, forced and banned ids, end ids);
+            beam_size is used only when it names no beam count, length_penalty never.
+        max_decode_length: new tokens per decoded example (and a bound on the model's
+            max_len).
+        show_examples: (source, reference, hypothesis) triples printed per evaluation.
+        metric: exact_match, bleu or both.
+    """
+
+    num_eval_decode: int = setting(200, integer(0))
+    num_test_decode: int = setting(1000, integer(0))
+    beam_size: int = setting(4, integer(1))
+    length_penalty: float = setting(0.6, number(">= 0", lambda v: v >= 0))
+    max_decode_length: int = setting(64, integer(1))
+    show_examples: int = setting(3, integer(0))
+    metric: str = setting("exact_match", choice("exact_match", "bleu", "both"))
