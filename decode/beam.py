@@ -152,7 +152,8 @@ def beam_search_arguments(
     if length_normalization == "gnmt":
         checks.check_in_range(alpha, "length_penalty", 0.0, np.inf, hi_open=True)
     else:
-        checks.check_in_range(alpha, "length_penalty", -np.inf, np.inf, True, True)
+        checks.check_in_range(alpha, "length_penalty", -np.inf, np.inf, lo_open=True,
+                              hi_open=True)
     renormalize = checks.as_array(renormalize_logits)
     if renormalize.shape != () or renormalize.dtype != bool:
         raise UserError(f"renormalize_logits must be a bool, got {renormalize_logits!r}")

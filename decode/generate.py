@@ -125,7 +125,7 @@ def _generate(model, params, prompts_BP, lengths_B, rng, sampling: SamplingParam
         history = ngrams.start(prefix_BP, prefix_lengths_B, prefix_BP.shape[1] + max_new_tokens)
     state: LoopState = decode_loop(
         model_step_fn(model, params, cache_sharding),
-        initial_state(logits_BV, cache, rng, max_new_tokens, seen, history),
+        initial_state(logits_BV, cache, rng, max_new_tokens, seen_BV=seen, history=history),
         eos_ids=eos_ids, pad_id=output_pad_id(cfg), params=sampling, strategy=strategy,
         constraints=constraints, while_loop=loop == "while")
     return DecodeOutput(state.tokens, state.lengths, state.logprobs, state.cache.lengths,
