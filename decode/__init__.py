@@ -35,21 +35,16 @@ Modules:
     model_fns   the model as the loops see it; `placement` the KV cache split like
                 sharded parameters' kv heads
     encoder     encoder-only models, which do not generate: `fill_mask` and `classify` on
-                arrays, `fill_mask_text` and `classify_text` on text
+                arrays and lists of ids; `encoder_text` (`fill_mask_text`, `classify_text`)
+                on text
     __main__    `python -m decode`
 """
 
 from decode.beam import BeamOutput, beam_search, beam_search_arguments
 from decode.beam_steps import gnmt_penalty, hf_penalty, length_penalty
 from decode.defaults import generation_strategy, unapplied
-from decode.encoder import (
-    Classified,
-    FillMaskOutput,
-    classify,
-    classify_text,
-    fill_mask,
-    fill_mask_text,
-)
+from decode.encoder import FillMaskOutput, classify, fill_mask
+from decode.encoder_text import Classified, classify_text, fill_mask_text
 from decode.generate import DecodeOutput, bucket_width, generate, generate_arguments, pad_prompts
 from decode.loop import LoopState, decode_loop
 from decode.processors import (

@@ -66,7 +66,7 @@ import numpy as np
 
 import decode
 import models
-from decode import encoder
+from decode import encoder, encoder_text
 from models.errors import UserError
 from models.pretrained.generation import GenerationDefaults
 
@@ -435,7 +435,7 @@ def _encoder_inputs(args, lines: list[str], tok, cfg) -> list[list[int] | None]:
                                  f"at most {cfg.max_len} (max_len)")
             out.append(ids)
         else:
-            out.append(encoder.encode_text(tok, cfg, line, name=f"input {number}",
+            out.append(encoder_text.encode_text(tok, cfg, line, name=f"input {number}",
                                            need_mask=args.fill_mask))
     return out
 
@@ -443,7 +443,7 @@ def _encoder_inputs(args, lines: list[str], tok, cfg) -> list[list[int] | None]:
 def _run_encoder(args, model, params, tok, lines: list[str]) -> None:
     cfg = model.config
     if args.fill_mask:
-        mask_id, mask_token = encoder.mask_token_of(tok, _source(args))
+        mask_id, mask_token = encoder_text.mask_token_of(tok, _source(args))
         k = DEFAULT_FILLERS if args.top_k is None else args.top_k
         if not 1 <= k <= cfg.vocab_size:
             raise UsageError(f"--top-k {k} must be in [1, vocab_size={cfg.vocab_size}] (the "
@@ -454,12 +454,12 @@ def _run_encoder(args, model, params, tok, lines: list[str]) -> None:
         found = encoder.fill_mask_lists(model, params, todo, mask_id=mask_id, top_k=k,
                                         batch_size=args.batch_size)
         results = iter([fillers_line(mask_token, [list(zip(
-            encoder.token_strings(tok, [i for i, _ in pairs]), [p for _, p in pairs],
+            encoder_text.token_strings(tok, [i for i, _ in pairs]), [p for _, p in pairs],
             strict=True)) for pairs in masks]) for masks in found])
     else:
         probs = encoder.classify_lists(model, params, todo, batch_size=args.batch_size)
         results = iter([f"{c.label}\t{c.probability:.4f}"
-                        for c in encoder.classified(cfg, probs)])
+                        for c in encoder_text.classified(cfg, probs)])
     for ids in inputs:
         print("" if ids is None else _one_line(next(results)), flush=True)
 
