@@ -14,6 +14,7 @@ whatever its strategy. A model directory's generation_config.json gives one:
     pre = models.load(path)
     request = decode.DecodeRequest.from_generation(pre.generation, pre.config)
     out = decode.run(pre.model, pre.params, prompts, lengths, request)   # best sequences
+    decode.TextDecoder(pre.model, pre.params, pre.tokenizer).decode(texts, request)
 
 Ahead of time: `generate.lower(...)` and `beam_search.lower(...)` take a call's arguments
 and return the lowered computation (`.compile()`, `.cost_analysis()`, `.as_text()`);
@@ -34,10 +35,13 @@ Modules:
                 history that bans repeated n-grams
     model_fns   the model as the loops see it; `placement` the KV cache split like
                 sharded parameters' kv heads
+    text        the text service `TextDecoder` (tokenise, check lengths, bucket, decode,
+                detokenise: one output per input) behind `python -m decode` and training's
+                evaluation
     encoder     encoder-only models, which do not generate: `fill_mask` and `classify` on
                 arrays and lists of ids; `encoder_text` (`fill_mask_text`, `classify_text`)
-                on text
-    __main__    `python -m decode`
+                on text; `encoder_cli` their command line (`--fill-mask`, `--classify`)
+    __main__    `python -m decode`: argument parsing over `request`, `text`, `encoder_cli`
 """
 
 from decode.beam import BeamOutput, beam_search, beam_search_arguments
@@ -62,6 +66,7 @@ from decode.processors import (
 )
 from decode.request import DecodeRequest
 from decode.runner import Decoded, run
+from decode.text import Batching, LengthLimit, TextDecoder, length_limit
 
 __all__ = [
     "BeamOutput", "beam_search", "beam_search_arguments", "gnmt_penalty", "hf_penalty",
@@ -70,5 +75,6 @@ __all__ = [
     "apply_repetition_penalty", "apply_temperature", "ban_end_before", "ban_tokens",
     "bucket_width", "constrain_logits", "decode_loop", "force_token", "generate",
     "generate_arguments", "min_p_filter", "pad_prompts", "top_k_filter", "top_p_filter",
-    "DecodeRequest", "generation_strategy", "unapplied", "Decoded", "run",
+    "DecodeRequest", "generation_strategy", "unapplied", "Decoded", "run", "Batching",
+    "LengthLimit", "TextDecoder", "length_limit",
 ]

@@ -128,7 +128,8 @@ def test_train_cli_runs_a_documented_config_with_overrides_then_decode_reads_the
 
 
 def test_decoded_line_breaks_are_escaped_so_each_output_stays_one_line():
-    assert decode_cli._one_line("a\nb\r\nc") == "a\\nb\\r\\nc"
+    from decode.text import one_line
+    assert one_line("a\nb\r\nc") == "a\\nb\\r\\nc"
 
 
 def test_model_overrides_a_config_file_did_not_set_can_be_given_on_the_command_line():

@@ -138,13 +138,13 @@ def _evaluate(run: Run, state, step: int, *, test: bool) -> dict:
         host_params = run.dp.host_state(state).params
 
         def decoded(split: str, n: int, beam: bool):
-            beam_size, options = evaluate.decode_settings(config, run.choice, beam=beam)
-            return evaluate.decoded_metrics(run.model, host_params, run.tokenizer, ds, split,
-                                            n, config, beam_size, **options)
+            request = evaluate.decode_request(config, run.choice, beam=beam)
+            return evaluate.decoded_metrics(run.model, host_params, run.tokenizer, ds,
+                                            split=split, n=n, config=config, request=request)
     if decodes:
         greedy, triples = decoded(config.eval_split, config.num_eval_decode, False)
         val.update(greedy)
-        if evaluate.decode_settings(config, run.choice, beam=True)[0] > 1:
+        if evaluate.decode_request(config, run.choice, beam=True).strategy == "beam":
             beam, _ = decoded(config.eval_split, min(config.num_eval_decode, 100), True)
             val.update({f"beam_{k}": v for k, v in beam.items()})
         if lead:
