@@ -50,8 +50,10 @@ Both read stdin lines when no TEXT is given, with the tokenizer's special tokens
 ([CLS] x [SEP], <s> x </s>), and refuse an input longer than the model's max_len (no
 --truncate) and the flags only generation reads (--strategy, --max-new-tokens, ...).
 
-Exit status: 0 when every input was decoded; 2 for a bad argument or input (one `error:`
-line on stderr; --verbose shows the traceback).
+Exit status: 0 when every input was decoded; 2 for a mistake in the command line, an
+input or a file, or a missing optional dependency (one `error:` line on stderr; --verbose
+adds the traceback); 1 for an internal error, a bug in this project or a library under it
+(the traceback, then one `error: internal error ...` line).
 
 The generation half is argument parsing over `decode.DecodeRequest` (the directory's
 request, then the flags given) and the text service `decode.TextDecoder`; the
@@ -62,6 +64,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import sys
 import traceback
 
@@ -79,6 +82,7 @@ from models.pretrained.generation import GenerationDefaults
 DEFAULT_NEW_TOKENS = 32        # when neither the command line nor the directory gives one
 # decode's own beam settings (beam size 4, GNMT's alpha 0.6) where the directory names none.
 DEFAULTS = DecodeRequest()
+INTERNAL = "internal error (a bug in jax-transformer-zoo or a library it uses)"
 
 
 def _positive_int(text: str) -> int:
@@ -283,15 +287,25 @@ def run(args) -> None:
         print(one_line(text), flush=True)
 
 
+def _names_an_extra(e: ImportError) -> bool:
+    """The project's message for a missing optional dependency names the extra to install
+    ("pip install 'jax-transformer-zoo[hf]'")."""
+    return re.search(r"jax-transformer-zoo\[[\w,-]+\]", str(e)) is not None
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Runs the command line; the exit status (the module docstring's "Exit status")."""
     args = build_parser().parse_args(argv)
     try:
         run(args)
-    except (UserError, ValueError, OSError, ImportError) as e:
-        if args.verbose:
+    except Exception as e:
+        user = isinstance(e, (UserError, OSError)) or (
+            isinstance(e, ImportError) and _names_an_extra(e))
+        if not user or args.verbose:
             traceback.print_exc()
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        print(f"error: {e}" if user else f"error: {INTERNAL}: {type(e).__name__}: {e}",
+              file=sys.stderr)
+        return 2 if user else 1
     return 0
 
 
