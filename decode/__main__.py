@@ -54,11 +54,10 @@ Exit status: 0 when every input was decoded; 2 for a mistake in the command line
 input or a file, or a missing optional dependency (one `error:` line on stderr; --verbose
 adds the traceback); 1 for an internal error, a bug in this project or a library under it
 (the traceback, then one `error: internal error ...` line).
-
-The generation half is argument parsing over `decode.DecodeRequest` (the directory's
-request, then the flags given) and the text service `decode.TextDecoder`; the
-encoder-only half is `decode.encoder_cli`.
 """
+# (This docstring is the --help text.) The generation half is argument parsing over a
+# `decode.DecodeRequest` (the directory's, then the flags given) and the text service
+# `decode.TextDecoder`; the encoder-only half is `decode.encoder_cli`.
 
 from __future__ import annotations
 
