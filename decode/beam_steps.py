@@ -132,7 +132,7 @@ def top_w(scores_BM, W: int, *arrays_BM):
     return (scores_BW,) + tuple(gather(a) for a in arrays_BM)
 
 
-def token_logprobs(logits_RV, constraints: Constraints | None, step, last_step,
+def token_logprobs(logits_RV, constraints: Constraints | None, step, last_step, *,
                    repeated_RV=None, renormalize=False):
     """The next-token log-probs beam search adds up: log_softmax of the logits, then the
     token constraints for new token `step` (None: none); with `renormalize` (traced bool)
@@ -206,16 +206,18 @@ def finishing(token_BC, logprobs_BC, eos_E, W: int):
             & (logprobs_BC > NO_SEQUENCE_SCORE / 2) & among_w_best_C[None, :])
 
 
-def merge_finished(finished_scores_BW, finished_tokens_BWN, finished_lengths_BW, seqs_BCN,
-                   logprobs_BC, ending_BC, length, alpha, normalization: str = "gnmt"):
-    """The new finished pool: the W best of the M = W + C entries of the old pool and the
-    candidates that end now (of `length` tokens, scored logprob / length_penalty(length);
-    the others score NO_SEQUENCE_SCORE). Returns (scores_BW, tokens_BWN, lengths_BW).
+def merge_finished(finished, seqs_BCN, logprobs_BC, ending_BC, *, length, alpha,
+                   normalization: str = "gnmt"):
+    """The new finished pool: the W best of the M = W + C entries of the old pool
+    `finished` = (scores_BW, tokens_BWN, lengths_BW) and the candidates that end now (of
+    `length` tokens, scored logprob / length_penalty(length); the others score
+    NO_SEQUENCE_SCORE). Returns the new pool, (scores_BW, tokens_BWN, lengths_BW).
 
         alpha 0, pool scores [-0.9, -1e30], candidates [-0.35, -1.71, -1.86, -2.74] ending
         [False, True, False, False] -> M scores [-0.9, -1e30,  -1e30, -1.71, -1e30, -1e30]
         -> scores [-0.9, -1.71]: the old finished beam, then candidate 1
     """
+    finished_scores_BW, finished_tokens_BWN, finished_lengths_BW = finished
     new_scores_BC = jnp.where(
         ending_BC, logprobs_BC / length_penalty(length, alpha, normalization), NO_SEQUENCE_SCORE)
     return top_w(
@@ -224,7 +226,7 @@ def merge_finished(finished_scores_BW, finished_tokens_BWN, finished_lengths_BW,
         jnp.concatenate([finished_lengths_BW, jnp.full(logprobs_BC.shape, length)], 1))
 
 
-def select_alive(logprobs_BC, ends_BC, seqs_BCN, parent_BC, token_BC, W: int):
+def select_alive(logprobs_BC, ends_BC, seqs_BCN, parent_BC, token_BC, *, W: int):
     """The W best candidates that add no end token (`adds_end`): (logprobs_BW, tokens_BWN,
     parent_BW, token_BW). There are always W of them (C = max(2, 1 + E) * W, and at most
     E * W candidates add one of the E end ids).
@@ -271,7 +273,7 @@ def cache_rows(parent_BW):
     return (jnp.arange(B)[:, None] * W + parent_BW).reshape(B * W)
 
 
-def next_logits(step_fn, logits_RV, cache, rows_R, tokens_R, skip):
+def next_logits(step_fn, logits_RV, cache, rows_R, tokens_R, *, skip):
     """The cache reordered to the new beams, and their next logits from `step_fn`, unless
     `skip`: then the old logits stand (never read again) and the model is not called."""
     return lax.cond(
@@ -288,15 +290,16 @@ def beam_step(step_fn, s: BeamState, *, alpha, eos_E, normalization: str = "gnmt
     C = max(2, 1 + (0 if eos_E is None else eos_E.shape[0])) * W
     repeated_RV = (None if s.history is None else
                    ngrams.repeated(s.history, constraints.no_repeat_ngram_size, V))
-    logprobs_RV = token_logprobs(s.logits, constraints, s.step, N - 1, repeated_RV, renormalize)
+    logprobs_RV = token_logprobs(s.logits, constraints, s.step, N - 1,
+                                 repeated_RV=repeated_RV, renormalize=renormalize)
     logprobs_BC, parent_BC, token_BC = top_candidates(logprobs_RV, s.alive_logprobs, C)
     seqs_BCN = extend(s.alive_tokens, parent_BC, token_BC, s.step)
     ending_BC = finishing(token_BC, logprobs_BC, eos_E, W)
     finished_scores_BW, finished_tokens_BWN, finished_lengths_BW = merge_finished(
-        s.finished_scores, s.finished_tokens, s.finished_lengths, seqs_BCN, logprobs_BC,
-        ending_BC, s.step + 1, alpha, normalization)
+        (s.finished_scores, s.finished_tokens, s.finished_lengths), seqs_BCN, logprobs_BC,
+        ending_BC, length=s.step + 1, alpha=alpha, normalization=normalization)
     alive_logprobs_BW, alive_tokens_BWN, parent_BW, token_BW = select_alive(
-        logprobs_BC, adds_end(token_BC, eos_E), seqs_BCN, parent_BC, token_BC, W)
+        logprobs_BC, adds_end(token_BC, eos_E), seqs_BCN, parent_BC, token_BC, W=W)
     done_B = s.done | cannot_improve(
         finished_scores_BW, alive_logprobs_BW,
         length_penalty(s.step + 1, alpha, normalization), length_penalty(N, alpha, normalization))

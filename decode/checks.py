@@ -155,7 +155,7 @@ def per_row(value, name: str, batch: int, dtype):
     return a.astype(dtype)
 
 
-def check_in_range(a, name: str, lo, hi, lo_open=False, hi_open=False) -> None:
+def check_in_range(a, name: str, lo, hi, *, lo_open=False, hi_open=False) -> None:
     """Every value in [lo, hi] (an end open where asked), when concrete; NaN fails too."""
     if not is_concrete(a):
         return

@@ -2,6 +2,7 @@
 
     out = decode.generate(model, params, prompts, lengths, max_new_tokens=64, rng=key,
                           temperature=0.7, top_p=0.9, eos_id=1)
+    out = decode.generate(model, params, prompts, lengths, request, rng=key)  # a DecodeRequest
 
 Decoder-only models continue their prompts; encoder-decoder models encode `prompts` as
 sources (and project every layer's cross-attention keys/values once), then decode from the
@@ -12,18 +13,13 @@ before a minimum length) are traced, so new prompts of the same padded shape, ne
 temperatures and new banned ids never recompile (`bucket_width` and `pad_prompts` keep the
 set of widths small).
 
-A call is two steps, each a plain function:
-
-    args, static = decode.generate_arguments(model, params, prompts, lengths, **options)
-    out = _generate(*args, **static)             # the jitted computation
-
-`generate_arguments` checks every argument and splits them into the traced ones (`args`)
-and the compile-time ones (`static`, the compilation's key). `generate(...)` is those two
-steps; `generate.lower(...)` takes the same arguments and returns
-`_generate.lower(*args, **static)`, the `jax.stages.Lowered` computation, for ahead-of-time
-compilation, cost analysis or a look at the program. `generate` also runs inside your own
-`jax.jit` and under `jax.grad` (`loop="scan"`): shapes are checked there too, values only
-when concrete, and traced sampling values need an explicit `strategy` (`decode.sampling`).
+`generate` is a `decode.setup.DecodeCall`: `generate_arguments` checks a call's arguments
+(a request's fields, then the keywords, which win) into the traced `args` and the static
+keywords, and `_generate(*args, **static)` is the jitted computation; `generate(...)` runs
+it and `generate.lower(...)` lowers it with the same arguments. `generate` also runs inside
+your own `jax.jit` and under `jax.grad` (`loop="scan"`): shapes are checked there too,
+values only when concrete, and traced sampling values need an explicit `strategy`
+(`decode.sampling`).
 """
 
 from __future__ import annotations
@@ -37,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from decode import checks, ngrams, placement
+from decode import ngrams
 from decode.loop import LoopState, decode_loop, initial_state
 from decode.model_fns import (  # notebooks import start_decoding from here too
     decoder_prefix,
@@ -46,7 +42,9 @@ from decode.model_fns import (  # notebooks import start_decoding from here too
     start_decoding,
 )
 from decode.processors import Constraints, SamplingParams, Strategy
+from decode.request import DecodeRequest
 from decode.sampling import sampling_arguments
+from decode.setup import DecodeCall, shared_arguments, with_request
 from models.errors import UserError, check_positive_int
 from models.masks import length_mask
 
@@ -107,15 +105,34 @@ def _prompt_seen(cfg, prompts_BP, lengths_B):
     return jnp.zeros((B, cfg.vocab_size), bool).at[rows_BP, prefix_BP].max(valid_BP)
 
 
+@flax.struct.dataclass
+class GenerateInputs:
+    """The traced arguments of one `generate` call besides the parameters.
+
+    Attributes:
+        prompts: int32[B, P] right-padded prompts (decoder-only) or sources.
+        lengths: int32[B] their true lengths.
+        rng: the PRNG key sampling draws from.
+        sampling: the sampling values, [B] each (`decode.processors.SamplingParams`).
+        constraints: the token constraints (`decode.processors.Constraints`).
+    """
+
+    prompts: Int[Array, "B P"]
+    lengths: Int[Array, " B"]
+    rng: jax.Array
+    sampling: SamplingParams
+    constraints: Constraints
+
+
 @functools.partial(
     jax.jit,
     static_argnames=("model", "max_new_tokens", "cache_len", "eos_ids", "strategy", "loop",
                      "no_repeat", "cache_sharding"))
-def _generate(model, params, prompts_BP, lengths_B, rng, sampling: SamplingParams,
-              constraints: Constraints, *, max_new_tokens, cache_len, eos_ids, strategy, loop,
-              no_repeat, cache_sharding=None) -> DecodeOutput:
+def _generate(model, params, inputs: GenerateInputs, *, max_new_tokens, cache_len, eos_ids,
+              strategy, loop, no_repeat, cache_sharding=None) -> DecodeOutput:
     """The jitted computation; `generate_arguments` gives its (args, static)."""
     cfg = model.config
+    prompts_BP, lengths_B = inputs.prompts, inputs.lengths
     logits_BV, cache = start_decoding(model, params, prompts_BP, lengths_B, cache_len,
                                       cache_sharding=cache_sharding)
     seen = _prompt_seen(cfg, prompts_BP, lengths_B) if strategy.penalty else None
@@ -125,36 +142,16 @@ def _generate(model, params, prompts_BP, lengths_B, rng, sampling: SamplingParam
         history = ngrams.start(prefix_BP, prefix_lengths_B, prefix_BP.shape[1] + max_new_tokens)
     state: LoopState = decode_loop(
         model_step_fn(model, params, cache_sharding),
-        initial_state(logits_BV, cache, rng, max_new_tokens, seen, history),
-        eos_ids=eos_ids, pad_id=output_pad_id(cfg), params=sampling, strategy=strategy,
-        constraints=constraints, while_loop=loop == "while")
+        initial_state(logits_BV, cache, inputs.rng, max_new_tokens, seen_BV=seen,
+                      history=history),
+        eos_ids=eos_ids, pad_id=output_pad_id(cfg), params=inputs.sampling, strategy=strategy,
+        constraints=inputs.constraints, while_loop=loop == "while")
     return DecodeOutput(state.tokens, state.lengths, state.logprobs, state.cache.lengths,
                         cache_len)
 
 
-def generate_arguments(
-    model: nn.Module,
-    params,
-    prompts,
-    lengths,
-    *,
-    max_new_tokens: int,
-    rng: jax.Array | None = None,
-    temperature=0.0,
-    top_k=0,
-    top_p=1.0,
-    min_p=0.0,
-    repetition_penalty=1.0,
-    eos_id: int | tuple[int, ...] | str | None = "config",
-    forced_bos_id=None,
-    forced_eos_id=None,
-    banned_ids=(),
-    min_new_tokens=0,
-    no_repeat_ngram_size=0,
-    cache_len: int | None = None,
-    loop: str = "scan",
-    strategy: Strategy | None = None,
-) -> tuple[tuple, dict]:
+def generate_arguments(model: nn.Module, params, prompts, lengths,
+                       request: DecodeRequest | None = None, **options) -> tuple[tuple, dict]:
     """A `generate` call's arguments, checked, as its jitted computation takes them.
 
     `generate(...)` runs `_generate(*args, **static)` and `generate.lower(...)` returns
@@ -168,108 +165,114 @@ def generate_arguments(
         prompts: int[B, P] right-padded prompts (decoder-only) or sources (encoder-decoder,
             padded with the config's pad id).
         lengths: int[B] their true lengths.
-        max_new_tokens: N, the tokens to generate per row (static).
-        rng: PRNG key, required when sampling (any temperature > 0, or strategy.sample);
-            default `jax.random.key(0)`, unused by greedy decoding.
-        temperature: 0 is greedy, > 0 samples at that temperature.
-        top_k: keep the k best tokens (0 off). top_p: the smallest set of most probable
-            tokens with mass >= p (1 off). min_p: tokens with probability >= min_p x the top
-            one (0 off). repetition_penalty: CTRL's penalty on tokens already seen (1 off).
-            These five are each a scalar or one value per row, and traced.
-        eos_id: "config" (default: the model config's end token, none if it has none),
-            an end id, several, or None to always generate N tokens (static).
-        forced_bos_id: the first new token is this id (None: not forced).
-        forced_eos_id: the last new token, index N - 1, is this id (None: not forced), as
-            transformers forces it at max_length - 1.
-        banned_ids: token ids never generated (a sequence of ints; () none).
-        min_new_tokens: the end ids are banned until a row has this many new tokens (a
-            scalar or one per row; 0 off).
-        no_repeat_ngram_size: n > 0: no n-gram occurs twice in a row's decoder sequence (a
-            decoder-only model's prompt and new tokens; an encoder-decoder's start token and
-            new tokens), as transformers' NoRepeatNGramLogitsProcessor (0 off).
-            These five are traced (checked when concrete; a traced id of -1 is none), so
-            changing them never recompiles; the n-gram history is compiled in only when
-            no_repeat_ngram_size is traced or > 0. They apply after the repetition penalty
-            and before the temperature (`decode.processors` gives the order).
-        cache_len: decoder cache slots; default the decoder prompt width + N (static).
-        loop: "scan" (default; differentiable) or "while" (stops once all rows are done).
-        strategy: the processors to compile (a `decode.Strategy`, static). Default: the
-            ones the sampling values switch on, which needs them concrete; pass it when a
-            sampling value is traced (see `decode.sampling`).
+        request: a "greedy" or "sample" `decode.DecodeRequest`, or None: its fields are
+            the keywords below (`DecodeRequest.generate_options`), and a keyword given too
+            wins over its field.
+        **options: the keywords:
+            max_new_tokens: N, the tokens to generate per row (static; required, from the
+                request or as a keyword).
+            rng: PRNG key, required when sampling (any temperature > 0, or strategy.sample);
+                default `jax.random.key(0)`, unused by greedy decoding.
+            temperature: 0 is greedy, > 0 samples at that temperature (default 0).
+            top_k: keep the k best tokens (0 off). top_p: the smallest set of most probable
+                tokens with mass >= p (1 off). min_p: tokens with probability >= min_p x the
+                top one (0 off). repetition_penalty: CTRL's penalty on tokens already seen
+                (1 off). These five are each a scalar or one value per row, and traced.
+            eos_id: "config" (default: the model config's end token, none if it has none),
+                an end id, several, or None to always generate N tokens (static).
+            forced_bos_id: the first new token is this id (None: not forced).
+            forced_eos_id: the last new token, index N - 1, is this id (None: not forced),
+                as transformers forces it at max_length - 1.
+            banned_ids: token ids never generated (a sequence of ints; () none).
+            min_new_tokens: the end ids are banned until a row has this many new tokens (a
+                scalar or one per row; 0 off).
+            no_repeat_ngram_size: n > 0: no n-gram occurs twice in a row's decoder sequence
+                (a decoder-only model's prompt and new tokens; an encoder-decoder's start
+                token and new tokens), as transformers' NoRepeatNGramLogitsProcessor (0 off).
+                These five are traced (checked when concrete; a traced id of -1 is none), so
+                changing them never recompiles; the n-gram history is compiled in only when
+                no_repeat_ngram_size is traced or > 0. They apply after the repetition
+                penalty and before the temperature (`decode.processors` gives the order).
+            cache_len: decoder cache slots; default the decoder prompt width + N (static).
+            loop: "scan" (default; differentiable) or "while" (stops once all rows are done).
+            strategy: the processors to compile (a `decode.Strategy`, static; not the
+                request's strategy name). Default: the ones the sampling values switch on,
+                which needs them concrete; pass it when a sampling value is traced (see
+                `decode.sampling`).
 
     Returns:
-        (args, static): the traced arguments `(model, params, prompts int32[B, P],
-        lengths int32[B], rng, SamplingParams, Constraints)` and the static keywords
-        `max_new_tokens`, `cache_len`, `eos_ids`, `strategy`, `loop`, `no_repeat`, and
-        `cache_sharding` when the params split their kv heads over a mesh
+        (args, static): the traced arguments `(model, params, GenerateInputs)` and the
+        static keywords `max_new_tokens`, `cache_len`, `eos_ids`, `strategy`, `loop`,
+        `no_repeat`, and `cache_sharding` when the params split their kv heads over a mesh
         (`decode.placement.cache_sharding`; absent otherwise).
 
     Raises:
         UserError: naming the argument, its value and the limit it breaks. Shapes and
             dtypes are always checked; values (token ids, lengths, sampling ranges) when
-            they are concrete.
+            they are concrete. A beam-search request is refused (`decode.beam_search`).
+        TypeError: an unknown keyword.
     """
-    cfg = model.config
-    common = checks.check_common(cfg, prompts, lengths, max_new_tokens=max_new_tokens,
-                                 cache_len=cache_len, eos_id=eos_id)
+    return _keyword_arguments(model, params, prompts, lengths,
+                              **with_request(request, options, beam=False))
+
+
+def _keyword_arguments(model: nn.Module, params, prompts, lengths, *, max_new_tokens: int,
+                       rng: jax.Array | None = None, temperature=0.0, top_k=0, top_p=1.0,
+                       min_p=0.0, repetition_penalty=1.0,
+                       eos_id: int | tuple[int, ...] | str | None = "config",
+                       forced_bos_id=None, forced_eos_id=None, banned_ids=(), min_new_tokens=0,
+                       no_repeat_ngram_size=0, cache_len: int | None = None, loop: str = "scan",
+                       strategy: Strategy | None = None) -> tuple[tuple, dict]:
+    """`generate_arguments` on its keywords alone (their defaults are the keyword API's)."""
+    shared = shared_arguments(
+        model, params, prompts, lengths, max_new_tokens=max_new_tokens, cache_len=cache_len,
+        eos_id=eos_id, forced_bos_id=forced_bos_id, forced_eos_id=forced_eos_id,
+        banned_ids=banned_ids, min_new_tokens=min_new_tokens,
+        no_repeat_ngram_size=no_repeat_ngram_size)
     if loop not in LOOPS:
         raise UserError(f"loop={loop!r} must be one of {LOOPS}")
     sampling, strategy = sampling_arguments(
-        cfg, common.prompts.shape[0], strategy, temperature=temperature, top_k=top_k,
+        model.config, shared.prompts.shape[0], strategy, temperature=temperature, top_k=top_k,
         top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty)
     if strategy.sample and rng is None:
         raise UserError("rng is required when temperature > 0 (sampling: strategy.sample)")
     rng = jax.random.key(0) if rng is None else rng
-    constraints, no_repeat = checks.check_constraints(
-        cfg, common.prompts.shape[0], common.eos_ids, forced_bos_id=forced_bos_id,
-        forced_eos_id=forced_eos_id, banned_ids=banned_ids, min_new_tokens=min_new_tokens,
-        no_repeat_ngram_size=no_repeat_ngram_size)
-    static = dict(max_new_tokens=common.max_new_tokens, cache_len=common.cache_len,
-                  eos_ids=common.eos_ids, strategy=strategy, loop=loop, no_repeat=no_repeat)
-    return ((model, params, common.prompts, common.lengths, rng, sampling, constraints),
-            placement.with_cache_sharding(static, params))
+    inputs = GenerateInputs(shared.prompts, shared.lengths, rng, sampling, shared.constraints)
+    return (model, params, inputs), {**shared.static, "strategy": strategy, "loop": loop}
 
 
-def generate(model: nn.Module, params, prompts, lengths, **options) -> DecodeOutput:
-    """Autoregressive decoding with a KV cache, as one jitted computation.
+generate = DecodeCall("generate", generate_arguments, _generate, doc="""\
+Autoregressive decoding with a KV cache, as one jitted computation.
 
-        out = decode.generate(model, params, prompts, lengths, max_new_tokens=16)
-        out.tokens, out.lengths, out.logprobs        # int32[B, N], int32[B], float32[B, N]
+    out = decode.generate(model, params, prompts, lengths, max_new_tokens=16)
+    out.tokens, out.lengths, out.logprobs        # int32[B, N], int32[B], float32[B, N]
+    out = decode.generate(model, params, prompts, lengths, request, rng=key)
 
-    Args:
-        model: a `models.build(...)` module; params: its parameters, on one device or
-            sharded over a mesh: `jax.device_put(params, models.axes.param_shardings(model,
-            mesh))` with a tensor axis splits the heads, the MLP and the vocabulary, and
-            the KV cache is then split by kv heads the same way (`decode.placement`). The
-            tokens are the single-device ones; the log-probs match to float rounding.
-        prompts: int[B, P] right-padded prompts (decoder-only) or sources (encoder-decoder);
-            lengths: int[B] their true lengths.
-        **options: `max_new_tokens` (required), `rng`, `temperature`, `top_k`, `top_p`,
-            `min_p`, `repetition_penalty`, `eos_id`, `forced_bos_id`, `forced_eos_id`,
-            `banned_ids`, `min_new_tokens`, `no_repeat_ngram_size`, `cache_len`, `loop`,
-            `strategy`, each documented in `decode.generate_arguments`, which checks them.
-            A model directory's defaults for them: `models.load(path).generation
-            .generate_options(config)`.
+Args:
+    model: a `models.build(...)` module; params: its parameters, on one device or
+        sharded over a mesh: `jax.device_put(params, models.axes.param_shardings(model,
+        mesh))` with a tensor axis splits the heads, the MLP and the vocabulary, and
+        the KV cache is then split by kv heads the same way (`decode.placement`). The
+        tokens are the single-device ones; the log-probs match to float rounding.
+    prompts: int[B, P] right-padded prompts (decoder-only) or sources (encoder-decoder);
+        lengths: int[B] their true lengths.
+    request: a "greedy" or "sample" `decode.DecodeRequest` (None: keywords only); a model
+        directory's: `decode.DecodeRequest.from_generation(pre.generation, pre.config)`.
+    **options: `max_new_tokens` (required, here or in the request), `rng`,
+        `temperature`, `top_k`, `top_p`, `min_p`, `repetition_penalty`, `eos_id`,
+        `forced_bos_id`, `forced_eos_id`, `banned_ids`, `min_new_tokens`,
+        `no_repeat_ngram_size`, `cache_len`, `loop`, `strategy`, each documented in
+        `decode.generate_arguments`, which checks them; each wins over the request's field.
 
-    Returns:
-        A `DecodeOutput`.
+Returns:
+    A `DecodeOutput`.
 
-    Raises:
-        UserError: naming the argument, its value and the limit it breaks.
+Raises:
+    UserError: naming the argument, its value and the limit it breaks.
 
-    `generate.lower(...)` takes the same arguments and returns the `jax.stages.Lowered`
-    computation instead of running it (ahead-of-time compilation, cost analysis, or a look
-    at the one `while` loop the scan becomes). `generate` may be called inside your own
-    `jax.jit` and under `jax.grad`.
-    """
-    args, static = generate_arguments(model, params, prompts, lengths, **options)
-    return _generate(*args, **static)
-
-
-def _lower(model: nn.Module, params, prompts, lengths, **options) -> jax.stages.Lowered:
-    """`generate`'s computation for these arguments (the same ones), lowered and not run."""
-    args, static = generate_arguments(model, params, prompts, lengths, **options)
-    return _generate.lower(*args, **static)
-
-
-generate.lower = _lower
+`generate.lower(...)` takes the same arguments and returns the `jax.stages.Lowered`
+computation instead of running it (ahead-of-time compilation, cost analysis, or a look
+at the one `while` loop the scan becomes); `generate.arguments(...)` is
+`decode.generate_arguments(...)`. `generate` may be called inside your own `jax.jit` and
+under `jax.grad`.
+""")

@@ -84,7 +84,7 @@ def unchanged(tree):
     return jax.tree.map(touch, tree)
 
 
-def initial_state(logits_BV, cache, rng, max_new_tokens: int, seen_BV=None,
+def initial_state(logits_BV, cache, rng, max_new_tokens: int, *, seen_BV=None,
                   history: ngrams.NgramHistory | None = None) -> LoopState:
     """The carry before the first new token, from the prefill's logits and cache."""
     B = logits_BV.shape[0]

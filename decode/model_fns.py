@@ -19,8 +19,8 @@ from decode.placement import constrain_cache
 from models import KVCache
 
 
-def start_decoding(model: nn.Module, params, prompts_BP, lengths_B, cache_len: int, beams: int = 1,
-                   cache_sharding=None):
+def start_decoding(model: nn.Module, params, prompts_BP, lengths_B, cache_len: int, *,
+                   beams: int = 1, cache_sharding=None):
     """Prefill: the cache after the decoder prompt and the logits of the first new token.
 
     Decoder-only: the prompts, each row at its own length. Encoder-decoder: encode the

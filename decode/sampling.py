@@ -58,7 +58,9 @@ def resolve_strategy(values: SamplingParams, strategy: Strategy | None) -> Strat
     samples, and top-k is off in every row, so it is not compiled in.
     """
     if strategy is not None and not isinstance(strategy, Strategy):
-        raise UserError(f"strategy must be a decode.Strategy or None, got {strategy!r}")
+        hint = (" (a strategy name such as 'sample' is a decode.DecodeRequest's field: "
+                "pass the request)" if isinstance(strategy, str) else "")
+        raise UserError(f"strategy must be a decode.Strategy or None, got {strategy!r}{hint}")
     flags = {}
     for name, flag, off in PROCESSORS:
         a = getattr(values, name)

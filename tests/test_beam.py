@@ -170,8 +170,8 @@ def test_the_steps_give_their_docstrings_worked_example():
     ending_BC = bs.finishing(token_BC, logprobs_BC, jnp.array([2]), W=2)
     np.testing.assert_array_equal(ending_BC, [[False, True, False, False]])
     scores_BW, tokens_BWN, lengths_BW = bs.merge_finished(
-        jnp.array([[-0.9, bs.NO_SEQUENCE_SCORE]]), jnp.array([[[5, 2, 0], [0, 0, 0]]]),
-        jnp.array([[2, 0]]), seqs_BCN, logprobs_BC, ending_BC, 2, 0.0)
+        (jnp.array([[-0.9, bs.NO_SEQUENCE_SCORE]]), jnp.array([[[5, 2, 0], [0, 0, 0]]]),
+         jnp.array([[2, 0]])), seqs_BCN, logprobs_BC, ending_BC, length=2, alpha=0.0)
     np.testing.assert_allclose(scores_BW, [[-0.9, -1.71]], atol=0.005)
     np.testing.assert_array_equal(tokens_BWN, [[[5, 2, 0], [4, 2, 0]]])
     np.testing.assert_array_equal(lengths_BW, [[2, 2]])

@@ -128,7 +128,8 @@ def test_train_cli_runs_a_documented_config_with_overrides_then_decode_reads_the
 
 
 def test_decoded_line_breaks_are_escaped_so_each_output_stays_one_line():
-    assert decode_cli._one_line("a\nb\r\nc") == "a\\nb\\r\\nc"
+    from decode.text import one_line
+    assert one_line("a\nb\r\nc") == "a\\nb\\r\\nc"
 
 
 def test_model_overrides_a_config_file_did_not_set_can_be_given_on_the_command_line():
@@ -210,3 +211,74 @@ def test_decode_cli_honours_a_directorys_generation_config(tmp_path, capsys):
     assert "num_beams 300 exceeds the vocabulary (260 tokens)" in _cli_error(
         capsys, ["--model", _translator(tmp_path / "wide", {"num_beams": 300,
                                                               "max_new_tokens": 4}), "hi"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Exit statuses: a user's mistake is one `error:` line and 2; anything else is a bug, shown
+# with its traceback, and 1.
+
+INTERNAL = "error: internal error (a bug in jax-transformer-zoo or a library it uses): "
+
+
+def test_decode_cli_a_user_mistake_is_one_error_line_and_exit_2(capsys):
+    args = ["--config", "gpt-tiny", "--strategy", "sample", "--top-p", "0", "5"]
+    assert decode_cli.main(args) == 2
+    captured = capsys.readouterr()
+    assert captured.err.splitlines() == ["error: top_p=0 is outside (0.0, 1.0]"]
+    assert captured.out == ""
+    assert decode_cli.main([*args, "--verbose"]) == 2          # --verbose adds the traceback
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == "Traceback (most recent call last):"
+    assert err[-1] == "error: top_p=0 is outside (0.0, 1.0]"
+    assert "UserError" in "\n".join(err)
+
+
+def test_decode_cli_an_internal_error_is_its_traceback_and_exit_1(capsys, monkeypatch):
+    """A plain ValueError from deep inside (here: where the service decodes a batch) is a
+    bug, not a usage error."""
+    import decode.text
+
+    def broken(*args, **kwargs):
+        raise ValueError("boom")
+
+    monkeypatch.setattr(decode.text, "run", broken)
+    assert decode_cli.main(["--config", "gpt-tiny", "--max-new-tokens", "2", "5"]) == 1
+    captured = capsys.readouterr()
+    err = captured.err.splitlines()
+    assert err[0] == "Traceback (most recent call last):" and 'raise ValueError("boom")' in \
+        captured.err
+    assert err[-1] == INTERNAL + "ValueError: boom"
+    assert captured.out == ""
+
+
+def test_decode_cli_a_missing_extra_or_a_path_is_the_users_other_import_errors_are_bugs(
+        capsys, monkeypatch, tmp_path):
+    import models
+
+    def failing(error):
+        def load(*args, **kwargs):
+            raise error
+        return load
+
+    extra = ImportError(f"{tmp_path} holds a Hugging Face tokenizer; reading it needs "
+                        "transformers: pip install 'jax-transformer-zoo[hf]'")
+    for error, status in ((extra, 2), (PermissionError(13, "Permission denied", "x"), 2),
+                          (ImportError("cannot import name 'gone' from 'somewhere'"), 1)):
+        monkeypatch.setattr(models, "load", failing(error))
+        assert decode_cli.main(["--model", str(tmp_path), "hi"]) == status, error
+        err = capsys.readouterr().err.splitlines()
+        if status == 2:
+            assert err == [f"error: {error}"]
+        else:
+            assert err[0] == "Traceback (most recent call last):"
+            assert err[-1] == INTERNAL + f"ImportError: {error}"
+
+
+def test_decode_cli_refusals_of_models_load_are_user_mistakes(capsys, tmp_path):
+    """A damaged or unsupported model directory is the user's to fix: exit 2, one line."""
+    for name, config in (("damaged", "{"), ("unknown", '{"model_type": "nope"}')):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(config)
+        assert decode_cli.main(["--model", str(tmp_path / name), "hi"]) == 2, name
+        err = capsys.readouterr().err.splitlines()
+        assert len(err) == 1 and err[0].startswith("error: ") and str(tmp_path / name) in err[0]

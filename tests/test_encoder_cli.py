@@ -28,6 +28,7 @@ import pytest
 import decode
 import decode.__main__ as decode_cli
 import models
+from decode import encoder_cli
 from models.tokenizer import ByteTokenizer
 from tests import pretrained_helpers as ph
 from tests.pretrained_helpers import copy_dir, torch, transformers
@@ -246,7 +247,7 @@ def test_cli_fill_mask_prints_one_line_per_input_with_every_masks_fillers(dirs, 
         for segment, fillers in zip(line.split("; "), masks, strict=True):
             shown = [f.rsplit(" ", 1) for f in segment.split(": ", 1)[1].split(" | ")]
             assert [float(p) for _, p in shown] == [round(p, 4) for _, p in fillers]
-            assert [t for t, _ in shown] == [decode_cli._shown_token(t) for t, _ in fillers]
+            assert [t for t, _ in shown] == [encoder_cli.shown_token(t) for t, _ in fillers]
     lines = _out_lines(capsys, ["--model", dirs["mlm"], "--fill-mask", "--top-k", "2",
                                 texts[1]])
     assert re.fullmatch(_segment(1, 2) + "; " + _segment(2, 2), lines[0]), lines
@@ -279,10 +280,10 @@ def test_cli_classify_prints_label_tab_probability(dirs, capsys):
 
 
 def test_shown_fillers_stay_one_unambiguous_word():
-    assert decode_cli._shown_token("mat") == "mat"
-    assert [decode_cli._shown_token(t) for t in (" ", "", "|", ";", "a b", "\x17")] == [
+    assert encoder_cli.shown_token("mat") == "mat"
+    assert [encoder_cli.shown_token(t) for t in (" ", "", "|", ";", "a b", "\x17")] == [
         "' '", "''", "'|'", "';'", "'a b'", "'\\x17'"]
-    assert decode_cli.fillers_line("<mask>", [[("mat", 0.41234), ("|", 0.2)], [(".", 0.9)]]) \
+    assert encoder_cli.fillers_line("<mask>", [[("mat", 0.41234), ("|", 0.2)], [(".", 0.9)]]) \
         == "<mask>1: mat 0.4123 | '|' 0.2000; <mask>2: . 0.9000"
 
 

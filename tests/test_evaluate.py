@@ -22,10 +22,12 @@ import pytest
 import sacrebleu
 
 import models
+from decode import DecodeRequest
 from tests.helpers import tiny
 from tests.train_helpers import next_token_steps, tiny_train_config
 from train import evaluate, parallel
 from train.data import BOS_ID, EOS_ID, ByteTokenizer, Dataset, load_dataset
+from train.model_config import ModelChoice
 
 TOK = ByteTokenizer()
 
@@ -217,8 +219,8 @@ def test_decoded_metrics_of_the_copy_model_on_the_copy_task(data_dir):
     ds = load_dataset("copy", data_dir)
     config = tiny_train_config(data_dir, max_source_length=11, max_decode_length=12,
                                metric="both")
-    got, triples = evaluate.decoded_metrics(model, params, TOK, ds, "validation", 40, config,
-                                            beam_size=1)
+    got, triples = evaluate.decoded_metrics(model, params, TOK, ds, split="validation", n=40,
+                                            request=_greedy(config), **_scoring(config))
     pairs = ds.examples("validation", range(40))
     # Sources longer than 10 bytes are cut to 10 (and EOS); the copy model copies the rest.
     assert triples == [(s, t, s[:10]) for s, t in pairs]
@@ -227,6 +229,15 @@ def test_decoded_metrics_of_the_copy_model_on_the_copy_task(data_dir):
     assert got["exact_match"] == short
     # (BLEU here is 0 whatever the outputs: each example is a single word, with no 4-grams.)
     assert got == evaluate.scores([s[:10] for s, _ in pairs], [t for _, t in pairs], "both")
+
+
+def _greedy(config) -> DecodeRequest:
+    """Evaluation's greedy request for a model trained from scratch."""
+    return evaluate.decode_request(config, ModelChoice(None), beam=False)
+
+
+def _scoring(config) -> dict:
+    return {"metric": config.metric, "max_source_length": config.max_source_length}
 
 
 class _Records:
@@ -255,13 +266,15 @@ def test_decoded_metrics_pairs_sources_references_and_hypotheses_and_clips_n():
     pairs = [("abc", "abc"), ("hello", "hellp"), ("qq", "qq"), ("zyx", "xyz"), ("", "")]
     config = tiny_train_config("", max_source_length=11, max_decode_length=12, metric="both")
     got, triples = evaluate.decoded_metrics(model, params, TOK, _in_memory(pairs),
-                                            "validation", 100, config, beam_size=1)
+                                            split="validation", n=100,
+                                            request=_greedy(config), **_scoring(config))
     assert triples == [(s, t, s) for s, t in pairs]   # n = 100 is clipped to all 5
     assert got["exact_match"] == 3 / 5
     assert got["bleu"] == pytest.approx(
         sacrebleu.corpus_bleu([s for s, _ in pairs], [[t for _, t in pairs]]).score)
     got2, triples2 = evaluate.decoded_metrics(model, params, TOK, _in_memory(pairs),
-                                              "validation", 2, config, beam_size=1)
+                                              split="validation", n=2,
+                                              request=_greedy(config), **_scoring(config))
     assert triples2 == triples[:2] and got2["exact_match"] == 1 / 2
 
 
@@ -271,9 +284,11 @@ def test_decoded_metrics_decodes_with_the_beam_size_and_length_penalty_given():
     config = tiny_train_config("", metric="exact_match", **TRAP_LENGTHS)
     for beam_size, alpha, hyp, em in ((1, 2.0, TRAP_GREEDY, 1 / 4), (2, 2.0, "befg", 2 / 4),
                                       (2, 0.0, "b", 1 / 4)):
-        config.length_penalty = alpha
+        config.length_penalty, config.beam_size = alpha, beam_size
+        request = evaluate.decode_request(config, ModelChoice(None), beam=True)
         got, triples = evaluate.decoded_metrics(model, params, TOK, _in_memory(pairs),
-                                                "validation", 4, config, beam_size=beam_size)
+                                                split="validation", n=4,
+                                                request=request, **_scoring(config))
         assert [h for _, _, h in triples] == [hyp] * 4, (beam_size, alpha)
         assert got == {"exact_match": em}
 

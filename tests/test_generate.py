@@ -11,6 +11,7 @@ import pytest
 import decode
 import models
 from decode.generate import _generate
+from models.errors import UserError
 from tests.helpers import fns, tiny
 
 
@@ -251,7 +252,7 @@ def test_bad_input_names_the_argument_the_value_and_the_limit(bad, message):
     kw = dict(prompts=[[5, 6]], lengths=[2], max_new_tokens=4)
     kw.update(bad)
     prompts, lengths = kw.pop("prompts"), kw.pop("lengths")
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(UserError, match=message):            # a user's mistake, not a bug
         decode.generate(model, params, np.array(prompts), np.array(lengths), **kw)
 
 

@@ -1,5 +1,6 @@
-"""generation_config.json as decoding defaults: parsing, the options they give, loading and
-saving them, and decoding with them against transformers' generate."""
+"""generation_config.json as decoding defaults: parsing, the request they give
+(`decode.DecodeRequest.from_generation`), loading and saving them, and decoding with them
+against transformers' generate."""
 
 import dataclasses
 import json
@@ -11,6 +12,7 @@ import pytest
 
 import decode
 import models
+from decode import DecodeRequest
 from models.pretrained.generation import GenerationDefaults
 from tests import helpers
 from tests.helpers import tiny
@@ -76,28 +78,33 @@ def test_options_count_the_decoder_prompt_as_transformers_does():
     model's count its prompt, and forced_bos_token_id applies to a 1-token prompt only."""
     g = parse(FULL)
     encdec, deconly = tiny("encoder_decoder", vocab_size=V), tiny(vocab_size=V)
-    assert g.generate_options(encdec) == dict(
+    request = DecodeRequest.from_generation(g, encdec)
+    assert request.strategy == "beam"                                   # num_beams 4
+    assert request.replace(strategy="greedy").generate_options() == dict(
         eos_id=(2, 5), forced_bos_id=0, forced_eos_id=2, banned_ids=(7, 9, 11),
         max_new_tokens=141, min_new_tokens=55, no_repeat_ngram_size=3, repetition_penalty=1.2)
-    assert g.beam_options(encdec) == dict(
+    assert request.beam_options() == dict(
         eos_id=(2, 5), forced_bos_id=0, forced_eos_id=2, banned_ids=(7, 9, 11),
         max_new_tokens=141, min_new_tokens=55, no_repeat_ngram_size=3, beam_size=4,
         length_penalty=2.0, length_normalization="hf", renormalize_logits=True)
-    options = g.generate_options(deconly, prompt_len=50)
-    assert "forced_bos_id" not in options
-    assert (options["max_new_tokens"], options["min_new_tokens"]) == (92, 6)
-    assert g.generate_options(deconly, prompt_len=1)["forced_bos_id"] == 0
-    assert "min_new_tokens" not in g.generate_options(deconly, prompt_len=60)   # 56 <= 60
+    request = DecodeRequest.from_generation(g, deconly, prompt_len=50)
+    assert request.forced_bos_id is None
+    assert (request.max_new_tokens, request.min_new_tokens) == (92, 6)
+    assert DecodeRequest.from_generation(g, deconly, prompt_len=1).forced_bos_id == 0
+    assert DecodeRequest.from_generation(g, deconly, prompt_len=60).min_new_tokens == 0  # 56 <= 60
     with pytest.raises(ValueError, match=r"forced_bos_token_id counts a decoder-only model's "
                                          r"prompt: pass prompt_len"):
-        g.generate_options(deconly)
+        DecodeRequest.from_generation(g, deconly)
     with pytest.raises(ValueError, match=r"max_length=142 leaves no new token after a decoder "
                                          r"prompt of 142 tokens"):
-        g.generate_options(deconly, prompt_len=142)
+        DecodeRequest.from_generation(g, deconly, prompt_len=142)
     # max_new_tokens and min_new_tokens win over the lengths; transformers' defaults.
     g = parse({"max_length": 9, "max_new_tokens": 4, "min_length": 9, "min_new_tokens": 2})
-    assert g.generate_options(deconly) == dict(eos_id=None, max_new_tokens=4, min_new_tokens=2)
-    assert parse({}).beam_options(encdec) == dict(
+    assert DecodeRequest.from_generation(g, deconly).generate_options() == dict(
+        eos_id=None, max_new_tokens=4, min_new_tokens=2)
+    request = DecodeRequest.from_generation(parse({}), encdec)
+    assert request.strategy == "greedy"                                 # num_beams unset
+    assert request.replace(strategy="beam").beam_options() == dict(
         eos_id=None, beam_size=1, length_penalty=1.0, length_normalization="hf")
 
 
@@ -105,12 +112,14 @@ def test_unapplied_names_every_setting_that_would_change_the_output():
     g = parse({**FULL, "do_sample": True, "temperature": 0.6, "top_p": 0.9, "top_k": 50,
                "encoder_no_repeat_ngram_size": 3, "num_beam_groups": 1, "max_time": None,
                "stop_strings": ["."], "forced_eos_token_id": [2, 5]})
-    assert g.unapplied() == ("stop_strings=['.']", "encoder_no_repeat_ngram_size=3",
-                             "do_sample=True", "temperature=0.6", "top_p=0.9",
-                             "forced_eos_token_id=[2, 5]")
+    assert decode.unapplied(g) == ("stop_strings=['.']", "encoder_no_repeat_ngram_size=3",
+                                   "do_sample=True", "temperature=0.6", "top_p=0.9",
+                                   "forced_eos_token_id=[2, 5]")
     assert g.forced_eos_id is None
-    assert g.unapplied(beam=True)[-2:] == ("repetition_penalty=1.2", "early_stopping=True")
-    assert parse({"temperature": 0.6, "early_stopping": "never"}).unapplied(beam=True) == ()
+    assert decode.unapplied(g, strategy="beam")[-2:] == ("repetition_penalty=1.2",
+                                                         "early_stopping=True")
+    assert decode.unapplied(parse({"temperature": 0.6, "early_stopping": "never"}),
+                            strategy="beam") == ()
 
 
 def test_to_json_writes_raw_with_the_typed_fields_over_it():
@@ -162,7 +171,7 @@ def test_load_and_save_keep_the_defaults_and_set_the_decoder_start(tmp_path):
     os.remove(os.path.join(mixed, "zoo_integrity.json"))
     gen = models.load(mixed).generation
     assert gen.banned_ids == (2,)
-    assert gen.unapplied() == ("bad_words_ids=[[3, 4], [2]]",)
+    assert decode.unapplied(gen) == ("bad_words_ids=[[3, 4], [2]]",)
 
 
 def test_an_old_checkpoint_without_the_file_takes_config_json_settings(tmp_path):
@@ -233,8 +242,9 @@ def test_greedy_with_forced_and_banned_tokens_equals_transformers(name, tmp_path
     path, hf = _checkpoint_with(tmp_path, name, settings)
     pre = models.load(path)
     prompts, lengths = decode.pad_prompts(PROMPTS)
-    ours = decode.generate(pre.model, pre.params, prompts, lengths,
-                           **pre.generation.generate_options(pre.config))
+    request = DecodeRequest.from_generation(pre.generation, pre.config)
+    assert request.strategy == "greedy"
+    ours = decode.generate(pre.model, pre.params, prompts, lengths, request)
     for b, prompt in enumerate(PROMPTS):
         theirs = _cut(_theirs(hf, prompt, do_sample=False, num_beams=1)[0], (2, 43))
         assert ours.tokens[b, : ours.lengths[b]].tolist() == theirs, f"row {b}"
@@ -265,7 +275,7 @@ def test_beam_search_with_hf_normalisation_equals_or_beats_transformers(name, tm
     for alpha in (-0.5, 1.0, 2.0):
         g = dataclasses.replace(pre.generation, length_penalty=alpha)
         ours = decode.beam_search(pre.model, pre.params, prompts, lengths,
-                                  **g.beam_options(pre.config))
+                                  DecodeRequest.from_generation(g, pre.config))
         total += len(PROMPTS)
         for b, prompt in enumerate(PROMPTS):
             mine = ours.tokens[b, 0, : ours.lengths[b, 0]].tolist()

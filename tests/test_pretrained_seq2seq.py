@@ -453,7 +453,8 @@ def test_greedy_generate_on_a_ragged_batch_equals_transformers_generate(
     token and pad after the end."""
     d = decoding_ckpt(name)
     pre = models.load(d.path)
-    options = {**pre.generation.generate_options(pre.config), "max_new_tokens": N_NEW}
+    request = decode.DecodeRequest.from_generation(pre.generation, pre.config)
+    options = {**request.replace(strategy="greedy").generate_options(), "max_new_tokens": N_NEW}
     eos = list(pre.generation.eos_ids or ())
     ours = decode.generate(pre.model, pre.params, d.src, d.src_lens, **options)
     theirs = _hf_generate(d.model, d.src, d.src_lens, num_beams=1).numpy()
@@ -501,7 +502,8 @@ def test_beam_search_finds_transformers_best_beams_or_better_scoring_ones(
     at least as high (both scored by our model)."""
     d = decoding_ckpt(name)
     pre = models.load(d.path)
-    options = pre.generation.beam_options(pre.config)
+    request = decode.DecodeRequest.from_generation(pre.generation, pre.config)
+    options = request.replace(strategy="beam").beam_options()
     assert not options.get("renormalize_logits"), "the scorer below sums raw log-probs"
     eos = list(pre.generation.eos_ids or ())
     agree = total = 0

@@ -1,12 +1,14 @@
 """Evaluation: validation loss/accuracy/perplexity, and decoded samples scored by exact match
 and BLEU (sacrebleu), with a few source / reference / hypothesis triples to print.
 
-How samples are decoded (`decode_settings`): from scratch, greedy and beam search with the
-config's `beam_size` and `length_penalty`. A fine-tuned model (`init_from`) decodes as its
-directory says it should (generation_config.json, through `GenerationDefaults`): its end
-ids, forced first and last tokens, banned ids, minimum length, and its beam count and
-length penalty with transformers' length normalisation, so the scores are those its users
-would see; `config.beam_size` only where the directory names no beam count.
+How samples are decoded is a `decode.DecodeRequest` (`decode_request`): from scratch,
+greedy and beam search with the config's `beam_size` and `length_penalty`. A fine-tuned
+model (`init_from`) decodes as its directory says it should (its generation_config.json,
+`DecodeRequest.from_generation`): its end ids, forced first and last tokens, banned ids,
+minimum length, and its beam count and length penalty with transformers' length
+normalisation, so the scores are those its users would see; `config.beam_size` only where
+the directory names no beam count. The sources go through the text service
+(`decode.TextDecoder`) encoded as training encodes them, in fixed-shape batches.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 import sacrebleu
 
-import decode
+from decode import Batching, DecodeRequest, LengthLimit, TextDecoder
 from train import step as step_lib
 from train.data import Dataset, Tokenizer
 from train.data.pipeline import encode_side
@@ -35,72 +37,69 @@ def loss_metrics(dp, params, batches, label_names: tuple[str, ...] = ()) -> dict
     return step_lib.summarise(total, label_names)
 
 
-def decode_settings(config, choice: ModelChoice, *, beam: bool) -> tuple[int, dict]:
-    """(beam size, keyword arguments of `translate`) for an evaluation's greedy (`beam`
-    False: beam size 1) or beam-search decoding; see the module docstring.
+def decode_request(evaluation, choice: ModelChoice, *, beam: bool) -> DecodeRequest:
+    """The request an evaluation decodes with: greedy, or with `beam` beam search (see the
+    module docstring), from the evaluation settings' `beam_size`, `length_penalty` and
+    `max_decode_length` (`train.settings.EvalSettings`). The number of new tokens is
+    always `max_decode_length`: a directory's `max_length` is for its users' inputs, not
+    for this run's data.
 
-        from scratch, beam:  (config.beam_size, {"length_penalty": config.length_penalty})
-        opus-mt, beam:       (its num_beams, {"length_penalty": 1.0,
-                              "length_normalization": "hf", "eos_id": (0,),
-                              "forced_eos_id": 0, "banned_ids": (58100,)})
-        opus-mt, greedy:     (1, {"eos_id": (0,), "forced_eos_id": 0, "banned_ids": (58100,)})
+        from scratch, beam:  DecodeRequest(strategy="beam", beam_size=evaluation.beam_size,
+                             length_penalty=evaluation.length_penalty, max_new_tokens=...)
+        opus-mt, beam:       strategy "beam", its num_beams, length_penalty 1.0,
+                             length_normalization "hf", eos_id (0,), forced_eos_id 0,
+                             banned_ids (58100,)
+        opus-mt, greedy:     strategy "greedy", eos_id (0,), forced_eos_id 0,
+                             banned_ids (58100,)
 
-    A directory that names no beam count gets `config.beam_size` (transformers' default of
+    A directory that names no beam count gets `evaluation.beam_size` (transformers' default of
     1 would leave no beam search to score), with its length penalty (transformers' 1.0
-    when it names none). The number of new tokens is always `config.max_decode_length`: a
-    directory's `max_length` is for its users' inputs, not for this run's data.
+    when it names none). A beam size of 1 is greedy decoding: with `beam` the request is
+    then "greedy", and there is no beam search to score.
     """
     generation = choice.generation
     if generation is None:
-        return ((config.beam_size, {"length_penalty": config.length_penalty}) if beam
-                else (1, {}))
-    options = dict(generation.beam_options(choice.config) if beam
-                   else generation.generate_options(choice.config))
-    options.pop("max_new_tokens", None)
-    beam_size = options.pop("beam_size", 1)
-    if beam and generation.num_beams is None:
-        beam_size = config.beam_size
-    return beam_size, options
+        request = DecodeRequest(beam_size=evaluation.beam_size,
+                                length_penalty=evaluation.length_penalty)
+    else:
+        request = DecodeRequest.from_generation(generation, choice.config)
+        if generation.num_beams is None:
+            request = request.replace(beam_size=evaluation.beam_size)
+    return request.replace(max_new_tokens=evaluation.max_decode_length,
+                           strategy="beam" if beam and request.beam_size > 1 else "greedy")
 
 
-def translate(model, params, tok: Tokenizer, sources: list[str], *, max_source_length: int,
-              max_new_tokens: int, beam_size: int = 1, length_penalty: float = 0.6,
-              batch_size: int = 64, **options) -> list[str]:
-    """Greedy (beam_size 1) or beam-search translations, in fixed-shape batches.
+def translate(model, params, tok: Tokenizer, sources: list[str],
+              request: DecodeRequest | None = None, *, max_source_length: int,
+              batch_size: int = 64, **fields) -> list[str]:
+    """Translations of `sources` as `request` decodes them, in fixed-shape batches.
 
     Sources are encoded as in training (`encode_side`: a Hugging Face tokenizer's template,
-    ending in EOS), cut to `max_source_length` keeping the EOS; outputs are decoded as the
+    ending in EOS), cut to `max_source_length` keeping the EOS, and decoded in batches of
+    `batch_size` rows of that width (short batches filled with lone-EOS rows, so nothing
+    recompiles) by the text service (`decode.TextDecoder`); outputs are decoded as the
     target side.
 
     `params` are host arrays, so each call runs on this process's first local device: no
     collective, and processes may decode different numbers of batches.
 
     Args:
-        options: further keyword arguments of `decode.generate` or `decode.beam_search`
-            (end ids, forced and banned ids, `length_normalization`, ...), as
-            `decode_settings` gives them.
+        request: how to decode (`decode_request` gives evaluation's); None builds one from
+            `fields`, greedy unless `beam_size` > 1.
+        fields: `decode.DecodeRequest` fields, each over the request's: `max_new_tokens`,
+            `beam_size` (1, the default without a request: greedy; > 1: beam search),
+            `length_penalty`, end, forced and banned ids, `length_normalization`, ...
     """
-    out = []
-    for start in range(0, len(sources), batch_size):
-        chunk = sources[start:start + batch_size]
-        prompts = np.zeros((batch_size, max_source_length), np.int32)
-        lengths = np.ones(batch_size, np.int32)
-        prompts[:, 0] = tok.eos_id                   # padding rows: a lone EOS
-        for i, ids in enumerate(encode_side(tok, chunk, "source")):       # as in training
-            if len(ids) > max_source_length:                                 # cut, keep EOS
-                ids = ids[:max_source_length - 1] + ids[-1:]
-            prompts[i, :len(ids)] = ids
-            lengths[i] = len(ids)
-        if beam_size > 1:
-            tokens = decode.beam_search(model, params, prompts, lengths, beam_size=beam_size,
-                                        max_new_tokens=max_new_tokens,
-                                        length_penalty=length_penalty, **options).tokens[:, 0]
-        else:
-            tokens = decode.generate(model, params, prompts, lengths,
-                                     max_new_tokens=max_new_tokens, temperature=0.0,
-                                     **options).tokens
-        out += [tok.decode(row) for row in np.asarray(tokens)[:len(chunk)]]
-    return out
+    if request is None:
+        request = DecodeRequest().replace(**{"beam_size": 1, **fields})
+        request = request.replace(strategy="beam" if request.beam_size > 1 else "greedy")
+    else:
+        request = request.replace(**fields)
+    service = TextDecoder(
+        model, params, tok, encode=lambda texts: encode_side(tok, texts, "source"),
+        limit=LengthLimit(max_source_length, "max_source_length", overlong="cut_keep_last"),
+        batching=Batching(size=batch_size, width=max_source_length, pad_row=(tok.eos_id,)))
+    return service.decode(sources, request)
 
 
 def scores(hypotheses: list[str], references: list[str], metric: str) -> dict:
@@ -114,18 +113,16 @@ def scores(hypotheses: list[str], references: list[str], metric: str) -> dict:
     return out
 
 
-def decoded_metrics(model, params, tok, ds: Dataset, split: str, n: int, config,
-                    beam_size: int, **options) -> tuple[dict, list[tuple[str, str, str]]]:
-    """Decodes the first `n` examples of `split`; scores and (source, reference, hypothesis).
-
-    `options` are `translate`'s (`decode_settings` gives them); the length penalty defaults
-    to `config.length_penalty`."""
+def decoded_metrics(model, params, tok, ds: Dataset, *, split: str, n: int,
+                    request: DecodeRequest, metric: str, max_source_length: int,
+                    ) -> tuple[dict, list[tuple[str, str, str]]]:
+    """Decodes the first `n` examples of `split` as `request` says (`decode_request`
+    gives evaluation's); their scores (`metric`: see `scores`) and (source, reference,
+    hypothesis) triples. Sources are cut to `max_source_length`."""
     n = min(n, len(ds.split(split)))
     pairs = ds.examples(split, range(n))
-    hyps = translate(model, params, tok, [s for s, _ in pairs],
-                     max_source_length=config.max_source_length,
-                     max_new_tokens=config.max_decode_length, beam_size=beam_size,
-                     **{"length_penalty": config.length_penalty, **options})
+    hyps = translate(model, params, tok, [s for s, _ in pairs], request,
+                     max_source_length=max_source_length)
     refs = [t for _, t in pairs]
     triples = [(s, r, h) for (s, r), h in zip(pairs, hyps, strict=True)]
-    return scores(hyps, refs, config.metric), triples
+    return scores(hyps, refs, metric), triples

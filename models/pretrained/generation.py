@@ -2,8 +2,7 @@
 
     gen = models.load("path/to/opus-mt-en-de").generation
     gen.eos_ids, gen.start_id, gen.banned_ids, gen.num_beams     # (0,), 58100, (58100,), 4
-    decode.beam_search(model, params, src, lengths, **gen.beam_options(config))
-    gen.unapplied()      # settings that would change transformers' output and are not applied
+    gen.to_json()                      # the file's contents, as `models.save` writes them
 
 Where the settings come from (transformers v5): generation_config.json when the directory
 has one, as a whole; config.json's generation fields only when it has none (old checkpoints
@@ -11,33 +10,10 @@ kept them there). The special ids are the exception: `eos_ids` and `start_id` fa
 config.json field by field when the file does not give them, as the model config defines
 them (and `eos_ids` then to the `TransformerConfig`'s eos_id).
 
-What each setting becomes for `decode.generate` / `decode.beam_search` (`generate_options`,
-`beam_options`); P is the decoder's prompt length: 1 (the start token) for an
-encoder-decoder, the prompt for a decoder-only model (transformers left-pads a batch and
-counts the padding, so P is the batch's longest prompt):
-
-    eos_token_id             eos_id (one id or several; none: never stops early)
-    decoder_start_token_id   the config's bos_id, what an encoder-decoder starts from
-    forced_bos_token_id      forced_bos_id (a decoder-only model's only when P = 1, as there)
-    forced_eos_token_id      forced_eos_id (a list of one id; several are not applied)
-    bad_words_ids            banned_ids: single tokens only (a longer entry is refused);
-                             an entry that is an end id is dropped, as transformers drops it
-    suppress_tokens          banned_ids too
-    max_new_tokens           max_new_tokens
-    max_length               max_new_tokens = max_length - P (when max_new_tokens is unset)
-    min_new_tokens           min_new_tokens
-    min_length               min_new_tokens = max(0, min_length - P) (when min_new_tokens
-                             is unset)
-    no_repeat_ngram_size     no_repeat_ngram_size
-    repetition_penalty       repetition_penalty (generate only: beam search has none)
-    num_beams                beam_size (beam_options; default 1, transformers' default)
-    length_penalty           length_penalty with length_normalization="hf" (default 1.0)
-    renormalize_logits       renormalize_logits (beam_options; it changes only beam scores)
-
-Everything else transformers' GenerationConfig holds that would change its output (sampling
-settings with do_sample, stop strings, group beam search, ...) is named by `unapplied()`:
-nothing is dropped silently. transformers' default of 20 new tokens when neither
-max_length nor max_new_tokens is set is not a default here: the caller's stands.
+This module reads and writes the settings, typed and checked (every id against the
+vocabulary); the decoder start is the one that changes the model config
+(`decoder_config`). What decoding makes of the others (a request, the settings it does not
+apply) is `decode.request`'s business: `decode.DecodeRequest.from_generation(gen, config)`.
 """
 
 from __future__ import annotations
@@ -47,7 +23,7 @@ import numbers
 import os
 
 from models.config import TransformerConfig
-from models.errors import UserError
+from models.errors import UserError, is_int
 from models.pretrained.files import read_json, write_json
 
 FILE = "generation_config.json"
@@ -66,24 +42,11 @@ FIELDS = frozenset({
     "dola_layers", "diversity_penalty", "num_beam_groups", "constraints", "force_words_ids",
     "forced_decoder_ids", "use_cache"})
 
-# Settings that change transformers' output and are not applied here, each with the value
-# that means "off" (a setting at that value, or absent, changes nothing).
-_UNAPPLIED_OFF = {
-    "max_time": None, "stop_strings": None, "encoder_repetition_penalty": 1.0,
-    "encoder_no_repeat_ngram_size": 0, "exponential_decay_length_penalty": None,
-    "begin_suppress_tokens": None, "sequence_bias": None, "token_healing": False,
-    "guidance_scale": None, "watermarking_config": None, "penalty_alpha": None,
-    "dola_layers": None, "num_beam_groups": 1, "diversity_penalty": 0.0, "constraints": None,
-    "force_words_ids": None, "forced_decoder_ids": None}
-# Sampling settings: they matter only with do_sample.
-_SAMPLING_OFF = {"temperature": 1.0, "top_k": 50, "top_p": 1.0, "min_p": None, "top_h": None,
-                 "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0}
-
 
 @dataclasses.dataclass(frozen=True)
 class GenerationDefaults:
     """What `generation_config.json` (or an old checkpoint's config.json) says decoding
-    should default to. The module docstring maps each field to its decoding argument.
+    should default to (`decode.request` maps each field to a request's).
 
     Attributes:
         eos_ids: the end token(s), or None when the model names none.
@@ -171,97 +134,6 @@ class GenerationDefaults:
             repetition_penalty=fields.number("repetition_penalty", positive=True),
             renormalize_logits=fields.bool("renormalize_logits"), raw=dict(raw))
 
-    def generate_options(self, config: TransformerConfig, prompt_len: int | None = None) -> dict:
-        """The keyword arguments of `decode.generate` these defaults give (only the ones
-        they set; eos_id always, None meaning never stop).
-
-        Args:
-            config: the model's config (encoder-decoder or decoder-only).
-            prompt_len: a decoder-only model's prompt length as transformers counts it (the
-                batch's longest prompt); needed when max_length, min_length or
-                forced_bos_token_id is set, unused for an encoder-decoder.
-
-        Raises:
-            UserError: a decoder-only setting that counts the prompt without prompt_len, or
-                a max_length that leaves no new token.
-
-            encoder-decoder, max_length 142, min_length 56, forced_bos 0, forced_eos 2
-            -> {eos_id: (2,), max_new_tokens: 141, min_new_tokens: 55, forced_bos_id: 0,
-                forced_eos_id: 2}
-        """
-        options: dict = {"eos_id": self.eos_ids}
-        if self.forced_bos_id is not None:
-            # transformers forces it when the decoder's input is one token long.
-            if self._prompt_len(config, prompt_len, "forced_bos_token_id") == 1:
-                options["forced_bos_id"] = self.forced_bos_id
-        if self.forced_eos_id is not None:
-            options["forced_eos_id"] = self.forced_eos_id
-        if self.banned_ids:
-            options["banned_ids"] = self.banned_ids
-        if self.max_new_tokens is not None:
-            options["max_new_tokens"] = self.max_new_tokens
-        elif self.max_length is not None:
-            p = self._prompt_len(config, prompt_len, "max_length")
-            if self.max_length <= p:
-                raise UserError(f"max_length={self.max_length} leaves no new token after a "
-                                 f"decoder prompt of {p} tokens")
-            options["max_new_tokens"] = self.max_length - p
-        if self.min_new_tokens:
-            options["min_new_tokens"] = self.min_new_tokens
-        elif self.min_length:
-            p = self._prompt_len(config, prompt_len, "min_length")
-            if self.min_length > p:
-                options["min_new_tokens"] = self.min_length - p
-        if self.no_repeat_ngram_size:
-            options["no_repeat_ngram_size"] = self.no_repeat_ngram_size
-        if self.repetition_penalty is not None and self.repetition_penalty != 1.0:
-            options["repetition_penalty"] = self.repetition_penalty
-        return options
-
-    def beam_options(self, config: TransformerConfig, prompt_len: int | None = None) -> dict:
-        """The keyword arguments of `decode.beam_search` these defaults give: those of
-        `generate_options` but the repetition penalty, and beam_size (num_beams, default
-        1), length_penalty (default 1.0) with length_normalization="hf", and
-        renormalize_logits, transformers' defaults where the file sets none.
-
-            num_beams 4, length_penalty 2.0 -> {..., beam_size: 4, length_penalty: 2.0,
-                                                length_normalization: "hf"}
-        """
-        options = self.generate_options(config, prompt_len)
-        options.pop("repetition_penalty", None)
-        options.update(beam_size=self.num_beams or 1,
-                       length_penalty=1.0 if self.length_penalty is None else self.length_penalty,
-                       length_normalization="hf")
-        if self.renormalize_logits:
-            options["renormalize_logits"] = True
-        return options
-
-    def unapplied(self, beam: bool = False) -> tuple[str, ...]:
-        """The settings (as "name=value") that change transformers' output and that
-        `generate_options` (or, with `beam`, `beam_options`) does not apply.
-
-            {"do_sample": true, "temperature": 0.6, "top_p": 0.9} -> ("do_sample=True",
-                "temperature=0.6", "top_p=0.9")
-        """
-        raw = self.raw
-        names = [k for k, off in _UNAPPLIED_OFF.items() if raw.get(k, off) not in (off, None)]
-        if raw.get("do_sample"):
-            names.append("do_sample")
-            names += [k for k, off in _SAMPLING_OFF.items() if raw.get(k, off) not in (off, None)]
-        forced_eos = raw.get("forced_eos_token_id")
-        if isinstance(forced_eos, list) and len(forced_eos) > 1:
-            names.append("forced_eos_token_id")
-        if any(isinstance(w, list) and len(w) > 1 for w in raw.get("bad_words_ids") or ()):
-            names.append("bad_words_ids")           # its single-token entries do apply
-        if beam:
-            if self.repetition_penalty not in (None, 1.0):
-                names.append("repetition_penalty")
-            # transformers' early stopping (True: stop once num_beams have finished; False:
-            # a heuristic bound); here the stop is exact and scores at least as high.
-            if raw.get("early_stopping", "never") != "never":
-                names.append("early_stopping")
-        return tuple(f"{k}={raw.get(k, getattr(self, k, None))!r}" for k in names)
-
     def to_json(self) -> dict:
         """generation_config.json's contents: `raw` with the typed fields written over it
         (a field left at its default keeps raw's value).
@@ -297,18 +169,6 @@ class GenerationDefaults:
                 self.start_id != config.bos_id:
             return config.replace(bos_id=self.start_id)
         return config
-
-    @staticmethod
-    def _prompt_len(config: TransformerConfig, prompt_len, name: str) -> int:
-        if config.is_encoder_decoder:
-            return 1
-        if prompt_len is None:
-            raise UserError(f"{name} counts a decoder-only model's prompt: pass prompt_len "
-                             "(the batch's longest prompt, which transformers pads every "
-                             "row to)")
-        if not isinstance(prompt_len, numbers.Integral) or prompt_len < 1:
-            raise UserError(f"prompt_len={prompt_len!r} must be a positive int")
-        return int(prompt_len)
 
 
 def read_generation(path: str, hf: dict, config: TransformerConfig) -> GenerationDefaults:
@@ -372,7 +232,7 @@ class _Fields:
         value = self.raw.get(name)
         if value is None:
             return None
-        if not _is_int(value):
+        if not is_int(value):
             raise self._error(name, f"a token id (an int in [0, vocab_size={self.vocab_size}))")
         self._check_id(name, value)
         return value
@@ -383,7 +243,7 @@ class _Fields:
         if value is None:
             return None
         values = value if isinstance(value, list) else [value]
-        if not all(_is_int(v) for v in values):
+        if not all(is_int(v) for v in values):
             raise self._error(name, "a token id or a list of token ids")
         for v in values:
             self._check_id(name, v)
@@ -397,11 +257,11 @@ class _Fields:
             raise self._error(name, "a list of lists of token ids")
         out = []
         for word in value:
-            if not word or not all(_is_int(t) for t in word):
+            if not word or not all(is_int(t) for t in word):
                 raise self._error(name, "a list of lists of token ids")
             for t in word:
                 self._check_id(name, t)
-            if len(word) == 1:          # several tokens: a sequence ban, named by unapplied()
+            if len(word) == 1:          # several tokens: a sequence ban, not applied
                 out.append(word[0])
         return out
 
@@ -409,7 +269,7 @@ class _Fields:
         value = self.raw.get(name)
         if value is None:
             return None
-        if not _is_int(value) or value < lowest:
+        if not is_int(value) or value < lowest:
             raise self._error(name, f"an int >= {lowest}")
         return value
 
@@ -433,6 +293,3 @@ class _Fields:
             raise UserError(f"{self.where}: {name} {value!r} is outside [0, vocab_size="
                              f"{self.vocab_size})")
 
-
-def _is_int(value) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)

@@ -17,7 +17,6 @@ the final one the test split (`train.evaluate`).
 from __future__ import annotations
 
 import dataclasses
-import types
 
 import jax.numpy as jnp
 from jax import lax
@@ -128,19 +127,19 @@ class NextToken(Objective):
         if not (validating or testing):
             return {}, None
         from train import evaluate
-        keys = _decoding_keys(run.config)
         host_params = run.wrapper.host_state(state).params     # a collective when sharded
 
         def decoded(split: str, n: int, beam: bool):
-            beam_size, options = evaluate.decode_settings(keys, run.choice, beam=beam)
-            return evaluate.decoded_metrics(run.model, host_params, run.tokenizer, ds, split,
-                                            n, keys, beam_size, **options)
+            return evaluate.decoded_metrics(
+                run.model, host_params, run.tokenizer, ds, split=split, n=n,
+                request=evaluate.decode_request(settings, run.choice, beam=beam),
+                metric=settings.metric, max_source_length=data.max_source_length)
 
         val = {}
         if validating:
             greedy, triples = decoded(data.eval_split, settings.num_eval_decode, False)
             val.update(greedy)
-            if evaluate.decode_settings(keys, run.choice, beam=True)[0] > 1:
+            if evaluate.decode_request(settings, run.choice, beam=True).strategy == "beam":
                 beam, _ = decoded(data.eval_split, min(settings.num_eval_decode, 100), True)
                 val.update({f"beam_{k}": v for k, v in beam.items()})
             if run.lead:
@@ -150,12 +149,3 @@ class NextToken(Objective):
         test = decoded(data.test_split, settings.num_test_decode, False)[0] if testing else None
         return val, test
 
-
-def _decoding_keys(config) -> types.SimpleNamespace:
-    """The config keys `train.evaluate`'s decoding functions read, by their key names, from
-    the run config's parts."""
-    settings = config.evaluation
-    return types.SimpleNamespace(
-        beam_size=settings.beam_size, length_penalty=settings.length_penalty,
-        max_decode_length=settings.max_decode_length, metric=settings.metric,
-        max_source_length=config.data.max_source_length)
