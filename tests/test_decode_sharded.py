@@ -89,6 +89,7 @@ def test_tensor_parallel_beam_search_equals_one_device(arch):
     cfg, B, width = model.config, prompts.shape[0], prompts.shape[1]
     slots = (1 if cfg.is_encoder_decoder else width) + N
     lowered = decode.beam_search.lower(model, sharded, prompts, lengths, **kw)
-    assert cache_split(lowered, cfg, B * W, slots) == (True, False)   # self: B * W rows
+    # Self-attention: the beam cache's B source rows of W regions (models.BeamKVCache).
+    assert cache_split(lowered, cfg, B, W * slots) == (True, False)
     if cfg.is_encoder_decoder:                                         # cross: B rows
         assert cache_split(lowered, cfg, B, width) == (True, False)
