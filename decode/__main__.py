@@ -165,6 +165,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--truncate", action="store_true",
                    help="cut an input longer than the model takes (with a warning) instead "
                         "of stopping")
+    p.add_argument("--no-compile-cache", action="store_true",
+                   help="compile afresh (default: JAX's persistent compilation cache in the "
+                        "user's cache directory, models.use_compile_cache)")
     p.add_argument("--verbose", action="store_true", help="tracebacks with errors")
     return p
 
@@ -295,6 +298,8 @@ def _names_an_extra(e: ImportError) -> bool:
 def main(argv: list[str] | None = None) -> int:
     """Runs the command line; the exit status (the module docstring's "Exit status")."""
     args = build_parser().parse_args(argv)
+    if not args.no_compile_cache:
+        models.use_compile_cache()
     try:
         run(args)
     except Exception as e:

@@ -282,3 +282,37 @@ def test_decode_cli_refusals_of_models_load_are_user_mistakes(capsys, tmp_path):
         assert decode_cli.main(["--model", str(tmp_path / name), "hi"]) == 2, name
         err = capsys.readouterr().err.splitlines()
         assert len(err) == 1 and err[0].startswith("error: ") and str(tmp_path / name) in err[0]
+
+
+def _decode_process(cache_home, *flags, env=()):
+    """`python -m decode` on a preset in a process of its own, with `cache_home` as the
+    user's cache directory; returns its exit status."""
+    done = subprocess.run(
+        [sys.executable, "-m", "decode", "--config", "gpt-tiny", "--max-new-tokens", "3",
+         *flags, "5 6 7"], capture_output=True, text=True, timeout=300,
+        env={**os.environ, "XDG_CACHE_HOME": str(cache_home), **dict(env)})
+    assert done.returncode == 0, done.stderr
+    return done
+
+
+def test_the_command_lines_compile_once_per_machine(tmp_path):
+    """The first process fills the persistent compilation cache in the user's cache
+    directory; --no-compile-cache leaves it alone; JAX's own setting of a directory wins."""
+    _decode_process(tmp_path / "home")
+    cached = tmp_path / "home" / "jax-transformer-zoo" / "xla"
+    assert len(os.listdir(cached)) > 0
+    _decode_process(tmp_path / "off", "--no-compile-cache")
+    assert not (tmp_path / "off").exists()
+    _decode_process(tmp_path / "unused", env={"JAX_COMPILATION_CACHE_DIR": str(tmp_path / "j")})
+    assert len(os.listdir(tmp_path / "j")) > 0 and not (tmp_path / "unused").exists()
+
+
+def test_a_cache_directory_that_cannot_be_made_is_a_warning(tmp_path, capsys):
+    from models.compile_cache import use_compile_cache
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    import jax
+    before = jax.config.jax_compilation_cache_dir
+    assert use_compile_cache(str(blocker / "xla")) in (None, before)
+    if before is None:
+        assert "warning: no compilation cache: cannot create" in capsys.readouterr().err

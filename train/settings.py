@@ -247,12 +247,15 @@ class ParallelSettings(Part):
 class HostSettings(Part):
     """Several hosts: `jax.distributed.initialize()` when `distributed`; the other three
     only with a coordinator address (host:port of process 0; "" = let JAX detect the
-    cluster: TPU pod, SLURM, Open MPI, Kubernetes)."""
+    cluster: TPU pod, SLURM, Open MPI, Kubernetes). `compile_cache`: `python -m train`
+    keeps compiled executables in JAX's persistent compilation cache
+    (`models.use_compile_cache`), so a restarted run does not compile them again."""
 
     distributed: bool = setting(False, boolean())
     coordinator_address: str = setting("", address())
     num_processes: int = setting(1, integer(1))
     process_id: int = setting(0, integer(0))
+    compile_cache: bool = setting(True, boolean())
 
     def check(self) -> None:
         if self.process_id >= self.num_processes:
