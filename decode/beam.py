@@ -85,9 +85,10 @@ class BeamInputs:
 
 @functools.partial(jax.jit, static_argnames=("model", "beam_size", "max_new_tokens", "cache_len",
                                              "eos_ids", "normalization", "no_repeat",
-                                             "cache_sharding"))
+                                             "constrained", "cache_sharding"))
 def _beam_search(model, params, inputs: BeamInputs, *, beam_size, max_new_tokens, cache_len,
-                 eos_ids, normalization, no_repeat, cache_sharding=None) -> BeamOutput:
+                 eos_ids, normalization, no_repeat, constrained=True,
+                 cache_sharding=None) -> BeamOutput:
     """The jitted computation; `beam_search_arguments` gives its (args, static)."""
     W = beam_size
     prompts_BP, lengths_B = inputs.prompts, inputs.lengths
@@ -102,7 +103,8 @@ def _beam_search(model, params, inputs: BeamInputs, *, beam_size, max_new_tokens
         min_new_tokens=jnp.repeat(inputs.constraints.min_new_tokens, W))
     state = beam_init(logits_RV, cache, W, max_new_tokens, history)
     state = beam_loop(model_step_fn(model, params, cache_sharding), state, alpha=inputs.alpha,
-                      eos_ids=eos_ids, normalization=normalization, constraints=constraints,
+                      eos_ids=eos_ids, normalization=normalization,
+                      constraints=constraints if constrained else None,
                       renormalize=inputs.renormalize)
     return BeamOutput(*finalize(state, inputs.alpha, output_pad_id(model.config), normalization))
 

@@ -127,9 +127,9 @@ class GenerateInputs:
 @functools.partial(
     jax.jit,
     static_argnames=("model", "max_new_tokens", "cache_len", "eos_ids", "strategy", "loop",
-                     "no_repeat", "cache_sharding"))
+                     "no_repeat", "constrained", "cache_sharding"))
 def _generate(model, params, inputs: GenerateInputs, *, max_new_tokens, cache_len, eos_ids,
-              strategy, loop, no_repeat, cache_sharding=None) -> DecodeOutput:
+              strategy, loop, no_repeat, constrained=True, cache_sharding=None) -> DecodeOutput:
     """The jitted computation; `generate_arguments` gives its (args, static)."""
     cfg = model.config
     prompts_BP, lengths_B = inputs.prompts, inputs.lengths
@@ -145,7 +145,7 @@ def _generate(model, params, inputs: GenerateInputs, *, max_new_tokens, cache_le
         initial_state(logits_BV, cache, inputs.rng, max_new_tokens, seen_BV=seen,
                       history=history),
         eos_ids=eos_ids, pad_id=output_pad_id(cfg), params=inputs.sampling, strategy=strategy,
-        constraints=inputs.constraints, while_loop=loop == "while")
+        constraints=inputs.constraints if constrained else None, while_loop=loop == "while")
     return DecodeOutput(state.tokens, state.lengths, state.logprobs, state.cache.lengths,
                         cache_len)
 
@@ -203,7 +203,8 @@ def generate_arguments(model: nn.Module, params, prompts, lengths,
     Returns:
         (args, static): the traced arguments `(model, params, GenerateInputs)` and the
         static keywords `max_new_tokens`, `cache_len`, `eos_ids`, `strategy`, `loop`,
-        `no_repeat`, and `cache_sharding` when the params split their kv heads over a mesh
+        `no_repeat`, `constrained`, and `cache_sharding` when the params split their kv
+        heads over a mesh
         (`decode.placement.cache_sharding`; absent otherwise).
 
     Raises:

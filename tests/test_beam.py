@@ -221,7 +221,7 @@ def test_lowered_beam_search_checks_like_beam_search_and_is_one_loop():
     args, static = decode.beam_search_arguments(f.model, params, p, n, beam_size=3,
                                                 max_new_tokens=4, length_penalty=0.3)
     assert static == dict(beam_size=3, max_new_tokens=4, cache_len=12, eos_ids=(1,),
-                          normalization="gnmt", no_repeat=False)
+                          normalization="gnmt", no_repeat=False, constrained=False)
     text = decode.beam_search.lower(f.model, params, p, n, beam_size=3,
                                     max_new_tokens=4).as_text()
     assert text.count("stablehlo.while") == 1
