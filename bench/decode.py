@@ -107,7 +107,7 @@ def best_of(fn, repeats: int) -> float:
     return min(timed(fn)[1] for _ in range(repeats))
 
 
-def run_case(name, cfg, batch, prompt, new, bandwidth, no_cache_steps, only, repeats):
+def run_case(name, cfg, *, batch, prompt, new, bandwidth, no_cache_steps, only, repeats):
     model = models.build(cfg)
     key = jax.random.key(0)
     prompts = jax.random.randint(key, (batch, prompt), 3, cfg.vocab_size)
@@ -215,7 +215,8 @@ def main(argv=None):
                           "matmul_batch": batch, "bandwidth_GB_per_s": round(bw / 1e9, 2)}),
               flush=True)
         shape, batch, prompt, new, _ = cases[name]
-        run_case(name, cfg, batch, prompt, new, bw, no_cache_steps, args.only, args.repeats)
+        run_case(name, cfg, batch=batch, prompt=prompt, new=new, bandwidth=bw,
+                 no_cache_steps=no_cache_steps, only=args.only, repeats=args.repeats)
 
 
 if __name__ == "__main__":

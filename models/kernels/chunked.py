@@ -37,6 +37,7 @@ import functools
 import math
 from typing import NamedTuple
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -88,12 +89,26 @@ def chunked_attention(q_BTNH, k_BSKH, v_BSKH, spec: MaskSpec, bias=None, *,
     if plan.dropout_rate > 0.0:
         key_data = (jax.random.key_data(dropout_rng)
                     if jnp.issubdtype(dropout_rng.dtype, jax.dtypes.prng_key) else dropout_rng)
-    out, lse = _attention(plan, q, k, v, spec, bias, key_data)
+    out, lse = _attention(plan, _Operands(q, k, v, spec, bias, key_data))
     out = out[:, :Q].reshape(B, T, N, H).astype(v_BSKH.dtype)
     if not with_lse:
         return out
     lse = jnp.where(jnp.isposinf(lse[..., :Q]), -jnp.inf, lse[..., :Q])   # [Bk, K, G, Q]
     return out, lse.reshape(Bk, K * G, W, T).transpose(0, 2, 3, 1).reshape(B, T, N)
+
+
+@flax.struct.dataclass
+class _Operands:
+    """What the kernel differentiates: queries (scaled, padded, folded), keys, values, and
+    the mask and bias descriptions and the dropout key (their cotangents are zeros, but
+    the bias description's float leaves')."""
+
+    q: jax.Array
+    k: jax.Array
+    v: jax.Array
+    spec: MaskSpec
+    bias: object
+    key_data: jax.Array | None
 
 
 class _Plan(NamedTuple):
@@ -155,7 +170,7 @@ def _pad_keys(k, v, spec: MaskSpec, bias, pad: int):
     return jnp.pad(k, widths), jnp.pad(v, widths), spec, bias
 
 
-def _block(plan: _Plan, spec: MaskSpec, bias, q_i, k_j, i, j):
+def _block(plan: _Plan, spec: MaskSpec, bias, q_i, k_j, *, i, j):
     """One block's float32 logits [Bk, K, G, bq, bk] (bias added, hidden keys at
     MASKED_LOGIT) and its mask [Bk, 1, 1, bq, bk] (None: nothing hidden)."""
     Bk, bq, K, G, _ = q_i.shape
@@ -188,9 +203,10 @@ def _tied(q, spec: MaskSpec, bias):
     return q, spec, bias
 
 
-def _forward(plan: _Plan, q, k, v, spec, bias, key_data):
+def _forward(plan: _Plan, ops: _Operands):
     """(out float32 [Bk, Q, K, G, H], lse float32 [Bk, K, G, Q]) of padded inputs."""
-    q, spec, bias = _tied(q, spec, bias)
+    k, v, key_data = ops.k, ops.v, ops.key_data
+    q, spec, bias = _tied(ops.q, ops.spec, ops.bias)
     Bk, Qp, K, G, H = q.shape
     q_blocks = q.reshape(Bk, plan.nq, plan.bq, K, G, H)
     k_blocks = k.reshape(Bk, plan.nk, plan.bk, K, H)
@@ -202,7 +218,7 @@ def _forward(plan: _Plan, q, k, v, spec, bias, key_data):
         def step(carry, j):
             def update(carry):
                 m, total, acc = carry
-                s, mask = _block(plan, spec, bias, q_i, k_blocks[:, j], i, j)
+                s, mask = _block(plan, spec, bias, q_i, k_blocks[:, j], i=i, j=j)
                 m_new = jnp.maximum(m, s.max(-1))
                 p = jnp.exp(s - m_new[..., None])
                 if mask is not None:
@@ -238,21 +254,22 @@ def _forward(plan: _Plan, q, k, v, spec, bias, key_data):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention(plan, q, k, v, spec, bias, key_data):
+def _attention(plan, ops: _Operands):
     """(out [Bk, Q, K, G, H] in v's dtype, lse float32 [Bk, K, G, Q]; +inf where a query
     sees nothing)."""
-    out, lse = _forward(plan, q, k, v, spec, bias, key_data)
-    return out.astype(v.dtype), lse
+    out, lse = _forward(plan, ops)
+    return out.astype(ops.v.dtype), lse
 
 
-def _attention_fwd(plan, q, k, v, spec, bias, key_data):
-    out, lse = _forward(plan, q, k, v, spec, bias, key_data)
-    out = out.astype(v.dtype)
-    return (out, lse), (q, k, v, spec, bias, key_data, out, lse)
+def _attention_fwd(plan, ops: _Operands):
+    out, lse = _forward(plan, ops)
+    out = out.astype(ops.v.dtype)
+    return (out, lse), (ops, out, lse)
 
 
 def _attention_bwd(plan, residuals, cotangents):
-    q, k, v, spec, bias, key_data, out, lse = residuals
+    ops, out, lse = residuals
+    q, k, v, spec, bias, key_data = ops.q, ops.k, ops.v, ops.spec, ops.bias, ops.key_data
     d_out, d_lse = cotangents
     q, spec, bias = _tied(q, spec, bias)
     Bk, Qp, K, G, H = q.shape
@@ -276,7 +293,7 @@ def _attention_bwd(plan, residuals, cotangents):
             def update(inner):
                 dk_j, dv_j, dq, d_bias = inner
                 q_i, do_i = q_blocks[:, i], do_blocks[:, i]
-                s, mask = _block(plan, spec, bias, q_i, k_j, i, j)
+                s, mask = _block(plan, spec, bias, q_i, k_j, i=i, j=j)
                 p = jnp.exp(s - lse_blocks[:, :, :, i][..., None])
                 if mask is not None:
                     p = jnp.where(mask, p, 0.0)
@@ -314,8 +331,8 @@ def _attention_bwd(plan, residuals, cotangents):
     # [nk, Bk, bk, K, H] -> [Bk, S, K, H]
     dk = dk.transpose(1, 0, 2, 3, 4).reshape(k.shape).astype(k.dtype)
     dv = dv.transpose(1, 0, 2, 3, 4).reshape(v.shape).astype(v.dtype)
-    return (dq, dk, dv, _no_cotangent(spec), _with_int_zeros(bias, d_bias),
-            None if key_data is None else _zero_cotangent(key_data))
+    return (_Operands(dq, dk, dv, _no_cotangent(ops.spec), _with_int_zeros(ops.bias, d_bias),
+                      None if key_data is None else _zero_cotangent(key_data)),)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
