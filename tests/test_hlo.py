@@ -55,7 +55,8 @@ def test_the_decode_loops_never_copy_the_cache(arch):
     """generate's loop and beam search's: the step reads the cache under the cond that skips
     it once every row is done, and the new slot is written after it, in place (a cond
     whose branch updated the cache would copy it every step); beam search moves its
-    ancestry table, not the cache (models.BeamKVCache)."""
+    ancestry table, not the cache (models.BeamKVCache; beam_cache="gathered" gathers
+    and so copies the cache every step by design)."""
     cfg = tiny(arch, max_len=40, d_model=48, num_heads=3, num_kv_heads=3, vocab_size=97)
     model = models.build(cfg)
     ones = jax.numpy.ones((1, 3), "int32")
