@@ -40,8 +40,13 @@ from jaxtyping import Array, Float, Int
 
 from decode import checks, ngrams
 from decode.beam_steps import NORMALIZATIONS, beam_init, beam_loop, finalize
-from decode.model_fns import (BEAM_CACHES, decoder_prefix, model_step_fn, output_pad_id,
-                              start_decoding)
+from decode.model_fns import (
+    BEAM_CACHES,
+    decoder_prefix,
+    model_step_fn,
+    output_pad_id,
+    start_decoding,
+)
 from decode.processors import Constraints
 from decode.request import DecodeRequest
 from decode.setup import DecodeCall, shared_arguments, with_request
