@@ -73,11 +73,19 @@ def maybe_step(step_fn: StepFn | SplitStep, skip, tokens_B, cache, logits_BV):
     if not isinstance(step_fn, SplitStep):
         return lax.cond(skip, lambda: (logits_BV, unchanged(cache)),
                         lambda: step_fn(tokens_B, cache))
-    shapes = jax.eval_shape(step_fn.read, tokens_B, cache)
+    # The read is traced once: its jaxpr gives the skip branch its output shapes and is
+    # replayed in the other branch (tracing the model twice doubled the start-up cost).
+    read_jaxpr, shapes = jax.make_jaxpr(step_fn.read, return_shape=True)(tokens_B, cache)
+
+    def read():
+        out = jax.core.eval_jaxpr(read_jaxpr.jaxpr, read_jaxpr.consts,
+                                  *jax.tree.leaves((tokens_B, cache)))
+        return jax.tree.unflatten(jax.tree.structure(shapes), out)
+
     new_logits, update = lax.cond(
         skip, lambda: (logits_BV.astype(shapes[0].dtype),
                        jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes[1])),
-        lambda: step_fn.read(tokens_B, cache))
+        read)
     active_B = jnp.broadcast_to(~skip, tokens_B.shape)
     return new_logits, step_fn.commit(cache, update, active_B)
 
