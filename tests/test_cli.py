@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+import bench.compile_cache
 import bench.decode
 import decode.__main__ as decode_cli
 import models.__main__ as models_cli
@@ -87,6 +88,18 @@ def test_decode_benchmark_runs_and_prints_json_lines(capsys):
     strategies = [line.get("strategy") for line in lines]
     assert strategies[1:] == ["roofline", "greedy", "no_cache", "speedup"]
     assert lines[2]["fraction_of_bound"] > 0 and lines[4]["cached_greedy_over_no_cache"] > 0
+
+
+def test_compile_cache_benchmark_times_two_processes(capsys):
+    """A smoke test of bench.compile_cache (tiny model): two fresh processes, one cache."""
+    lines = bench.compile_cache.main(["--quick"])
+    assert [(line.get("process"), line["strategy"]) for line in lines] == [
+        ("first", "greedy"), ("first", "beam4"), ("second", "greedy"), ("second", "beam4"),
+        (None, "greedy"), (None, "beam4")]
+    assert all(line["case"] == "quick" and line["first_call_s"] > line["run_s"] > 0
+               for line in lines[:4])
+    assert lines[4]["first_call_second_over_first"] > 0
+    assert len(capsys.readouterr().out.strip().splitlines()) == 6
 
 
 def _lines_of_text(n: int) -> str:
