@@ -13,7 +13,11 @@ Decoding throughput, one JSON line per measurement, all measured in one run:
   filled slots on average) / that bandwidth and `fraction_of_bound` = bound / measured.
   A step reads the decoder's parameters only: the encoder and the cross-attention K/V
   projection run once per source, so they are not in the bound (their cost, and the
-  prefill's, is in the measured time).
+  prefill's, is in the measured time). Beam search's step runs B x 4 rows: its lines add
+  `fraction_of_step_bound`, the same bytes at the bandwidth a matmul of that many rows
+  gets (on a CPU a 32-row matmul is already partly compute-bound).
+- `beam4` keeps the beams in a `models.BeamKVCache` (the default); `beam4_gathered`
+  gathers a plain cache by parent beam every step (`beam_cache="gathered"`).
 
 Every line: `first_call_s` (compile + one run), `decode_s` (the best of `--repeats` further
 runs for greedy and top-p, whose timings on a shared CPU are noisy; one run for the slow
@@ -71,6 +75,16 @@ def matmul_bandwidth(n_bytes: int, batch: int, repeats: int = 10) -> float:
     return w.size * 4 / best
 
 
+_BANDWIDTHS: dict = {}
+
+
+def step_bandwidth(n_bytes: int, rows: int) -> float:
+    """`matmul_bandwidth` of a batch of `rows`, measured once per (bytes, rows)."""
+    if (n_bytes, rows) not in _BANDWIDTHS:
+        _BANDWIDTHS[n_bytes, rows] = matmul_bandwidth(n_bytes, rows)
+    return _BANDWIDTHS[n_bytes, rows]
+
+
 def kv_bytes_per_step(cfg, batch: int, prompt: int, new: int, beams: int = 1) -> float:
     """Filled self-attention slots a step must read, averaged over the run, in bytes."""
     avg_filled = prompt + (new - 1) / 2
@@ -107,7 +121,7 @@ def best_of(fn, repeats: int) -> float:
     return min(timed(fn)[1] for _ in range(repeats))
 
 
-def run_case(name, cfg, batch, prompt, new, bandwidth, no_cache_steps, only, repeats):
+def run_case(name, cfg, *, batch, prompt, new, bandwidth, no_cache_steps, only, repeats):
     model = models.build(cfg)
     key = jax.random.key(0)
     prompts = jax.random.randint(key, (batch, prompt), 3, cfg.vocab_size)
@@ -128,19 +142,26 @@ def run_case(name, cfg, batch, prompt, new, bandwidth, no_cache_steps, only, rep
                                          eos_id=None, temperature=1.0, top_p=0.9, rng=key),
         "beam4": lambda: decode.beam_search(model, params, prompts, lengths, beam_size=4,
                                             max_new_tokens=new, eos_id=None),
+        "beam4_gathered": lambda: decode.beam_search(model, params, prompts, lengths,
+                                                     beam_size=4, max_new_tokens=new,
+                                                     eos_id=None, beam_cache="gathered"),
     }
     for strategy, fn in strategies.items():
         if only and strategy not in only:
             continue
         _, first = timed(fn)
-        second = best_of(fn, 1 if strategy == "beam4" else repeats)
-        beams = 4 if strategy == "beam4" else 1
+        beams = 4 if strategy.startswith("beam4") else 1
+        second = best_of(fn, 1 if beams > 1 else repeats)
         kv = kv_bytes_per_step(cfg, batch, decoder_prompt, new, beams) + extra
         bound = (p_bytes + kv) / bandwidth
         line = dict(base, strategy=strategy, first_call_s=round(first, 3),
                     decode_s=round(second, 3), new_tokens_per_s=round(batch * new / second, 1),
                     s_per_step=second / new, bound_s_per_step=bound,
                     fraction_of_bound=round(bound / (second / new), 3))
+        if beams > 1:   # the bound again at the bandwidth a matmul of the step's rows gets
+            step_bound = (p_bytes + kv) / step_bandwidth(p_bytes, batch * beams)
+            line.update(step_rows=batch * beams, step_bound_s_per_step=step_bound,
+                        fraction_of_step_bound=round(step_bound / (second / new), 3))
         results[strategy] = line
         print(json.dumps(line), flush=True)
 
@@ -174,7 +195,7 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true",
                         help="a tiny model and short runs (a smoke test, not a measurement)")
     parser.add_argument("--only", nargs="*", default=[],
-                        help="strategies to run: greedy top_p beam4 no_cache")
+                        help="strategies to run: greedy top_p beam4 beam4_gathered no_cache")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs after the first")
     parser.add_argument("--cases", nargs="*", default=[],
                         help="cases to run: b8_t256 b1_t256 b8_t1024 encdec_b8_t256")
@@ -203,19 +224,19 @@ def main(argv=None):
         cfg = (encdec.replace(max_len=max_len) if shape is None
                else models.TransformerConfig(**dict(shape, max_len=max_len)))
         param_sizes.append((name, cfg, batch))
-    bandwidths = {}
     for name, cfg, batch in param_sizes:
         model = models.build(cfg)
         tok = jnp.zeros((1, 4), jnp.int32)
         inputs = (tok, tok) if cfg.is_encoder_decoder else (tok,)
         shapes = jax.eval_shape(model.init, jax.random.key(0), *inputs)["params"]
         n_bytes = step_param_bytes(shapes)
-        bw = bandwidths.setdefault((n_bytes, batch), matmul_bandwidth(n_bytes, batch))
+        bw = step_bandwidth(n_bytes, batch)
         print(json.dumps({"case": name, "strategy": "roofline", "step_param_bytes": n_bytes,
                           "matmul_batch": batch, "bandwidth_GB_per_s": round(bw / 1e9, 2)}),
               flush=True)
         shape, batch, prompt, new, _ = cases[name]
-        run_case(name, cfg, batch, prompt, new, bw, no_cache_steps, args.only, args.repeats)
+        run_case(name, cfg, batch=batch, prompt=prompt, new=new, bandwidth=bw,
+                 no_cache_steps=no_cache_steps, only=args.only, repeats=args.repeats)
 
 
 if __name__ == "__main__":

@@ -65,7 +65,7 @@ from decode.processors import (
     top_p_filter,
 )
 from decode.request import DecodeRequest
-from decode.runner import Decoded, run
+from decode.runner import Decoded, Draft, run
 from decode.text import Batching, LengthLimit, TextDecoder, length_limit
 
 __all__ = [
@@ -75,6 +75,6 @@ __all__ = [
     "apply_repetition_penalty", "apply_temperature", "ban_end_before", "ban_tokens",
     "bucket_width", "constrain_logits", "decode_loop", "force_token", "generate",
     "generate_arguments", "min_p_filter", "pad_prompts", "top_k_filter", "top_p_filter",
-    "DecodeRequest", "generation_strategy", "unapplied", "Decoded", "run", "Batching",
+    "DecodeRequest", "generation_strategy", "unapplied", "Decoded", "Draft", "run", "Batching",
     "LengthLimit", "TextDecoder", "length_limit",
 ]

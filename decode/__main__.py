@@ -74,6 +74,7 @@ import models
 from decode import encoder_cli
 from decode.defaults import generation_strategy, unapplied
 from decode.request import DecodeRequest
+from decode.runner import Draft
 from decode.text import Batching, LengthLimit, TextDecoder, length_limit, one_line
 from models.errors import UserError
 from models.pretrained.generation import GenerationDefaults
@@ -165,6 +166,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--truncate", action="store_true",
                    help="cut an input longer than the model takes (with a warning) instead "
                         "of stopping")
+    p.add_argument("--draft-model", default=None, metavar="DIR",
+                   help="speculative decoding: a smaller model directory of the same family "
+                        "and tokenizer that proposes tokens the model checks (greedy and "
+                        "sample: the same tokens, or distribution, faster)")
+    p.add_argument("--draft-tokens", type=_positive_int, default=4,
+                   help="with --draft-model: tokens it proposes per check (default 4)")
+    p.add_argument("--no-compile-cache", action="store_true",
+                   help="compile afresh (default: JAX's persistent compilation cache in the "
+                        "user's cache directory, models.use_compile_cache)")
     p.add_argument("--verbose", action="store_true", help="tracebacks with errors")
     return p
 
@@ -278,8 +288,15 @@ def run(args) -> None:
     if skipped:
         _note(f"warning: generation settings not applied: {', '.join(skipped)}")
     gen = _with_new_tokens(args, gen)
+    draft = None
+    if args.draft_model:
+        if strategy == "beam":
+            raise UserError("--draft-model speeds up greedy decoding and sampling, not beam "
+                            "search")
+        pre = models.load(args.draft_model)
+        draft = Draft(pre.model, pre.params, args.draft_tokens)
     service = TextDecoder(model, params, tok, limit=_limit(args, gen, cfg),
-                          batching=Batching(size=args.batch_size))
+                          batching=Batching(size=args.batch_size), draft=draft)
     outputs = service.decode(lines, lambda prompt_len: request_for(args, gen, cfg, prompt_len),
                              rng=jax.random.key(args.seed))
     for text in outputs:
@@ -295,6 +312,8 @@ def _names_an_extra(e: ImportError) -> bool:
 def main(argv: list[str] | None = None) -> int:
     """Runs the command line; the exit status (the module docstring's "Exit status")."""
     args = build_parser().parse_args(argv)
+    if not args.no_compile_cache:
+        models.use_compile_cache()
     try:
         run(args)
     except Exception as e:

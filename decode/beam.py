@@ -40,7 +40,13 @@ from jaxtyping import Array, Float, Int
 
 from decode import checks, ngrams
 from decode.beam_steps import NORMALIZATIONS, beam_init, beam_loop, finalize
-from decode.model_fns import decoder_prefix, model_step_fn, output_pad_id, start_decoding
+from decode.model_fns import (
+    BEAM_CACHES,
+    decoder_prefix,
+    model_step_fn,
+    output_pad_id,
+    start_decoding,
+)
 from decode.processors import Constraints
 from decode.request import DecodeRequest
 from decode.setup import DecodeCall, shared_arguments, with_request
@@ -85,14 +91,15 @@ class BeamInputs:
 
 @functools.partial(jax.jit, static_argnames=("model", "beam_size", "max_new_tokens", "cache_len",
                                              "eos_ids", "normalization", "no_repeat",
-                                             "cache_sharding"))
+                                             "constrained", "beam_cache", "cache_sharding"))
 def _beam_search(model, params, inputs: BeamInputs, *, beam_size, max_new_tokens, cache_len,
-                 eos_ids, normalization, no_repeat, cache_sharding=None) -> BeamOutput:
+                 eos_ids, normalization, no_repeat, constrained=True, beam_cache="table",
+                 cache_sharding=None) -> BeamOutput:
     """The jitted computation; `beam_search_arguments` gives its (args, static)."""
     W = beam_size
     prompts_BP, lengths_B = inputs.prompts, inputs.lengths
     logits_RV, cache = start_decoding(model, params, prompts_BP, lengths_B, cache_len, beams=W,
-                                      cache_sharding=cache_sharding)
+                                      beam_cache=beam_cache, cache_sharding=cache_sharding)
     history = None
     if no_repeat:   # row b * W + w is beam w of source b
         prefix_BP, prefix_lengths_B = decoder_prefix(model.config, prompts_BP, lengths_B)
@@ -102,7 +109,8 @@ def _beam_search(model, params, inputs: BeamInputs, *, beam_size, max_new_tokens
         min_new_tokens=jnp.repeat(inputs.constraints.min_new_tokens, W))
     state = beam_init(logits_RV, cache, W, max_new_tokens, history)
     state = beam_loop(model_step_fn(model, params, cache_sharding), state, alpha=inputs.alpha,
-                      eos_ids=eos_ids, normalization=normalization, constraints=constraints,
+                      eos_ids=eos_ids, normalization=normalization,
+                      constraints=constraints if constrained else None,
                       renormalize=inputs.renormalize)
     return BeamOutput(*finalize(state, inputs.alpha, output_pad_id(model.config), normalization))
 
@@ -135,12 +143,17 @@ def beam_search_arguments(model: nn.Module, params, prompts, lengths,
             renormalize_logits: a log_softmax again after the constraints, transformers'
                 renormalize_logits (a traced bool; False by default). It changes the scores
                 only where a constraint removed probability mass.
+            beam_cache: how the beams' keys and values are kept (static): "table"
+                (default; `models.BeamKVCache`: they never move, an ancestry table
+                follows the beams) or "gathered" (every beam its own cache rows, gathered
+                by parent beam each step). The same beams either way; the table is faster
+                (`decode.model_fns.BEAM_CACHES`).
 
     Returns:
         (args, static): `(model, params, BeamInputs)` and the static keywords `beam_size`,
-        `max_new_tokens`, `cache_len`, `eos_ids`, `normalization`, `no_repeat`, and
-        `cache_sharding` when the params split their kv heads over a mesh (absent
-        otherwise).
+        `max_new_tokens`, `cache_len`, `eos_ids`, `normalization`, `no_repeat`,
+        `constrained`, `beam_cache`, and `cache_sharding` when the params split their kv
+        heads over a mesh (absent otherwise).
 
     Raises:
         UserError: naming the argument, its value and the limit it breaks (values only
@@ -157,7 +170,8 @@ def _keyword_arguments(model: nn.Module, params, prompts, lengths, *, beam_size:
                        eos_id: int | tuple[int, ...] | str | None = "config",
                        forced_bos_id=None, forced_eos_id=None, banned_ids=(), min_new_tokens=0,
                        no_repeat_ngram_size=0, renormalize_logits=False,
-                       cache_len: int | None = None) -> tuple[tuple, dict]:
+                       cache_len: int | None = None,
+                       beam_cache: str = "table") -> tuple[tuple, dict]:
     """`beam_search_arguments` on its keywords alone (their defaults are the keyword API's)."""
     cfg = model.config
     shared = shared_arguments(
@@ -166,6 +180,8 @@ def _keyword_arguments(model: nn.Module, params, prompts, lengths, *, beam_size:
         banned_ids=banned_ids, min_new_tokens=min_new_tokens,
         no_repeat_ngram_size=no_repeat_ngram_size)
     beam_size = check_positive_int(beam_size, "beam_size")
+    if beam_cache not in BEAM_CACHES:
+        raise UserError(f"beam_cache={beam_cache!r} must be one of {BEAM_CACHES}")
     if length_normalization not in NORMALIZATIONS:
         raise UserError(f"length_normalization={length_normalization!r} must be one of "
                         f"{NORMALIZATIONS}")
@@ -186,7 +202,8 @@ def _keyword_arguments(model: nn.Module, params, prompts, lengths, *, beam_size:
         raise UserError(f"renormalize_logits must be a bool, got {renormalize_logits!r}")
     inputs = BeamInputs(shared.prompts, shared.lengths, alpha, shared.constraints, renormalize)
     return (model, params, inputs), {**shared.static, "beam_size": beam_size,
-                                     "normalization": length_normalization}
+                                     "normalization": length_normalization,
+                                     "beam_cache": beam_cache}
 
 
 beam_search = DecodeCall("beam_search", beam_search_arguments, _beam_search, doc="""\
@@ -205,7 +222,7 @@ Args:
     **options: `max_new_tokens` (required, here or in the request), `beam_size`,
         `length_penalty`, `length_normalization`, `eos_id`, `forced_bos_id`,
         `forced_eos_id`, `banned_ids`, `min_new_tokens`, `no_repeat_ngram_size`,
-        `renormalize_logits`, `cache_len`, each documented in
+        `renormalize_logits`, `cache_len`, `beam_cache`, each documented in
         `decode.beam_search_arguments`, which checks them; each wins over the request's
         field.
 

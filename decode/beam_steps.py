@@ -17,7 +17,9 @@ One iteration (`beam_step`), from the logits of the W alive beams of each source
     select_alive     the W best candidates that add no end token become the alive beams
     cannot_improve   a source is done once no alive beam can beat its W-th finished one
     cache_rows       the rows of the cache the new beams continue (their parents')
-    next_logits      the model's step on the new beams' tokens, unless every source is
+    follow           the cache after the new beams (`models.BeamKVCache` moves only its
+                     ancestry table, no keys or values)
+    maybe_step       the model's step on the new beams' tokens, unless every source is
                      done or this was the last token (`lax.cond`: no model call then)
 
 C = max(2, 1 + E) * W for E end ids: each parent adds at most E end tokens, so at least W
@@ -42,7 +44,7 @@ from jax import lax
 from jaxtyping import Array, Bool, Float, Int
 
 from decode import ngrams
-from decode.loop import unchanged
+from decode.loop import maybe_step, unchanged
 from decode.processors import Constraints, constrain_logits
 from models.errors import UserError
 from models.numerics import NO_SEQUENCE_SCORE
@@ -273,18 +275,20 @@ def cache_rows(parent_BW):
     return (jnp.arange(B)[:, None] * W + parent_BW).reshape(B * W)
 
 
-def next_logits(step_fn, logits_RV, cache, rows_R, tokens_R, *, skip):
-    """The cache reordered to the new beams, and their next logits from `step_fn`, unless
-    `skip`: then the old logits stand (never read again) and the model is not called."""
-    return lax.cond(
-        skip,
-        lambda: (logits_RV, cache.take_rows(rows_R)),
-        lambda: step_fn(tokens_R, cache.take_rows(rows_R)))
+def follow(cache, parent_BW):
+    """The cache after the beams chose their parents: a `models.BeamKVCache` moves only
+    its ancestry table (`reorder`); any other cache gathers its rows by parent beam
+    (`take_rows` of `cache_rows`)."""
+    if hasattr(cache, "reorder"):
+        return cache.reorder(parent_BW)
+    return cache.take_rows(cache_rows(parent_BW))
 
 
-def beam_step(step_fn, s: BeamState, *, alpha, eos_E, normalization: str = "gnmt",
-              constraints: Constraints | None = None, renormalize=False) -> BeamState:
-    """One iteration: the steps listed in the module docstring, in order."""
+def choose(s: BeamState, *, alpha, eos_E, normalization: str = "gnmt",
+           constraints: Constraints | None = None, renormalize=False):
+    """Everything one iteration does but the model: the steps listed in the module
+    docstring up to `cache_rows`. Returns (the state after it, its `logits` and `cache`
+    still the old ones; parent_BW; token_BW, the tokens the new beams feed the model)."""
     B, W, N = s.alive_tokens.shape
     V = s.logits.shape[-1]
     C = max(2, 1 + (0 if eos_E is None else eos_E.shape[0])) * W
@@ -303,32 +307,51 @@ def beam_step(step_fn, s: BeamState, *, alpha, eos_E, normalization: str = "gnmt
     done_B = s.done | cannot_improve(
         finished_scores_BW, alive_logprobs_BW,
         length_penalty(s.step + 1, alpha, normalization), length_penalty(N, alpha, normalization))
-    rows_R, tokens_R = cache_rows(parent_BW), token_BW.reshape(B * W)
-    logits_RV, cache = next_logits(step_fn, s.logits, s.cache, rows_R, tokens_R,
-                                   skip=jnp.all(done_B) | (s.step == N - 1))
-    return BeamState(
-        step=s.step + 1, logits=logits_RV.astype(jnp.float32), cache=cache,
-        alive_tokens=alive_tokens_BWN, alive_logprobs=alive_logprobs_BW,
+    state = s.replace(
+        step=s.step + 1, alive_tokens=alive_tokens_BWN, alive_logprobs=alive_logprobs_BW,
         finished_tokens=finished_tokens_BWN, finished_scores=finished_scores_BW,
         finished_lengths=finished_lengths_BW, done=done_B,
-        history=(None if s.history is None else
-                 ngrams.append(s.history.take_rows(rows_R), tokens_R)))
+        history=(None if s.history is None else ngrams.append(
+            s.history.take_rows(cache_rows(parent_BW)), token_BW.reshape(B * W))))
+    return state, parent_BW, token_BW
+
+
+def beam_step(step_fn, s: BeamState, *, alpha, eos_E, normalization: str = "gnmt",
+              constraints: Constraints | None = None, renormalize=False) -> BeamState:
+    """One iteration: `choose` the new beams, `follow` them in the cache, and the model's
+    step on their tokens for the next logits, unless every source is done or this was the
+    last token (`decode.loop.maybe_step`: no model call then). Once every source is done an
+    iteration changes nothing.
+
+    Only the small search state goes through a `lax.cond`; the cache follows the beams and
+    takes the step's new keys and values outside it (with a `decode.SplitStep`), so no
+    iteration copies the cache."""
+    B, W, N = s.alive_tokens.shape
+    searched = s.replace(cache=None)
+    keep_BW = jnp.broadcast_to(jnp.arange(W, dtype=jnp.int32)[None, :], (B, W))
+    searched, parent_BW, token_BW = lax.cond(
+        jnp.all(s.done),
+        lambda: (unchanged(searched), keep_BW, jnp.zeros((B, W), jnp.int32)),
+        lambda: choose(searched, alpha=alpha, eos_E=eos_E, normalization=normalization,
+                       constraints=constraints, renormalize=renormalize))
+    cache = follow(s.cache, parent_BW)
+    skip = jnp.all(searched.done) | (s.step == N - 1)
+    logits_RV, cache = maybe_step(step_fn, skip, token_BW.reshape(B * W), cache, s.logits)
+    return searched.replace(logits=logits_RV.astype(jnp.float32), cache=cache)
 
 
 def beam_loop(step_fn, state: BeamState, *, alpha, eos_ids, normalization: str = "gnmt",
               constraints: Constraints | None = None, renormalize=False) -> BeamState:
-    """Runs N = alive_tokens.shape[-1] iterations as a `lax.scan`; an iteration where every
-    source is done changes nothing and calls no model. `constraints` (with R = B * W rows of
-    min_new_tokens) apply to every step's log-probs; None applies none."""
+    """Runs N = alive_tokens.shape[-1] iterations of `beam_step` as a `lax.scan`; an
+    iteration where every source is done changes nothing and calls no model.
+    `constraints` (with R = B * W rows of min_new_tokens) apply to every step's log-probs;
+    None applies none."""
     N = state.alive_tokens.shape[-1]
     eos_E = None if eos_ids is None else jnp.asarray(sorted(set(eos_ids)), jnp.int32)
 
     def body(s, _):
-        return lax.cond(
-            jnp.all(s.done), lambda: unchanged(s),
-            lambda: beam_step(step_fn, s, alpha=alpha, eos_E=eos_E, normalization=normalization,
-                              constraints=constraints, renormalize=renormalize),
-        ), None
+        return beam_step(step_fn, s, alpha=alpha, eos_E=eos_E, normalization=normalization,
+                         constraints=constraints, renormalize=renormalize), None
 
     state, _ = lax.scan(body, state, None, length=N)
     return state

@@ -175,12 +175,15 @@ def shown(value) -> str:
 
 def check_constraints(config: TransformerConfig, batch: int, eos_ids: tuple[int, ...] | None, *,
                       forced_bos_id, forced_eos_id, banned_ids, min_new_tokens,
-                      no_repeat_ngram_size) -> tuple[Constraints, bool]:
+                      no_repeat_ngram_size) -> tuple[Constraints, bool, bool]:
     """The token constraints as a traced `Constraints` (so new values never recompile), and
-    whether the n-gram history must be compiled in (static: no_repeat_ngram_size traced or
-    > 0). Ids are checked against the vocabulary when concrete; a traced id of -1 is none.
+    two static flags: whether the n-gram history must be compiled in (no_repeat_ngram_size
+    traced or > 0), and whether any constraint is set at all (a traced value counts as
+    set), so a call that sets none compiles none of them in. Ids are checked against the
+    vocabulary when concrete; a traced id of -1 is none.
 
-        forced_bos_id=None, banned_ids=(3, 7)  ->  forced_bos -1, banned[3] = banned[7] = True
+        forced_bos_id=None, banned_ids=(3, 7)  ->  forced_bos -1, banned[3] = banned[7] = True,
+                                                   no_repeat False, constrained True
     """
     V = config.vocab_size
     end = np.zeros((V,), bool)
@@ -203,7 +206,17 @@ def check_constraints(config: TransformerConfig, batch: int, eos_ids: tuple[int,
         banned=banned, forced_bos=token_or_none(forced_bos_id, "forced_bos_id", V),
         forced_eos=token_or_none(forced_eos_id, "forced_eos_id", V), min_new_tokens=min_new,
         end=end, no_repeat_ngram_size=n.astype(np.int32))
-    return constraints, bool(not is_concrete(n) or n > 0)
+    no_repeat = bool(not is_concrete(n) or n > 0)
+    return constraints, no_repeat, no_repeat or _any_set(constraints)
+
+
+def _any_set(c: Constraints) -> bool:
+    """Whether any of the constraints bans or forces a token (traced values count)."""
+    values = (c.banned, c.forced_bos, c.forced_eos, c.min_new_tokens)
+    if not all(is_concrete(x) for x in values):
+        return True
+    return bool(np.any(c.banned) or c.forced_bos >= 0 or c.forced_eos >= 0
+                or np.max(c.min_new_tokens, initial=0) > 0)
 
 
 def token_or_none(token_id, name: str, vocab_size: int):

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from decode import ngrams
+from decode import ngrams, speculative
 from decode.loop import LoopState, decode_loop, initial_state
 from decode.model_fns import (  # notebooks import start_decoding from here too
     decoder_prefix,
@@ -63,6 +63,8 @@ class DecodeOutput:
             processor), 0 after the end token.
         cache_lengths: int32[B] decoder cache slots each row filled (prompt + fed tokens).
         cache_len: the cache's size in slots (static); cache_lengths never exceed it.
+        drafted, accepted: int32[B] with a draft model (speculative decoding), the draft
+            tokens proposed to each row and those its target accepted; None without one.
     """
 
     tokens: Int[Array, "B N"]
@@ -70,6 +72,8 @@ class DecodeOutput:
     logprobs: Float[Array, "B N"]
     cache_lengths: Int[Array, " B"]
     cache_len: int = flax.struct.field(pytree_node=False, default=0)
+    drafted: Int[Array, " B"] | None = None
+    accepted: Int[Array, " B"] | None = None
 
 
 def bucket_width(length: int, minimum: int = 8) -> int:
@@ -115,6 +119,7 @@ class GenerateInputs:
         rng: the PRNG key sampling draws from.
         sampling: the sampling values, [B] each (`decode.processors.SamplingParams`).
         constraints: the token constraints (`decode.processors.Constraints`).
+        draft_params: the draft model's parameters (speculative decoding), or None.
     """
 
     prompts: Int[Array, "B P"]
@@ -122,14 +127,17 @@ class GenerateInputs:
     rng: jax.Array
     sampling: SamplingParams
     constraints: Constraints
+    draft_params: object = None
 
 
 @functools.partial(
     jax.jit,
     static_argnames=("model", "max_new_tokens", "cache_len", "eos_ids", "strategy", "loop",
-                     "no_repeat", "cache_sharding"))
+                     "no_repeat", "constrained", "cache_sharding", "draft_model",
+                     "draft_tokens"))
 def _generate(model, params, inputs: GenerateInputs, *, max_new_tokens, cache_len, eos_ids,
-              strategy, loop, no_repeat, cache_sharding=None) -> DecodeOutput:
+              strategy, loop, no_repeat, constrained=True, cache_sharding=None,
+              draft_model=None, draft_tokens=0) -> DecodeOutput:
     """The jitted computation; `generate_arguments` gives its (args, static)."""
     cfg = model.config
     prompts_BP, lengths_B = inputs.prompts, inputs.lengths
@@ -139,13 +147,30 @@ def _generate(model, params, inputs: GenerateInputs, *, max_new_tokens, cache_le
     history = None
     if no_repeat:
         prefix_BP, prefix_lengths_B = decoder_prefix(cfg, prompts_BP, lengths_B)
-        history = ngrams.start(prefix_BP, prefix_lengths_B, prefix_BP.shape[1] + max_new_tokens)
+        history = ngrams.start(prefix_BP, prefix_lengths_B,
+                               prefix_BP.shape[1] + max_new_tokens + draft_tokens + 1)
+    if draft_model is not None:
+        rules = speculative.Rules(
+            inputs.sampling, inputs.constraints if constrained else None, strategy=strategy,
+            eos_ids=eos_ids, max_new_tokens=max_new_tokens, pad_id=output_pad_id(cfg))
+        _, draft_cache = start_decoding(draft_model, inputs.draft_params, prompts_BP,
+                                        lengths_B, cache_len)
+        known = speculative.History(seen, history)
+        rng, first_key = jax.random.split(inputs.rng)
+        start = speculative.start_state(
+            speculative.first_token(logits_BV, known, rules, first_key), (cache, draft_cache),
+            known, rules, rng)
+        models = speculative.Models(model, params, draft_model, inputs.draft_params)
+        s = speculative.speculative_loop(models, start, rules, draft_tokens)
+        tokens, logprobs, lengths = speculative.finish(s, rules)
+        return DecodeOutput(tokens, lengths, logprobs, s.target_cache.lengths, cache_len,
+                            drafted=s.drafted, accepted=s.accepted)
     state: LoopState = decode_loop(
         model_step_fn(model, params, cache_sharding),
         initial_state(logits_BV, cache, inputs.rng, max_new_tokens, seen_BV=seen,
                       history=history),
         eos_ids=eos_ids, pad_id=output_pad_id(cfg), params=inputs.sampling, strategy=strategy,
-        constraints=inputs.constraints, while_loop=loop == "while")
+        constraints=inputs.constraints if constrained else None, while_loop=loop == "while")
     return DecodeOutput(state.tokens, state.lengths, state.logprobs, state.cache.lengths,
                         cache_len)
 
@@ -194,7 +219,12 @@ def generate_arguments(model: nn.Module, params, prompts, lengths,
                 no_repeat_ngram_size is traced or > 0. They apply after the repetition
                 penalty and before the temperature (`decode.processors` gives the order).
             cache_len: decoder cache slots; default the decoder prompt width + N (static).
-            loop: "scan" (default; differentiable) or "while" (stops once all rows are done).
+            loop: "scan" (default; differentiable) or "while" (stops once all rows are done;
+                speculative decoding's, and its default).
+            draft_model, draft_params, draft_tokens: speculative decoding (see `generate`):
+                a draft module of the model's family and vocabulary (static), its
+                parameters (traced), and the k tokens it proposes per iteration (static,
+                default 4).
             strategy: the processors to compile (a `decode.Strategy`, static; not the
                 request's strategy name). Default: the ones the sampling values switch on,
                 which needs them concrete; pass it when a sampling value is traced (see
@@ -203,7 +233,8 @@ def generate_arguments(model: nn.Module, params, prompts, lengths,
     Returns:
         (args, static): the traced arguments `(model, params, GenerateInputs)` and the
         static keywords `max_new_tokens`, `cache_len`, `eos_ids`, `strategy`, `loop`,
-        `no_repeat`, and `cache_sharding` when the params split their kv heads over a mesh
+        `no_repeat`, `constrained`, and `cache_sharding` when the params split their kv
+        heads over a mesh
         (`decode.placement.cache_sharding`; absent otherwise).
 
     Raises:
@@ -221,24 +252,63 @@ def _keyword_arguments(model: nn.Module, params, prompts, lengths, *, max_new_to
                        min_p=0.0, repetition_penalty=1.0,
                        eos_id: int | tuple[int, ...] | str | None = "config",
                        forced_bos_id=None, forced_eos_id=None, banned_ids=(), min_new_tokens=0,
-                       no_repeat_ngram_size=0, cache_len: int | None = None, loop: str = "scan",
-                       strategy: Strategy | None = None) -> tuple[tuple, dict]:
+                       no_repeat_ngram_size=0, cache_len: int | None = None,
+                       loop: str | None = None, strategy: Strategy | None = None,
+                       draft_model: nn.Module | None = None, draft_params=None,
+                       draft_tokens: int = 4) -> tuple[tuple, dict]:
     """`generate_arguments` on its keywords alone (their defaults are the keyword API's)."""
     shared = shared_arguments(
         model, params, prompts, lengths, max_new_tokens=max_new_tokens, cache_len=cache_len,
         eos_id=eos_id, forced_bos_id=forced_bos_id, forced_eos_id=forced_eos_id,
         banned_ids=banned_ids, min_new_tokens=min_new_tokens,
         no_repeat_ngram_size=no_repeat_ngram_size)
-    if loop not in LOOPS:
+    if loop is not None and loop not in LOOPS:
         raise UserError(f"loop={loop!r} must be one of {LOOPS}")
+    draft = {}
+    if draft_model is not None:
+        draft = _check_draft(model, draft_model, draft_params, draft_tokens,
+                             shared.static["cache_len"])
+        if loop == "scan":
+            raise UserError("loop='scan' is not speculative decoding's loop: with a "
+                            "draft_model it is a while loop (not differentiable); leave loop "
+                            "unset or pass 'while'")
+    loop = loop or ("while" if draft else "scan")
     sampling, strategy = sampling_arguments(
         model.config, shared.prompts.shape[0], strategy, temperature=temperature, top_k=top_k,
         top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty)
     if strategy.sample and rng is None:
         raise UserError("rng is required when temperature > 0 (sampling: strategy.sample)")
     rng = jax.random.key(0) if rng is None else rng
-    inputs = GenerateInputs(shared.prompts, shared.lengths, rng, sampling, shared.constraints)
-    return (model, params, inputs), {**shared.static, "strategy": strategy, "loop": loop}
+    inputs = GenerateInputs(shared.prompts, shared.lengths, rng, sampling, shared.constraints,
+                            draft_params=draft_params if draft else None)
+    return (model, params, inputs), {**shared.static, "strategy": strategy, "loop": loop,
+                                     **draft}
+
+
+def _check_draft(model, draft_model, draft_params, draft_tokens, cache_len: int) -> dict:
+    """The static keywords of speculative decoding, its arguments checked: a draft of the
+    target's kind and vocabulary (an encoder-decoder's with its start token), with room
+    for the decode's positions, its parameters, and k >= 1 draft tokens."""
+    cfg, dcfg = model.config, getattr(draft_model, "config", None)
+    if dcfg is None or not isinstance(draft_model, nn.Module):
+        raise UserError(f"draft_model must be a models.build(...) module, got "
+                        f"{type(draft_model).__name__}")
+    if dcfg.architecture != cfg.architecture:
+        raise UserError(f"draft_model is {dcfg.architecture}, the model {cfg.architecture}: "
+                        "the draft must be of the same family")
+    if dcfg.vocab_size != cfg.vocab_size:
+        raise UserError(f"draft_model has vocab_size={dcfg.vocab_size}, the model "
+                        f"{cfg.vocab_size}: the draft must share the model's vocabulary")
+    if cfg.is_encoder_decoder and dcfg.bos_id != cfg.bos_id:
+        raise UserError(f"draft_model starts decoding from bos_id={dcfg.bos_id}, the model "
+                        f"from {cfg.bos_id}")
+    if cache_len > dcfg.max_len:
+        raise UserError(f"the decode needs {cache_len} positions, beyond the draft_model's "
+                        f"max_len {dcfg.max_len}")
+    if draft_params is None:
+        raise UserError("draft_model needs draft_params (its parameters)")
+    return {"draft_model": draft_model,
+            "draft_tokens": check_positive_int(draft_tokens, "draft_tokens")}
 
 
 generate = DecodeCall("generate", generate_arguments, _generate, doc="""\
@@ -263,6 +333,11 @@ Args:
         `forced_bos_id`, `forced_eos_id`, `banned_ids`, `min_new_tokens`,
         `no_repeat_ngram_size`, `cache_len`, `loop`, `strategy`, each documented in
         `decode.generate_arguments`, which checks them; each wins over the request's field.
+        Speculative decoding (`decode.speculative`): `draft_model` (a smaller
+        `models.build(...)` module of the same family and vocabulary), `draft_params`, and
+        `draft_tokens` (k, default 4): the draft proposes k tokens, the model checks them
+        in one call; greedy gives the model's own greedy tokens, sampling its own
+        distribution. Its loop is a while loop (not differentiable).
 
 Returns:
     A `DecodeOutput`.

@@ -2,10 +2,17 @@
 
     step_fn(tokens_B, cache) -> (logits_BV, cache)
 
-from the logits of the first new token, choosing one token per row and step. Each
-iteration chooses a token from `logits`, records it, marks rows that emitted an end token
-as done, and calls `step_fn` for the next logits, unless every row is done or the last
-token was just chosen, in which case the model is not called at all (`lax.cond`).
+or a `SplitStep` (the same step in two parts, see below) from the logits of the first new
+token, choosing one token per row and step. Each iteration chooses a token from `logits`,
+records it, marks rows that emitted an end token as done, and calls the step for the next
+logits, unless every row is done or the last token was just chosen, in which case the
+model is not called at all (`lax.cond`).
+
+A `SplitStep` keeps that skip cheap. A `lax.cond` branch that updates a buffer in place,
+as a step writes its cache, makes XLA's copy insertion copy the buffer into the branch on
+every iteration: the whole cache, as large as the parameters a step reads. A split step
+only reads the cache in the branch (`read`), and the loop writes the new slot after it
+(`commit`), outside the cond, in place.
 
 Worked example, max_new_tokens=4, eos_ids=(1,), rows choosing 7 1 ... and 5 6 8 9:
 
@@ -18,6 +25,7 @@ Worked example, max_new_tokens=4, eos_ids=(1,), rows choosing 7 1 ... and 5 6 8 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import flax.struct
 import jax
@@ -36,6 +44,50 @@ from decode.processors import (
 )
 
 StepFn = Callable[[Array, object], tuple[Array, object]]
+
+
+class SplitStep(NamedTuple):
+    """A step in two parts, for a loop that may skip it.
+
+    Attributes:
+        read: (tokens_B, cache) -> (logits_BV, update): the next logits, reading the cache
+            and writing nothing; `update` is what the step would have written.
+        commit: (cache, update, active_B) -> cache: writes `update` and advances the rows
+            (only the `active_B` ones).
+    """
+
+    read: Callable[[Array, object], tuple[Array, object]]
+    commit: Callable[[object, object, Array], object]
+
+    def __call__(self, tokens_B, cache):
+        """The whole step, `step_fn`'s contract."""
+        logits_BV, update = self.read(tokens_B, cache)
+        return logits_BV, self.commit(cache, update, jnp.ones(tokens_B.shape, bool))
+
+
+def maybe_step(step_fn: StepFn | SplitStep, skip, tokens_B, cache, logits_BV):
+    """(logits, cache) after the step on `tokens_B`, or when `skip` (traced bool) the old
+    `logits_BV` (never read again) and the cache as it was, without a model call. A
+    `SplitStep` reads under the `lax.cond` and commits after it; any other step runs under
+    it whole, returning the cache through `unchanged` on the skip branch."""
+    if not isinstance(step_fn, SplitStep):
+        return lax.cond(skip, lambda: (logits_BV, unchanged(cache)),
+                        lambda: step_fn(tokens_B, cache))
+    # The read is traced once: its jaxpr gives the skip branch its output shapes and is
+    # replayed in the other branch (tracing the model twice doubled the start-up cost).
+    read_jaxpr, shapes = jax.make_jaxpr(step_fn.read, return_shape=True)(tokens_B, cache)
+
+    def read():
+        out = jax.core.eval_jaxpr(read_jaxpr.jaxpr, read_jaxpr.consts,
+                                  *jax.tree.leaves((tokens_B, cache)))
+        return jax.tree.unflatten(jax.tree.structure(shapes), out)
+
+    new_logits, update = lax.cond(
+        skip, lambda: (logits_BV.astype(shapes[0].dtype),
+                       jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes[1])),
+        read)
+    active_B = jnp.broadcast_to(~skip, tokens_B.shape)
+    return new_logits, step_fn.commit(cache, update, active_B)
 
 
 @flax.struct.dataclass
@@ -96,7 +148,7 @@ def initial_state(logits_BV, cache, rng, max_new_tokens: int, *, seen_BV=None,
 
 
 def decode_loop(
-    step_fn: StepFn,
+    step_fn: StepFn | SplitStep,
     state: LoopState,
     *,
     eos_ids: tuple[int, ...] | None,
@@ -140,11 +192,7 @@ def decode_loop(
         if seen is not None:
             seen = seen.at[jnp.arange(seen.shape[0]), token_B].set(True)
         stop = jnp.all(done) | (s.step == N - 1)
-        logits, cache = lax.cond(
-            stop,
-            lambda: (s.logits, unchanged(s.cache)),
-            lambda: step_fn(token_B, s.cache),
-        )
+        logits, cache = maybe_step(step_fn, stop, token_B, s.cache, s.logits)
         return LoopState(
             step=s.step + 1, logits=logits.astype(jnp.float32), cache=cache, rng=rng,
             done=done, lengths=lengths,

@@ -15,20 +15,35 @@ from __future__ import annotations
 import flax.linen as nn
 import jax.numpy as jnp
 
+from decode.loop import SplitStep
 from decode.placement import constrain_cache
-from models import KVCache
+from models import BeamKVCache, KVCache, prefill_in_chunks
+
+# Prompts longer than this are prefilled this many tokens at a time: no attention over the
+# whole prompt at once, whatever its length (`models.prefill_in_chunks`).
+PREFILL_CHUNK = 512
+
+# How beam search keeps its beams' keys and values. "table" (the default): a
+# `models.BeamKVCache`, whose keys and values never move; an ancestry table follows the
+# beams, and each beam's attention reads every region of its source (W times the attention
+# arithmetic of a row of its own, on the same bytes). "gathered": each beam its own rows of
+# a `models.KVCache`, gathered by parent beam every step (the whole self-attention cache
+# read and written twice a step). Measured with beam 4, batch 8 (bench/decode.py's
+# decoder-only shape, 2 CPU cores): 44 ms a step with the table, 57 ms gathered.
+BEAM_CACHES = ("table", "gathered")
 
 
 def start_decoding(model: nn.Module, params, prompts_BP, lengths_B, cache_len: int, *,
-                   beams: int = 1, cache_sharding=None):
+                   beams: int = 1, beam_cache: str = "table", cache_sharding=None):
     """Prefill: the cache after the decoder prompt and the logits of the first new token.
 
-    Decoder-only: the prompts, each row at its own length. Encoder-decoder: encode the
-    sources (masked by their lengths) and project cross-attention K/V once, then feed the
-    start token. With `beams`
-    the self-attention cache is made for B * beams rows (cross K/V stay B rows); row
+    Decoder-only: the prompts, each row at its own length (in chunks of `PREFILL_CHUNK`
+    tokens when longer, `models.prefill_in_chunks`; only each row's last token gets
+    logits). Encoder-decoder: encode the sources (masked by their lengths) and project
+    cross-attention K/V once, then feed the start token. With `beams` > 1 the prompt is
+    prefilled once per source and copied to its beams' rows (cross K/V stay B rows); row
     b * beams + w is beam w of prompt b, so with B = 2, beams = 3 the rows are the prompts
-    [0, 0, 0, 1, 1, 1].
+    [0, 0, 0, 1, 1, 1]. `beam_cache` says how those rows are kept (`BEAM_CACHES`).
 
     Args:
         model: a `models.build(...)` module.
@@ -37,6 +52,9 @@ def start_decoding(model: nn.Module, params, prompts_BP, lengths_B, cache_len: i
         lengths_B: int32[B] their true lengths.
         cache_len: the decoder cache's size in slots (static).
         beams: the rows made per prompt (static).
+        beam_cache: "table" (a `models.BeamKVCache`, whose ancestry table follows the
+            beams) or "gathered" (a `models.KVCache` of B * beams rows, which beam search
+            gathers by parent beam every step); static.
         cache_sharding: the cache's K/V sharding (`decode.placement.cache_sharding`,
             static); None leaves it to the compiler.
 
@@ -45,21 +63,27 @@ def start_decoding(model: nn.Module, params, prompts_BP, lengths_B, cache_len: i
     """
     cfg = model.config
     variables = {"params": params}
-    B = prompts_BP.shape[0]
+    B, P = prompts_BP.shape
     if cfg.is_encoder_decoder:
-        cache = model.apply(variables, prompts_BP, cache_len, beams, src_lengths=lengths_B,
+        cache = model.apply(variables, prompts_BP, cache_len, src_lengths=lengths_B,
                             method="init_cache")
         cache = constrain_cache(cache, cache_sharding)
-        start_B1 = jnp.full((B * beams, 1), cfg.bos_id, jnp.int32)
-        logits_B1V, cache = model.apply(
-            variables, start_B1, jnp.ones((B * beams,), jnp.int32), cache, method="prefill")
-        return logits_B1V[:, 0], constrain_cache(cache, cache_sharding)
-    cache = constrain_cache(KVCache.create(cfg, B, cache_len), cache_sharding)
-    logits_BPV, cache = model.apply(variables, prompts_BP, lengths_B, cache, method="prefill")
-    logits_BV = jnp.take_along_axis(logits_BPV, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
+        start_B1 = jnp.full((B, 1), cfg.bos_id, jnp.int32)
+        ones_B = jnp.ones((B,), jnp.int32)
+        logits_BV, cache = model.apply(variables, start_B1, ones_B, cache, ones_B - 1,
+                                       method="prefill")
+    else:
+        cache = constrain_cache(KVCache.create(cfg, B, cache_len), cache_sharding)
+        if P > PREFILL_CHUNK:
+            logits_BV, cache = prefill_in_chunks(model, params, prompts_BP, lengths_B, cache,
+                                                 chunk=PREFILL_CHUNK)
+        else:
+            logits_BV, cache = model.apply(variables, prompts_BP, lengths_B, cache,
+                                           lengths_B - 1, method="prefill")
     if beams > 1:  # row b * beams + w is beam w of prompt b
-        rows = jnp.repeat(jnp.arange(B), beams)
-        logits_BV, cache = logits_BV[rows], cache.take_rows(rows)
+        logits_BV = jnp.repeat(logits_BV, beams, axis=0)
+        cache = (BeamKVCache.from_cache(cache, beams) if beam_cache == "table"
+                 else cache.take_rows(jnp.repeat(jnp.arange(B), beams)))
     return logits_BV, constrain_cache(cache, cache_sharding)
 
 
@@ -75,16 +99,20 @@ def decoder_prefix(config, prompts_BP, lengths_B):
     return prompts_BP, lengths_B
 
 
-def model_step_fn(model: nn.Module, params, cache_sharding=None):
-    """The model as the loops' `step_fn(tokens_B, cache) -> (logits_BV, cache)`; the cache
+def model_step_fn(model: nn.Module, params, cache_sharding=None) -> SplitStep:
+    """The model as the loops' step, in two parts (`decode.loop.SplitStep`): the model's
+    `read_step`, which reads the cache, and the cache's `commit` of the new keys and
+    values; called whole it is `step_fn(tokens_B, cache) -> (logits_BV, cache)`. The cache
     goes in and comes back on `cache_sharding` (None: wherever the compiler puts it)."""
 
-    def step_fn(tokens_B, cache):
+    def read(tokens_B, cache):
         cache = constrain_cache(cache, cache_sharding)
-        logits_BV, cache = model.apply({"params": params}, tokens_B, cache, method="step")
-        return logits_BV, constrain_cache(cache, cache_sharding)
+        return model.apply({"params": params}, tokens_B, cache, method="read_step")
 
-    return step_fn
+    def commit(cache, update, active_B):
+        return constrain_cache(cache.commit(update, active_B), cache_sharding)
+
+    return SplitStep(read, commit)
 
 
 def output_pad_id(config) -> int:

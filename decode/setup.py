@@ -43,7 +43,8 @@ class Shared:
         lengths: int32[B] their true lengths, likewise.
         constraints: the token constraints, traced (`decode.processors.Constraints`).
         static: the compile-time keywords every call has: `max_new_tokens`, `cache_len`,
-            `eos_ids`, `no_repeat`, and `cache_sharding` when the parameters split their kv
+            `eos_ids`, `no_repeat`, `constrained` (any token constraint set: none is
+            compiled in otherwise), and `cache_sharding` when the parameters split their kv
             heads over a mesh.
     """
 
@@ -69,12 +70,12 @@ def shared_arguments(model, params, prompts, lengths, *, max_new_tokens, cache_l
     cfg = model.config
     common = checks.check_common(cfg, prompts, lengths, max_new_tokens=max_new_tokens,
                                  cache_len=cache_len, eos_id=eos_id)
-    constraints, no_repeat = checks.check_constraints(
+    constraints, no_repeat, constrained = checks.check_constraints(
         cfg, common.prompts.shape[0], common.eos_ids, forced_bos_id=forced_bos_id,
         forced_eos_id=forced_eos_id, banned_ids=banned_ids, min_new_tokens=min_new_tokens,
         no_repeat_ngram_size=no_repeat_ngram_size)
     static = dict(max_new_tokens=common.max_new_tokens, cache_len=common.cache_len,
-                  eos_ids=common.eos_ids, no_repeat=no_repeat)
+                  eos_ids=common.eos_ids, no_repeat=no_repeat, constrained=constrained)
     return Shared(common.prompts, common.lengths, constraints,
                   placement.with_cache_sharding(static, params))
 

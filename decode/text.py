@@ -43,7 +43,7 @@ import numpy as np
 
 from decode.generate import bucket_width, pad_prompts
 from decode.request import DecodeRequest
-from decode.runner import run
+from decode.runner import Draft, run
 from models.config import TransformerConfig
 from models.errors import UserError, check_positive_int
 
@@ -203,6 +203,7 @@ class TextDecoder:
             (a request function needs one given).
         batching: sizes and widths of the batches.
         warn: where warnings go (an input cut); default stderr.
+        draft: a `decode.Draft` (speculative decoding), or None.
     """
 
     model: nn.Module
@@ -212,6 +213,7 @@ class TextDecoder:
     limit: LengthLimit | None = None
     batching: Batching = Batching()
     warn: Callable[[str], None] = warn_on_stderr
+    draft: Draft | None = None
 
     def decode(self, texts: Sequence[str], request: DecodeRequest | RequestFor, *,
                rng: jax.Array | None = None) -> list[str]:
@@ -274,7 +276,8 @@ class TextDecoder:
         if self.batching.pad_row is not None:
             rows = batch + [list(self.batching.pad_row)] * (self.batching.size - len(batch))
         prompts, lengths = pad_prompts(rows, width=width)
-        out = run(self.model, self.params, prompts, lengths, request_for(longest), rng=rng)
+        out = run(self.model, self.params, prompts, lengths, request_for(longest), rng=rng,
+                  draft=self.draft)
         tokens, n = np.asarray(out.tokens), np.asarray(out.lengths)
         return [tokens[b, :n[b]].tolist() for b in range(len(batch))]
 

@@ -18,7 +18,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, Int
 
-from models.axes import named
+from models.axes import XAVIER_UNIFORM, ZEROS, named, stacked_projection_init
 from models.cache import KVCache
 from models.config import Llama3RopeScaling, TransformerConfig
 from models.kernels import attend, dot_product_attention, merge
@@ -75,16 +75,16 @@ def _dense_heads(config: TransformerConfig, heads: int, name: str) -> nn.DenseGe
     return nn.DenseGeneral(
         (heads, config.head_dim), use_bias=config.use_bias or config.qkv_bias,
         dtype=config.dtype, param_dtype=config.param_dtype,
-        kernel_init=named(nn.initializers.xavier_uniform(), "embed", axis, "head_dim"),
-        bias_init=named(nn.initializers.zeros, axis, "head_dim"), name=name)
+        kernel_init=named(XAVIER_UNIFORM, "embed", axis, "head_dim"),
+        bias_init=named(ZEROS, axis, "head_dim"), name=name)
 
 
 def _dense_out(config: TransformerConfig) -> nn.DenseGeneral:
     return nn.DenseGeneral(
         config.d_model, axis=(-2, -1), use_bias=config.use_bias, dtype=config.dtype,
         param_dtype=config.param_dtype,
-        kernel_init=named(nn.initializers.xavier_uniform(), "heads", "head_dim", "embed"),
-        bias_init=named(nn.initializers.zeros, "embed"), name="out")
+        kernel_init=named(XAVIER_UNIFORM, "heads", "head_dim", "embed"),
+        bias_init=named(ZEROS, "embed"), name="out")
 
 
 def _attend(module: nn.Module, q, k, v, spec: MaskSpec, *, bias=None, deterministic: bool):
@@ -210,8 +210,7 @@ class CrossKVProjection(nn.Module):
         cfg = self.config
         shape = (self.num_layers, cfg.d_model, cfg.num_kv_heads, cfg.head_dim)
         # Initialise like L separate [D, K*H] projections (fan_in D, fan_out K*H).
-        init = nn.initializers.variance_scaling(
-            1.0, "fan_avg", "uniform", in_axis=1, out_axis=(2, 3), batch_axis=(0,))
+        init = stacked_projection_init(in_axis=1, out_axis=(2, 3), batch_axis=(0,))
         out = []
         for name in ("key", "value"):
             kernel_LDKH = self.param(
@@ -222,7 +221,7 @@ class CrossKVProjection(nn.Module):
                 kernel_LDKH.astype(cfg.dtype))
             if cfg.use_bias or cfg.qkv_bias:
                 bias_LKH = self.param(
-                    f"{name}_bias", named(nn.initializers.zeros, "layers", "kv_heads", "head_dim"),
+                    f"{name}_bias", named(ZEROS, "layers", "kv_heads", "head_dim"),
                     shape[:1] + shape[2:], cfg.param_dtype)
                 y_LBKSH = y_LBKSH + bias_LKH.astype(cfg.dtype)[:, None, :, None, :]
             out.append(y_LBKSH)

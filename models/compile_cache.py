@@ -13,8 +13,8 @@ cache` and `--config.compile_cache=false` turn it off.
 JAX's own settings win: a cache directory already chosen (the `JAX_COMPILATION_CACHE_DIR`
 environment variable, or `jax.config.update("jax_compilation_cache_dir", ...)`) is used as
 it is, and so is a minimum compile time set by `JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS`;
-otherwise every executable is cached, small ones included (a decode call's argument checks
-compile a few).
+without one, every executable is cached, small ones included (a decode call's argument
+checks compile a few, and they add up).
 """
 
 from __future__ import annotations
@@ -33,28 +33,27 @@ def default_directory() -> str:
     return os.path.join(base, APP, "xla")
 
 
-def use_compile_cache(directory: str | None = None) -> str | None:
+def use_compile_cache(given: str | None = None) -> str | None:
     """Turns JAX's persistent compilation cache on and returns its directory.
 
     Args:
-        directory: where to keep the executables (default `default_directory()`); a
+        given: where to keep the executables (default `default_directory()`); a
             directory JAX's own settings already chose is kept instead.
 
     Returns:
         The directory in use, or None when it cannot be created (a warning on stderr says
         why; everything then compiles as without the cache).
     """
-    chosen = jax.config.jax_compilation_cache_dir
-    if chosen:
-        return chosen
-    directory = directory or default_directory()
-    try:
-        os.makedirs(directory, exist_ok=True)
-    except OSError as e:
-        print(f"warning: no compilation cache: cannot create {directory} ({e.strerror})",
-              file=sys.stderr)
-        return None
-    jax.config.update("jax_compilation_cache_dir", directory)
+    directory = jax.config.jax_compilation_cache_dir
+    if not directory:
+        directory = default_directory() if given is None else given
+        try:
+            os.makedirs(directory, exist_ok=True)
+        except OSError as e:
+            print(f"warning: no compilation cache: cannot create {directory} ({e.strerror})",
+                  file=sys.stderr)
+            return None
+        jax.config.update("jax_compilation_cache_dir", directory)
     if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     return directory

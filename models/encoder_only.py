@@ -24,7 +24,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from models.axes import PlainInit, named
+from models.axes import XAVIER_UNIFORM, ZEROS, PlainInit, named
 from models.blocks import LayerInputs, LayerStack, SelfAttentionLayer
 from models.checks import check_same_shape, check_tokens
 from models.config import TransformerConfig
@@ -35,8 +35,8 @@ from models.masks import MaskSpec, positions_like, valid_from_lengths
 
 def _dense(cfg: TransformerConfig, features: int, name: str, out_axis: str) -> nn.Dense:
     return nn.Dense(features, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
-                    kernel_init=named(nn.initializers.xavier_uniform(), "embed", out_axis),
-                    bias_init=named(nn.initializers.zeros, out_axis), name=name)
+                    kernel_init=named(XAVIER_UNIFORM, "embed", out_axis),
+                    bias_init=named(ZEROS, out_axis), name=name)
 
 
 class MaskedLMHead(nn.Module):
@@ -51,7 +51,7 @@ class MaskedLMHead(nn.Module):
         cfg = self.config
         h_BTD = ACTIVATIONS[cfg.activation](_dense(cfg, cfg.d_model, "transform", "embed")(x_BTD))
         h_BTD = make_norm(cfg, "norm")(h_BTD)
-        bias_V = self.param("bias", named(nn.initializers.zeros, "vocab"), (cfg.vocab_size,),
+        bias_V = self.param("bias", named(ZEROS, "vocab"), (cfg.vocab_size,),
                             cfg.param_dtype)
         logits_BTV = self.tokens.attend(h_BTD).astype(jnp.float32)
         return logits_BTV + bias_V.astype(jnp.float32)[None, None, :]

@@ -12,7 +12,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, Int
 
-from models.axes import constrain, named
+from models.axes import ONES, XAVIER_UNIFORM, ZEROS, constrain, named, normal_init
 from models.config import TransformerConfig
 
 
@@ -49,7 +49,7 @@ def token_embedding(config: TransformerConfig, name: str) -> nn.Embed:
     return nn.Embed(
         config.vocab_size, config.d_model, dtype=config.dtype,
         param_dtype=config.param_dtype,
-        embedding_init=named(nn.initializers.normal(std), "vocab", "embed"), name=name)
+        embedding_init=named(normal_init(std), "vocab", "embed"), name=name)
 
 
 class InputEmbedding(nn.Module):
@@ -72,7 +72,7 @@ class InputEmbedding(nn.Module):
         if cfg.num_token_types:
             types = nn.Embed(
                 cfg.num_token_types, cfg.d_model, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
-                embedding_init=named(nn.initializers.normal(0.02), "types", "embed"),
+                embedding_init=named(normal_init(0.02), "types", "embed"),
                 name="token_types")
             if token_types_BT is None:
                 token_types_BT = jnp.zeros_like(tokens_BT)
@@ -86,7 +86,7 @@ class InputEmbedding(nn.Module):
             table = nn.Embed(
                 cfg.max_len + cfg.position_offset, cfg.d_model, dtype=cfg.dtype,
                 param_dtype=cfg.param_dtype,
-                embedding_init=named(nn.initializers.normal(0.01), "positions", "embed"),
+                embedding_init=named(normal_init(0.01), "positions", "embed"),
                 name="positions")
             x_BTD = x_BTD + table(positions_BT + cfg.position_offset)
         if cfg.embedding_norm:
@@ -95,7 +95,7 @@ class InputEmbedding(nn.Module):
 
 
 def make_norm(config: TransformerConfig, name: str | None = None) -> nn.Module:
-    ones, zeros = named(nn.initializers.ones, "embed"), named(nn.initializers.zeros, "embed")
+    ones, zeros = named(ONES, "embed"), named(ZEROS, "embed")
     if config.norm == "rmsnorm":
         return nn.RMSNorm(
             epsilon=config.norm_eps, dtype=config.dtype, param_dtype=config.param_dtype,
@@ -132,8 +132,8 @@ class MLP(nn.Module):
             return nn.Dense(
                 features, use_bias=cfg.use_bias, dtype=cfg.dtype,
                 param_dtype=cfg.param_dtype,
-                kernel_init=named(nn.initializers.xavier_uniform(), *axes),
-                bias_init=named(nn.initializers.zeros, axes[1]), name=name)
+                kernel_init=named(XAVIER_UNIFORM, *axes),
+                bias_init=named(ZEROS, axes[1]), name=name)
 
         up, down = ("embed", "mlp"), ("mlp", "embed")
         x_BTD = checkpoint_name(x_BTD, "mlp_in")

@@ -27,7 +27,7 @@ import numpy as np
 from jax import lax
 from jaxtyping import Array, Float, Int
 
-from models.axes import named
+from models.axes import named, normal_init
 from models.config import TransformerConfig
 
 
@@ -121,7 +121,7 @@ class RelativePositionBias(nn.Module):
     def __call__(self, q_pos_BT: Int[Array, "B T"], k_pos_BS: Int[Array, "B S"]) -> RelativeBias:
         cfg = self.config
         table_bN = self.param(
-            "embedding", named(nn.initializers.normal(1.0), "buckets", "heads"),
+            "embedding", named(normal_init(1.0), "buckets", "heads"),
             (cfg.relative_buckets, cfg.num_heads),
             cfg.param_dtype)
         return RelativeBias(table_bN, q_pos_BT, k_pos_BS, bidirectional=self.bidirectional,

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from models.attention import CrossKVProjection
-from models.axes import PlainInit, named
+from models.axes import XAVIER_UNIFORM, ZEROS, PlainInit, named
 from models.blocks import DecoderLayer, LayerInputs, LayerStack, SelfAttentionLayer
 from models.cache import KVCache, per_layer
 from models.checks import (
@@ -83,10 +83,10 @@ class _CachedDecoder(nn.Module):
             self.head = nn.Dense(
                 cfg.vocab_size, use_bias=False, dtype=cfg.dtype,
                 param_dtype=cfg.param_dtype,
-                kernel_init=named(nn.initializers.xavier_uniform(), "embed", "vocab"))
+                kernel_init=named(XAVIER_UNIFORM, "embed", "vocab"))
         if cfg.logits_bias:
             self.logits_bias = self.param(
-                "logits_bias", named(nn.initializers.zeros, "vocab"), (cfg.vocab_size,),
+                "logits_bias", named(ZEROS, "vocab"), (cfg.vocab_size,),
                 cfg.param_dtype)
 
     def prefill(

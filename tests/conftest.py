@@ -1,6 +1,7 @@
 """One strict test environment: 4 fake CPU devices for pmap, rank promotion raises."""
 
 import os
+import tempfile
 
 # Before JAX is imported anywhere: simulate 4 devices so multi-device code runs on CPU, and
 # compile for speed of compilation, not of the code: with tiny configs XLA's CPU compiler is
@@ -10,11 +11,23 @@ TEST_XLA_FLAGS = ("--xla_force_host_platform_device_count=4 --xla_backend_optimi
                   "--xla_cpu_use_fusion_emitters=false")
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + TEST_XLA_FLAGS).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The command lines keep compiled executables in the user's cache directory: the ones the
+# tests start as processes keep them in a directory of the test session's instead.
+os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="zoo-test-cache-")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
+
+
+@pytest.fixture(autouse=True)
+def _no_process_wide_compile_cache(monkeypatch):
+    """A command line run in the test process does not turn the persistent compilation
+    cache on for the rest of the process (tests/test_cli.py runs them as processes to
+    test the cache)."""
+    import models
+    monkeypatch.setattr(models, "use_compile_cache", lambda given=None: None)
 
 
 @pytest.fixture

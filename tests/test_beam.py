@@ -46,15 +46,16 @@ def exhaustive(model, params, prompt, n, alpha, eos, top, normalization="gnmt"):
     return [seqs[i] for i in order], [scores[i] for i in order]
 
 
-@pytest.mark.parametrize("alpha", [0.0, 0.6, 2.0])
-def test_beam_search_equals_exhaustive_search(alpha):
+@pytest.mark.parametrize(("alpha", "beam_cache"),
+                         [(0.0, "table"), (0.6, "table"), (2.0, "table"), (0.6, "gathered")])
+def test_beam_search_equals_exhaustive_search(alpha, beam_cache):
     model, params = small_vocab_model()
     # W >= every candidate of every step (25 live prefixes x 6 tokens), so nothing is pruned
     # and the search is exact: the W best of all 181 sequences.
     n, W, eos = 3, 150, 1
     prompts, lengths = decode.pad_prompts([[3, 4], [5, 3, 4, 2]], width=4)
     out = decode.beam_search(model, params, prompts, lengths, beam_size=W, max_new_tokens=n,
-                             length_penalty=alpha, eos_id=eos)
+                             length_penalty=alpha, eos_id=eos, beam_cache=beam_cache)
     for b in range(2):
         seqs, scores = exhaustive(model, params, prompts[b, : lengths[b]].tolist(), n, alpha,
                                   eos, W)
@@ -126,6 +127,23 @@ def test_beams_share_the_cross_attention_keys_values():
     np.testing.assert_allclose(out.scores[1], alone.scores[0], atol=1e-5)
 
 
+@pytest.mark.parametrize("arch", ["decoder_only", "encoder_decoder"])
+def test_both_beam_caches_give_the_same_beams(arch):
+    """Beams whose rows are gathered by parent every step, and beams whose keys and values
+    stay put behind an ancestry table (models.BeamKVCache), with ragged prompts, an end
+    token and n-gram blocking: the same tokens, lengths and scores."""
+    f = fns(tiny(arch, max_len=40, vocab_size=11))
+    params = f.init()
+    prompts, lengths = decode.pad_prompts([[5, 6, 7], [9, 10, 3, 4, 8], [2]])
+    kw = dict(beam_size=3, max_new_tokens=9, eos_id=3, no_repeat_ngram_size=2)
+    table = decode.beam_search(f.model, params, prompts, lengths, **kw)
+    gathered = decode.beam_search(f.model, params, prompts, lengths, beam_cache="gathered", **kw)
+    np.testing.assert_array_equal(table.tokens, gathered.tokens)
+    np.testing.assert_array_equal(table.lengths, gathered.lengths)
+    np.testing.assert_allclose(table.scores, gathered.scores, atol=1e-5)
+    assert (gathered.lengths < 9).any() and (gathered.lengths > 1).any()   # ends and lives
+
+
 def test_beam_search_bad_input():
     f = fns(tiny(max_len=32))
     params = f.init()
@@ -145,6 +163,8 @@ def test_beam_search_bad_input():
                            length_normalization="hf")
     with pytest.raises(ValueError, match=r"length_normalization='GNMT' must be one of"):
         decode.beam_search(f.model, params, p, n, max_new_tokens=4, length_normalization="GNMT")
+    with pytest.raises(ValueError, match=r"beam_cache='tree' must be one of \('table', "):
+        decode.beam_search(f.model, params, p, n, max_new_tokens=4, beam_cache="tree")
     with pytest.raises(ValueError, match=r"renormalize_logits must be a bool, got 1"):
         decode.beam_search(f.model, params, p, n, max_new_tokens=4, renormalize_logits=1)
     with pytest.raises(ValueError, match=r"banned_ids hold token id 99 outside"):
@@ -221,7 +241,8 @@ def test_lowered_beam_search_checks_like_beam_search_and_is_one_loop():
     args, static = decode.beam_search_arguments(f.model, params, p, n, beam_size=3,
                                                 max_new_tokens=4, length_penalty=0.3)
     assert static == dict(beam_size=3, max_new_tokens=4, cache_len=12, eos_ids=(1,),
-                          normalization="gnmt", no_repeat=False)
+                          normalization="gnmt", no_repeat=False, constrained=False,
+                          beam_cache="table")
     text = decode.beam_search.lower(f.model, params, p, n, beam_size=3,
                                     max_new_tokens=4).as_text()
     assert text.count("stablehlo.while") == 1

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+import bench.compile_cache
 import bench.decode
 import decode.__main__ as decode_cli
 import models.__main__ as models_cli
@@ -87,6 +88,18 @@ def test_decode_benchmark_runs_and_prints_json_lines(capsys):
     strategies = [line.get("strategy") for line in lines]
     assert strategies[1:] == ["roofline", "greedy", "no_cache", "speedup"]
     assert lines[2]["fraction_of_bound"] > 0 and lines[4]["cached_greedy_over_no_cache"] > 0
+
+
+def test_compile_cache_benchmark_times_two_processes(capsys):
+    """A smoke test of bench.compile_cache (tiny model): two fresh processes, one cache."""
+    lines = bench.compile_cache.main(["--quick"])
+    assert [(line.get("process"), line["strategy"]) for line in lines] == [
+        ("first", "greedy"), ("first", "beam4"), ("second", "greedy"), ("second", "beam4"),
+        (None, "greedy"), (None, "beam4")]
+    assert all(line["case"] == "quick" and line["first_call_s"] > line["run_s"] > 0
+               for line in lines[:4])
+    assert lines[4]["first_call_second_over_first"] > 0
+    assert len(capsys.readouterr().out.strip().splitlines()) == 6
 
 
 def _lines_of_text(n: int) -> str:
@@ -282,3 +295,37 @@ def test_decode_cli_refusals_of_models_load_are_user_mistakes(capsys, tmp_path):
         assert decode_cli.main(["--model", str(tmp_path / name), "hi"]) == 2, name
         err = capsys.readouterr().err.splitlines()
         assert len(err) == 1 and err[0].startswith("error: ") and str(tmp_path / name) in err[0]
+
+
+def _decode_process(cache_home, *flags, env=()):
+    """`python -m decode` on a preset in a process of its own, with `cache_home` as the
+    user's cache directory; returns its exit status."""
+    done = subprocess.run(
+        [sys.executable, "-m", "decode", "--config", "gpt-tiny", "--max-new-tokens", "3",
+         *flags, "5 6 7"], capture_output=True, text=True, timeout=300,
+        env={**os.environ, "XDG_CACHE_HOME": str(cache_home), **dict(env)})
+    assert done.returncode == 0, done.stderr
+    return done
+
+
+def test_the_command_lines_compile_once_per_machine(tmp_path):
+    """The first process fills the persistent compilation cache in the user's cache
+    directory; --no-compile-cache leaves it alone; JAX's own setting of a directory wins."""
+    _decode_process(tmp_path / "home")
+    cached = tmp_path / "home" / "jax-transformer-zoo" / "xla"
+    assert len(os.listdir(cached)) > 0
+    _decode_process(tmp_path / "off", "--no-compile-cache")
+    assert not (tmp_path / "off").exists()
+    _decode_process(tmp_path / "unused", env={"JAX_COMPILATION_CACHE_DIR": str(tmp_path / "j")})
+    assert len(os.listdir(tmp_path / "j")) > 0 and not (tmp_path / "unused").exists()
+
+
+def test_a_cache_directory_that_cannot_be_made_is_a_warning(tmp_path, capsys):
+    from models.compile_cache import use_compile_cache
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    import jax
+    before = jax.config.jax_compilation_cache_dir
+    assert use_compile_cache(str(blocker / "xla")) in (None, before)
+    if before is None:
+        assert "warning: no compilation cache: cannot create" in capsys.readouterr().err

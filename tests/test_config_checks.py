@@ -40,13 +40,19 @@ def test_every_key_of_the_base_config_has_a_rule():
 
 
 @pytest.mark.parametrize("name", configs.names())
-def test_the_shipped_configs_pass(name):
+def test_the_shipped_configs_pass(name, tmp_path):
+    config = configs.get(name)
     if name.startswith("finetune_"):  # its data files and model directory are the user's
-        dataset = configs.get(name).dataset
-        assert _error(configs.get(name)) == ("data_files='' must name one or more files "
-                                             f"(comma-separated) for dataset={dataset!r}")
+        assert _error(config) == ("data_files='' must name one or more files "
+                                  f"(comma-separated) for dataset={config.dataset!r}")
+    elif name == "draft":             # it reads the default run's model directory
+        config.tokenizer_from = str(tmp_path / "absent")
+        assert _error(config) == (f"tokenizer_from={config.tokenizer_from!r} is not a "
+                                  "directory (a model directory with tokenizer files)")
+        config.tokenizer_from = str(tmp_path)
+        check_config(config)
     else:
-        check_config(configs.get(name))
+        check_config(config)
 
 
 # (key, bad value, the rule the message states). Each message is "key=repr(value) <rule>".

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from decode.loop import decode_loop, initial_state
+from decode.loop import SplitStep, decode_loop, initial_state
 from decode.processors import SamplingParams, Strategy
 
 V = 7
@@ -61,3 +61,32 @@ def test_scan_and_while_loops_agree_when_sampling():
     b = _run([3, 5, 1], 6, eos_ids=(1,), sample=True, while_loop=True)
     np.testing.assert_array_equal(a.tokens, b.tokens)
     np.testing.assert_array_equal(a.lengths, b.lengths)
+
+
+def counting_split_stub():
+    """`counting_stub` in two parts (`decode.SplitStep`): `read` only reads the cache (the
+    calls so far) and says what to add; `commit` adds it to the rows `active_B` names."""
+    def read(tokens_B, calls_B):
+        return jax.nn.one_hot((tokens_B + 1) % V, V) * 10.0, jnp.ones_like(calls_B)
+
+    def commit(calls_B, update_B, active_B):
+        return calls_B + jnp.where(active_B, update_B, 0)
+    return SplitStep(read, commit)
+
+
+@pytest.mark.parametrize("while_loop", [False, True])
+def test_a_split_step_gives_the_tokens_and_calls_of_the_whole_step(while_loop):
+    """The same sequences, and commits only for the steps that ran: after every row is
+    done (and after the last token) nothing is committed."""
+    for first, n, eos in (([3, 5], 6, (1,)), ([6, 6], 10, (0, 1)), ([2], 5, None)):
+        whole = _run(first, n, eos_ids=eos, while_loop=while_loop)
+        B = len(first)
+        params = SamplingParams(jnp.zeros(B), jnp.zeros(B, jnp.int32), jnp.ones(B),
+                                jnp.zeros(B), jnp.ones(B))
+        state = initial_state(jax.nn.one_hot(jnp.array(first), V) * 10.0,
+                              jnp.zeros((B,), jnp.int32), jax.random.key(0), n)
+        split = jax.jit(lambda s, eos=eos, params=params: decode_loop(
+            counting_split_stub(), s, eos_ids=eos, pad_id=0, params=params,
+            strategy=Strategy(), while_loop=while_loop))(state)
+        np.testing.assert_array_equal(split.tokens, whole.tokens)
+        np.testing.assert_array_equal(split.cache, whole.cache)

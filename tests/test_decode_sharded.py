@@ -88,7 +88,11 @@ def test_tensor_parallel_beam_search_equals_one_device(arch):
 
     cfg, B, width = model.config, prompts.shape[0], prompts.shape[1]
     slots = (1 if cfg.is_encoder_decoder else width) + N
-    lowered = decode.beam_search.lower(model, sharded, prompts, lengths, **kw)
-    assert cache_split(lowered, cfg, B * W, slots) == (True, False)   # self: B * W rows
-    if cfg.is_encoder_decoder:                                         # cross: B rows
-        assert cache_split(lowered, cfg, B, width) == (True, False)
+    # Self-attention: B * W rows of their own (gathered), or the table cache's B source
+    # rows of W regions (models.BeamKVCache); cross-attention: B rows.
+    for beam_cache, rows, self_slots in (("gathered", B * W, slots), ("table", B, W * slots)):
+        lowered = decode.beam_search.lower(model, sharded, prompts, lengths,
+                                           beam_cache=beam_cache, **kw)
+        assert cache_split(lowered, cfg, rows, self_slots) == (True, False)
+        if cfg.is_encoder_decoder:
+            assert cache_split(lowered, cfg, B, width) == (True, False)

@@ -133,7 +133,8 @@ def test_generate_arguments_give_the_compilation_key_and_a_strategy_shares_it():
     _, b = decode.generate_arguments(model, params, prompts, lengths,
                                      temperature=[0.1, 2.0, 0.0], **kw)
     assert a == b == dict(max_new_tokens=4, cache_len=12, eos_ids=(1,),
-                          strategy=decode.Strategy(sample=True), loop="scan", no_repeat=False)
+                          strategy=decode.Strategy(sample=True), loop="scan", no_repeat=False,
+                          constrained=False)
     # Given a strategy, greedy and sampled calls share one compilation, and a processor
     # that is on but set to "off" values changes nothing.
     strategy = decode.Strategy(sample=True, top_k=True, penalty=True)
@@ -366,3 +367,33 @@ def test_constraints_inside_a_user_jit_equal_the_eager_call():
         jnp.array([3, -1, 9]), jnp.int32(12))
     np.testing.assert_array_equal(traced.tokens, eager.tokens)
     assert (np.asarray(eager.tokens[:, 0]) == 12).all()
+
+
+def test_constraints_compile_in_only_when_a_call_sets_one():
+    """A call without token constraints compiles none of them in (`constrained` False: no
+    per-step masking of the logits); setting any one, or passing a traced one, compiles
+    them all, and their values then never recompile."""
+    model, params = setup("decoder_only")
+    prompts, lengths = decode.pad_prompts(PROMPTS)
+    kw = dict(max_new_tokens=4)
+
+    def flag(**options):
+        return decode.generate_arguments(model, params, prompts, lengths, **kw,
+                                         **options)[1]["constrained"]
+    assert not flag()
+    assert not flag(banned_ids=(), min_new_tokens=0, forced_bos_id=None)
+    for options in (dict(banned_ids=(3,)), dict(min_new_tokens=[0, 2, 0]),
+                    dict(forced_bos_id=5), dict(forced_eos_id=5), dict(no_repeat_ngram_size=2)):
+        assert flag(**options), options
+    static = {}
+
+    def traced(ids):          # inside a user's jit: a traced id counts as set
+        static.update(decode.generate_arguments(model, params, prompts, lengths,
+                                                banned_ids=ids, **kw)[1])
+        return ids
+    jax.eval_shape(traced, jnp.array([3, -1]))
+    assert static["constrained"]
+    lowered = {c: decode.generate.lower(model, params, prompts, lengths, **kw,
+                                        **({"banned_ids": (3,)} if c else {})).as_text()
+               for c in (False, True)}
+    assert lowered[False].count("select") < lowered[True].count("select")

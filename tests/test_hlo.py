@@ -11,6 +11,7 @@ import re
 import jax
 import pytest
 
+import decode
 import models
 from tests.helpers import tiny
 
@@ -34,3 +35,42 @@ def test_step_neither_copies_nor_transposes_the_cache(scan):
     assert not offending, "\n".join(offending)
     # The check can fail: the cache is there (per layer when looped, stacked when scanned).
     assert (f"f32[{L},{B},{K},{S},{H}]" if scan else f"f32[{B},{K},{S},{H}]") in hlo
+
+
+def _copies_outside_entry(hlo: str, shapes: set[str]) -> list[str]:
+    """Copies of arrays of `shapes` in any computation but the entry one (the loops' bodies,
+    their conditionals and fusions), as HLO lines."""
+    found, computation = [], None
+    for line in hlo.splitlines():
+        if line and not line.startswith(" ") and "{" in line:
+            computation = line.split(" ")[0]
+        m = re.search(r"= (f32\[[0-9,]+\])\{[^}]*\} copy\(", line)
+        if m and m.group(1) in shapes and computation != "ENTRY":
+            found.append(f"{computation}: {line.strip()[:120]}")
+    return found
+
+
+@pytest.mark.parametrize("arch", ["decoder_only", "encoder_decoder"])
+def test_the_decode_loops_never_copy_the_cache(arch):
+    """generate's loop and beam search's: the step reads the cache under the cond that skips
+    it once every row is done, and the new slot is written after it, in place (a cond
+    whose branch updated the cache would copy it every step); beam search moves its
+    ancestry table, not the cache (models.BeamKVCache; beam_cache="gathered" gathers
+    and so copies the cache every step by design)."""
+    cfg = tiny(arch, max_len=40, d_model=48, num_heads=3, num_kv_heads=3, vocab_size=97)
+    model = models.build(cfg)
+    ones = jax.numpy.ones((1, 3), "int32")
+    params = model.init(jax.random.key(0), *((ones, ones) if cfg.is_encoder_decoder
+                                             else (ones,)))["params"]
+    prompts, lengths = jax.numpy.ones((2, 8), "int32"), jax.numpy.array([8, 5])
+    B, K, H, W, N = 2, 3, 16, 3, 12
+    S = (1 if cfg.is_encoder_decoder else 8) + N
+    greedy = decode.generate.lower(model, params, prompts, lengths, max_new_tokens=N)
+    beams = decode.beam_search.lower(model, params, prompts, lengths, beam_size=W,
+                                     max_new_tokens=N)
+    for lowered, shape in ((greedy, f"f32[{B},{K},{S},{H}]"),
+                           (beams, f"f32[{B},{K},{W * S},{H}]")):
+        hlo = lowered.compile().as_text()
+        assert shape in hlo                     # the check can fail: the cache is there
+        offending = _copies_outside_entry(hlo, {shape})
+        assert not offending, "\n".join(offending)

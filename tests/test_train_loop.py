@@ -18,6 +18,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 import models
+from models.tokenizer import load_tokenizer
 from tests.train_helpers import (
     free_port,
     straight_run,
@@ -228,3 +229,17 @@ def test_two_processes_restore_the_newest_step_both_can_read(straight, data_dir,
     chex.assert_trees_all_close(_params(workdir)[0], _params(straight[0])[0], atol=2e-5)
     np.testing.assert_allclose(summaries[0]["validation"]["loss"],
                                straight[1]["validation"]["loss"], rtol=1e-5)
+
+
+def test_tokenizer_from_takes_another_models_tokenizer(straight, data_dir, tmp_path):
+    """A run given `tokenizer_from` (a draft for speculative decoding) encodes with that
+    model's tokenizer, not one of its own making (here: bytes, where sentencepiece would
+    have been trained)."""
+    workdir, _ = straight
+    config = tiny_train_config(data_dir, tokenizer="sentencepiece", vocab_size=300,
+                               tokenizer_from=os.path.join(workdir, "model"),
+                               num_train_steps=1)
+    train_and_evaluate(config, str(tmp_path))
+    ours = load_tokenizer(os.path.join(str(tmp_path), "tokenizer"))
+    theirs = load_tokenizer(os.path.join(workdir, "model"))
+    assert ours.identity == theirs.identity and ours.vocab_size == theirs.vocab_size

@@ -136,6 +136,9 @@ def _run(name: str, args: list[str]) -> int:
         py_logging.getLogger("absl").addFilter(_without_orbax_tracebacks)
     config = FLAGS.config
     workdir = FLAGS.workdir or os.path.join("runs", os.path.basename(name).removesuffix(".py"))
+    if config.get("compile_cache", True) is not False:   # a bad value is named by the run
+        import models
+        models.use_compile_cache()
     try:
         summary = train_and_evaluate(config, workdir)
     except Exception as e:      # the status says whose mistake it was (train.cli_errors)

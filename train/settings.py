@@ -106,6 +106,8 @@ class DataSettings(Part):
         data_dir: the TFDS data dir ("" = TFDS's default).
         tokenizer: "sentencepiece" (trained on the training split, `vocab_size` pieces of
             `spm_model_type`) or "byte".
+        tokenizer_from: "", or a model directory whose tokenizer the run takes instead of
+            making one (a draft for speculative decoding shares its model's tokens so).
         max_source_length / max_target_length: row widths, EOS included.
         overlong: translation examples longer than a row: "drop" or "truncate".
         data_workers: grain worker processes (0: threads only).
@@ -118,6 +120,7 @@ class DataSettings(Part):
     data_dir: str = setting("", string())
     reverse_translation: bool = setting(False, boolean())
     tokenizer: str = setting("sentencepiece", choice("sentencepiece", "byte"))
+    tokenizer_from: str = setting("", string())
     vocab_size: int = setting(1024, integer(1))
     spm_model_type: str = setting("unigram", choice(*SPM_MODEL_TYPES))
     max_source_length: int = setting(64, integer(2))
@@ -141,6 +144,9 @@ class DataSettings(Part):
 
     def check(self) -> None:
         self._check_files()
+        if self.tokenizer_from and not os.path.isdir(self.tokenizer_from):
+            raise fail("tokenizer_from", self.tokenizer_from,
+                       "is not a directory (a model directory with tokenizer files)")
         path = os.path.expanduser(self.data_dir)
         if path and os.path.exists(path) and not os.path.isdir(path):
             raise fail("data_dir", self.data_dir, "is a file, not a directory")
@@ -247,12 +253,15 @@ class ParallelSettings(Part):
 class HostSettings(Part):
     """Several hosts: `jax.distributed.initialize()` when `distributed`; the other three
     only with a coordinator address (host:port of process 0; "" = let JAX detect the
-    cluster: TPU pod, SLURM, Open MPI, Kubernetes)."""
+    cluster: TPU pod, SLURM, Open MPI, Kubernetes). `compile_cache`: `python -m train`
+    keeps compiled executables in JAX's persistent compilation cache
+    (`models.use_compile_cache`), so a restarted run does not compile them again."""
 
     distributed: bool = setting(False, boolean())
     coordinator_address: str = setting("", address())
     num_processes: int = setting(1, integer(1))
     process_id: int = setting(0, integer(0))
+    compile_cache: bool = setting(True, boolean())
 
     def check(self) -> None:
         if self.process_id >= self.num_processes:

@@ -170,9 +170,10 @@ def get_tokenizer(model: ModelSettings, data: DataSettings, ds: data_lib.Dataset
                   workdir: str) -> data_lib.Tokenizer:
     """The run's tokenizer: reloaded from `workdir/tokenizer`, or made and saved there (by
     the lead process; the others load that one, so all encode with the same pieces). Made
-    means: `init_from`'s own tokenizer, or a byte tokenizer, or sentencepiece trained on the
-    training split's texts. For an encoder-only preset ours get a mask token and wrap each
-    text in `<s> ... </s>` (`add_special_tokens`), as BERT's [CLS] ... [SEP]."""
+    means: `init_from`'s own tokenizer, or `tokenizer_from`'s, or a byte tokenizer, or
+    sentencepiece trained on the training split's texts. For an encoder-only preset ours
+    get a mask token and wrap each text in `<s> ... </s>` (`add_special_tokens`), as BERT's
+    [CLS] ... [SEP]."""
     path = os.path.join(workdir, "tokenizer")
     encoder = (not model.init_from
                and models.get_config(model.model).architecture == "encoder_only")
@@ -183,11 +184,13 @@ def get_tokenizer(model: ModelSettings, data: DataSettings, ds: data_lib.Dataset
         saved = data_lib.load_tokenizer(path, missing_ok=True)
         if saved is not None:
             return saved
-        if model.init_from:
-            tok = data_lib.load_tokenizer(model.init_from, missing_ok=True)
+        taken = model.init_from or data.tokenizer_from
+        if taken:
+            tok = data_lib.load_tokenizer(taken, missing_ok=True)
             if tok is None:
-                raise UserError(f"init_from={model.init_from!r} has no tokenizer files; "
-                                "fine-tuning on text needs the model's own tokenizer")
+                key = "init_from" if model.init_from else "tokenizer_from"
+                raise UserError(f"{key}={taken!r} has no tokenizer files; the run needs that "
+                                "model's own tokenizer")
         elif data.tokenizer == "byte":
             tok = data_lib.ByteTokenizer(mask=encoder, add_bos=encoder, add_eos=encoder)
         else:

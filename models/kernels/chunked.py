@@ -37,6 +37,7 @@ import functools
 import math
 from typing import NamedTuple
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -88,12 +89,26 @@ def chunked_attention(q_BTNH, k_BSKH, v_BSKH, spec: MaskSpec, bias=None, *,
     if plan.dropout_rate > 0.0:
         key_data = (jax.random.key_data(dropout_rng)
                     if jnp.issubdtype(dropout_rng.dtype, jax.dtypes.prng_key) else dropout_rng)
-    out, lse = _attention(plan, q, k, v, spec, bias, key_data)
+    out, lse = _attention(plan, _Operands(q, k, v, spec, bias, key_data))
     out = out[:, :Q].reshape(B, T, N, H).astype(v_BSKH.dtype)
     if not with_lse:
         return out
     lse = jnp.where(jnp.isposinf(lse[..., :Q]), -jnp.inf, lse[..., :Q])   # [Bk, K, G, Q]
     return out, lse.reshape(Bk, K * G, W, T).transpose(0, 2, 3, 1).reshape(B, T, N)
+
+
+@flax.struct.dataclass
+class _Operands:
+    """What the kernel differentiates: queries (scaled, padded, folded), keys, values, and
+    the mask and bias descriptions and the dropout key (their cotangents are zeros, but
+    the bias description's float leaves')."""
+
+    q: jax.Array
+    k: jax.Array
+    v: jax.Array
+    spec: MaskSpec
+    bias: object
+    key_data: jax.Array | None
 
 
 class _Plan(NamedTuple):
@@ -155,12 +170,41 @@ def _pad_keys(k, v, spec: MaskSpec, bias, pad: int):
     return jnp.pad(k, widths), jnp.pad(v, widths), spec, bias
 
 
-def _block(plan: _Plan, spec: MaskSpec, bias, q_i, k_j, i, j):
+def _query_blocks(plan: _Plan, x):
+    """[Bk, Q, K, G, H] -> [nq, Bk, K, G * bq, H]: block i's queries of each kv head as one
+    matrix (its G heads' rows one after another), so a block's dots are plain matrix
+    products (on a CPU 2x to 3x faster than dots that keep G and the rows apart)."""
+    Bk, _, K, G, H = x.shape
+    x = x.reshape(Bk, plan.nq, plan.bq, K, G, H).transpose(1, 0, 3, 4, 2, 5)
+    return x.reshape(plan.nq, Bk, K, G * plan.bq, H)
+
+
+def _key_blocks(plan: _Plan, x):
+    """[Bk, S, K, H] -> [nk, Bk, K, bk, H]."""
+    Bk, _, K, H = x.shape
+    return x.reshape(Bk, plan.nk, plan.bk, K, H).transpose(1, 0, 3, 2, 4)
+
+
+def _fold(x):
+    """[Bk, K, G, bq, n] -> [Bk, K, G * bq, n]: a block's heads' rows as one matrix."""
+    Bk, K, G, bq, n = x.shape
+    return x.reshape(Bk, K, G * bq, n)
+
+
+def _unfold(x, G: int):
+    """[Bk, K, G * bq, n] -> [Bk, K, G, bq, n]."""
+    Bk, K, M, n = x.shape
+    return x.reshape(Bk, K, G, M // G, n)
+
+
+def _block(plan: _Plan, spec: MaskSpec, bias, q_i, k_j, *, i, j):
     """One block's float32 logits [Bk, K, G, bq, bk] (bias added, hidden keys at
-    MASKED_LOGIT) and its mask [Bk, 1, 1, bq, bk] (None: nothing hidden)."""
-    Bk, bq, K, G, _ = q_i.shape
+    MASKED_LOGIT) and its mask [Bk, 1, 1, bq, bk] (None: nothing hidden), from the block's
+    queries q_i [Bk, K, G * bq, H] and keys k_j [Bk, K, bk, H]."""
+    Bk, K, M, _ = q_i.shape
+    G, bq = M // plan.bq, plan.bq
     q_slice, k_slice = (i * plan.bq, plan.bq), (j * plan.bk, plan.bk)
-    s = jnp.einsum("BqKGH,BkKH->BKGqk", q_i, k_j, preferred_element_type=jnp.float32)
+    s = _unfold(jnp.einsum("BKMH,BKkH->BKMk", q_i, k_j, preferred_element_type=jnp.float32), G)
     if bias is not None:
         s = s + bias.block(q_slice, k_slice).reshape(Bk, K, G, bq, plan.bk)
     mask = spec.block(q_slice, k_slice)
@@ -188,21 +232,21 @@ def _tied(q, spec: MaskSpec, bias):
     return q, spec, bias
 
 
-def _forward(plan: _Plan, q, k, v, spec, bias, key_data):
+def _forward(plan: _Plan, ops: _Operands):
     """(out float32 [Bk, Q, K, G, H], lse float32 [Bk, K, G, Q]) of padded inputs."""
-    q, spec, bias = _tied(q, spec, bias)
+    k, v, key_data = ops.k, ops.v, ops.key_data
+    q, spec, bias = _tied(ops.q, ops.spec, ops.bias)
     Bk, Qp, K, G, H = q.shape
-    q_blocks = q.reshape(Bk, plan.nq, plan.bq, K, G, H)
-    k_blocks = k.reshape(Bk, plan.nk, plan.bk, K, H)
-    v_blocks = v.reshape(Bk, plan.nk, plan.bk, K, H)
+    q_blocks = _query_blocks(plan, q)
+    k_blocks, v_blocks = _key_blocks(plan, k), _key_blocks(plan, v)
 
     def one_query_block(i):
-        q_i = q_blocks[:, i]
+        q_i = q_blocks[i]
 
         def step(carry, j):
             def update(carry):
                 m, total, acc = carry
-                s, mask = _block(plan, spec, bias, q_i, k_blocks[:, j], i, j)
+                s, mask = _block(plan, spec, bias, q_i, k_blocks[j], i=i, j=j)
                 m_new = jnp.maximum(m, s.max(-1))
                 p = jnp.exp(s - m_new[..., None])
                 if mask is not None:
@@ -211,9 +255,9 @@ def _forward(plan: _Plan, q, k, v, spec, bias, key_data):
                 total = total * correction + p.sum(-1)
                 if key_data is not None:
                     p = p * _keep_scale(plan, key_data, i, j, p.shape)
-                pv = jnp.einsum("BKGqk,BkKH->BKGqH", p.astype(v.dtype), v_blocks[:, j],
+                pv = jnp.einsum("BKMk,BKkH->BKMH", _fold(p).astype(v.dtype), v_blocks[j],
                                 preferred_element_type=jnp.float32)
-                return m_new, total, acc * correction[..., None] + pv
+                return m_new, total, acc * correction[..., None] + _unfold(pv, G)
 
             visible = _visible(plan, spec, i, j)
             if visible is True:
@@ -238,28 +282,27 @@ def _forward(plan: _Plan, q, k, v, spec, bias, key_data):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention(plan, q, k, v, spec, bias, key_data):
+def _attention(plan, ops: _Operands):
     """(out [Bk, Q, K, G, H] in v's dtype, lse float32 [Bk, K, G, Q]; +inf where a query
     sees nothing)."""
-    out, lse = _forward(plan, q, k, v, spec, bias, key_data)
-    return out.astype(v.dtype), lse
+    out, lse = _forward(plan, ops)
+    return out.astype(ops.v.dtype), lse
 
 
-def _attention_fwd(plan, q, k, v, spec, bias, key_data):
-    out, lse = _forward(plan, q, k, v, spec, bias, key_data)
-    out = out.astype(v.dtype)
-    return (out, lse), (q, k, v, spec, bias, key_data, out, lse)
+def _attention_fwd(plan, ops: _Operands):
+    out, lse = _forward(plan, ops)
+    out = out.astype(ops.v.dtype)
+    return (out, lse), (ops, out, lse)
 
 
 def _attention_bwd(plan, residuals, cotangents):
-    q, k, v, spec, bias, key_data, out, lse = residuals
+    ops, out, lse = residuals
+    q, k, v, spec, bias, key_data = ops.q, ops.k, ops.v, ops.spec, ops.bias, ops.key_data
     d_out, d_lse = cotangents
     q, spec, bias = _tied(q, spec, bias)
     Bk, Qp, K, G, H = q.shape
-    q_blocks = q.reshape(Bk, plan.nq, plan.bq, K, G, H)
-    k_blocks = k.reshape(Bk, plan.nk, plan.bk, K, H)
-    v_blocks = v.reshape(Bk, plan.nk, plan.bk, K, H)
-    do_blocks = d_out.reshape(Bk, plan.nq, plan.bq, K, G, H)
+    q_blocks, do_blocks = _query_blocks(plan, q), _query_blocks(plan, d_out)
+    k_blocks, v_blocks = _key_blocks(plan, k), _key_blocks(plan, v)
     lse_blocks = lse.reshape(Bk, K, G, plan.nq, plan.bq)
     # D_i = rowsum(dO * out) less d(lse)_i (d lse / d s = P): [Bk, K, G, nq, bq]
     d_rows = jnp.einsum("BQKGH,BQKGH->BKGQ", d_out.astype(jnp.float32),
@@ -270,30 +313,31 @@ def _attention_bwd(plan, residuals, cotangents):
 
     def one_key_block(carry, j):
         dq, d_bias = carry
-        k_j, v_j = k_blocks[:, j], v_blocks[:, j]
+        k_j, v_j = k_blocks[j], v_blocks[j]
 
         def step(inner, i):
             def update(inner):
                 dk_j, dv_j, dq, d_bias = inner
-                q_i, do_i = q_blocks[:, i], do_blocks[:, i]
-                s, mask = _block(plan, spec, bias, q_i, k_j, i, j)
+                q_i, do_i = q_blocks[i], do_blocks[i]
+                s, mask = _block(plan, spec, bias, q_i, k_j, i=i, j=j)
                 p = jnp.exp(s - lse_blocks[:, :, :, i][..., None])
                 if mask is not None:
                     p = jnp.where(mask, p, 0.0)
-                dp = jnp.einsum("BqKGH,BkKH->BKGqk", do_i, v_j,
-                                preferred_element_type=jnp.float32)
+                dp = _unfold(jnp.einsum("BKMH,BKkH->BKMk", do_i, v_j,
+                                        preferred_element_type=jnp.float32), G)
                 p_kept = p
                 if key_data is not None:
                     factor = _keep_scale(plan, key_data, i, j, p.shape)
                     p_kept, dp = p * factor, dp * factor
-                dv_j = dv_j + jnp.einsum("BKGqk,BqKGH->BkKH", p_kept.astype(do_i.dtype), do_i,
-                                         preferred_element_type=jnp.float32)
+                dv_j = dv_j + jnp.einsum("BKMk,BKMH->BKkH", _fold(p_kept).astype(do_i.dtype),
+                                         do_i, preferred_element_type=jnp.float32)
                 ds = p * (dp - d_rows[:, :, :, i][..., None])
-                dq_i = jnp.einsum("BKGqk,BkKH->BqKGH", ds.astype(k_j.dtype), k_j,
+                ds_m = _fold(ds)
+                dq_i = jnp.einsum("BKMk,BKkH->BKMH", ds_m.astype(k_j.dtype), k_j,
                                   preferred_element_type=jnp.float32)
-                dk_j = dk_j + jnp.einsum("BKGqk,BqKGH->BkKH", ds.astype(q_i.dtype), q_i,
+                dk_j = dk_j + jnp.einsum("BKMk,BKMH->BKkH", ds_m.astype(q_i.dtype), q_i,
                                          preferred_element_type=jnp.float32)
-                dq = lax.dynamic_update_index_in_dim(dq, dq[:, i] + dq_i, i, axis=1)
+                dq = lax.dynamic_update_index_in_dim(dq, dq[i] + dq_i, i, axis=0)
                 if bias is not None:
                     d_bias = _add(d_bias, _bias_vjp(plan, bias, ds, i, j))
                 return dk_j, dv_j, dq, d_bias
@@ -303,19 +347,20 @@ def _attention_bwd(plan, residuals, cotangents):
                 return update(inner), None
             return lax.cond(visible, update, lambda c: c, inner), None
 
-        init = (jnp.zeros((Bk, plan.bk, K, H), jnp.float32),
-                jnp.zeros((Bk, plan.bk, K, H), jnp.float32), dq, d_bias)
+        init = (jnp.zeros((Bk, K, plan.bk, H), jnp.float32),
+                jnp.zeros((Bk, K, plan.bk, H), jnp.float32), dq, d_bias)
         (dk_j, dv_j, dq, d_bias), _ = lax.scan(step, init, jnp.arange(plan.nq))
         return (dq, d_bias), (dk_j, dv_j)
 
-    dq0 = jnp.zeros((Bk, plan.nq, plan.bq, K, G, H), jnp.float32)
+    dq0 = jnp.zeros(q_blocks.shape, jnp.float32)
     (dq, d_bias), (dk, dv) = lax.scan(one_key_block, (dq0, bias_zero), jnp.arange(plan.nk))
-    dq = dq.reshape(q.shape).astype(q.dtype)
-    # [nk, Bk, bk, K, H] -> [Bk, S, K, H]
-    dk = dk.transpose(1, 0, 2, 3, 4).reshape(k.shape).astype(k.dtype)
-    dv = dv.transpose(1, 0, 2, 3, 4).reshape(v.shape).astype(v.dtype)
-    return (dq, dk, dv, _no_cotangent(spec), _with_int_zeros(bias, d_bias),
-            None if key_data is None else _zero_cotangent(key_data))
+    # [nq, Bk, K, G * bq, H] -> [Bk, Q, K, G, H];  [nk, Bk, K, bk, H] -> [Bk, S, K, H]
+    dq = (dq.reshape(plan.nq, Bk, K, G, plan.bq, H).transpose(1, 0, 4, 2, 3, 5)
+          .reshape(q.shape).astype(q.dtype))
+    dk = dk.transpose(1, 0, 3, 2, 4).reshape(k.shape).astype(k.dtype)
+    dv = dv.transpose(1, 0, 3, 2, 4).reshape(v.shape).astype(v.dtype)
+    return (_Operands(dq, dk, dv, _no_cotangent(ops.spec), _with_int_zeros(ops.bias, d_bias),
+                      None if key_data is None else _zero_cotangent(key_data)),)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
