@@ -2,9 +2,12 @@
 
 import json
 
+import pytest
+
 from bench import memory
 
 
+@pytest.mark.slow
 def test_memory_benchmark_prints_grad_prefill_and_summary_lines(capsys):
     memory.main(["--lengths", "64", "128", "2048", "--time-up-to", "0", "--policies", "full",
                  "names"])

@@ -236,6 +236,7 @@ def _marian_config(data_dir, marian_dir, steps):
     return c
 
 
+@pytest.mark.slow
 def test_finetuning_a_marian_lowers_the_loss_scores_bleu_and_its_export_decodes(
         data_dir, marian_dir, tmp_path, capsys):
     workdir = str(tmp_path / "ft")

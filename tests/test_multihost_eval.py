@@ -17,6 +17,7 @@ import sys
 import time
 
 import numpy as np
+import pytest
 
 from tests.train_helpers import tiny_train_config
 from train import data
@@ -88,6 +89,7 @@ def _communicate(procs: list[subprocess.Popen]) -> list[str]:
     return outs
 
 
+@pytest.mark.slow
 def test_two_processes_evaluate_text_shards_of_unequal_chunk_counts(data_dir, tmp_path):
     """Evaluations at steps 2 and 4 on two processes whose validation shards have 19 and 1
     chunks (5 and 1 local batches of 4 rows): both finish, and the validation loss (summed
@@ -173,6 +175,7 @@ def _eval_worker(process_id: str, address: str, data_dir: str, files: str, other
     print("RESULT " + json.dumps(result, default=float), flush=True)
 
 
+@pytest.mark.slow
 def test_two_processes_with_uneven_shards_take_the_same_collective_steps(data_dir, tmp_path):
     """Two processes x 2 devices: (1) processes whose validation data differ both stop with
     one error naming each one's data (before: different numbers of eval steps, a hang);

@@ -18,6 +18,7 @@ NOTEBOOKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file_
 BUDGET_S = 120      # the limit per notebook on 2 CPU cores, with default settings
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["attention_masks", "kv_cache_and_scan", "translate_toy",
                                   "pretrained_seq2seq", "masked_lm"])
 def test_notebook_runs_top_to_bottom(name, tmp_path, data_dir, monkeypatch):

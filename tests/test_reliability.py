@@ -388,6 +388,7 @@ def test_each_process_locks_its_own_file_and_a_second_holder_is_refused(tmp_path
     workdir_lib.claim(str(tmp_path), 0).release()
 
 
+@pytest.mark.slow
 def test_a_second_run_in_a_busy_workdir_fails_fast_and_the_first_finishes(data_dir, tmp_path):
     workdir = str(tmp_path)
     first = worker(workdir, data_dir, 4, step_seconds=0.3)
@@ -415,6 +416,7 @@ def test_a_second_run_in_a_busy_workdir_fails_fast_and_the_first_finishes(data_d
 # ---------------------------------------------------------------------------------------------
 # kill -9, twice, and the end is the uninterrupted run's.
 
+@pytest.mark.slow
 def test_killed_twice_once_inside_a_save_resuming_gives_the_straight_run_bit_for_bit(
         straight, data_dir, tmp_path):
     """Checkpoints every 2 steps. Kill 1: inside the save of step 4, after orbax finished and
@@ -465,6 +467,7 @@ def test_a_resumed_run_whose_data_file_changed_says_so_and_reads_the_new_tokens(
     assert set(os.listdir(os.path.join(workdir, "cache"))) - caches    # new tokens cached
 
 
+@pytest.mark.slow
 def test_with_one_checkpoint_kept_a_kill_before_its_manifest_still_resumes(
         straight, data_dir, tmp_path, capsys):
     """keep_checkpoints=1: orbax deletes step 2 inside the save of step 4, and the kill comes

@@ -169,6 +169,7 @@ def test_checkpoints_hold_plain_parameters_that_decode_on_one_device(straight):
         tok.encode("ab") + [tok.eos_id]          # an encoder-decoder's sources end in EOS
 
 
+@pytest.mark.slow
 def test_two_processes_preempted_then_one_device_resuming_equal_one_process(
         straight, data_dir, tmp_path):
     """Two processes x 2 devices (gloo on localhost) train the same global batches as one
@@ -197,6 +198,7 @@ def test_two_processes_preempted_then_one_device_resuming_equal_one_process(
                                straight[1]["validation"]["loss"], rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_two_processes_restore_the_newest_step_both_can_read(straight, data_dir, tmp_path):
     """Two processes x 2 devices resume the straight run's checkpoints (steps 3 and 6), and
     process 1 cannot read step 6 (its integrity check fails there only). Both restore step

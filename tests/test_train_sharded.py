@@ -37,6 +37,7 @@ def _params(workdir: str):
     return checkpoint.restore_model(workdir).params
 
 
+@pytest.mark.slow
 def test_a_run_stopped_on_fsdp4_resumes_on_fsdp2_tensor2_and_on_one_device(
         straight, data_dir, tmp_path):
     first = str(tmp_path / "first")
@@ -65,6 +66,7 @@ def test_a_run_stopped_on_fsdp4_resumes_on_fsdp2_tensor2_and_on_one_device(
     chex.assert_trees_all_close(_params(one_device), _params(straight[0]), atol=2e-5)
 
 
+@pytest.mark.slow
 def test_two_processes_over_one_fsdp4_mesh_equal_one_process(straight, data_dir, tmp_path):
     """Two processes x 2 devices (gloo on localhost), the parameters and adam moments
     sharded over all four, checkpointing every 3 steps: the same parameters as one process
