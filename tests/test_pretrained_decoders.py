@@ -28,13 +28,11 @@ from tests.pretrained_helpers import (
     ATOL,
     CASES,
     PROMPT_LENS,
-    B,
     T,
     assert_same_params,
     assert_same_tensors,
     hf_load,
     hf_logits,
-    random_tokens,
     stack_layers,
     state_of,
     torch,
@@ -67,19 +65,7 @@ def test_loaded_model_gives_transformers_logits_forward_prefill_and_steps(
     full = f.forward(params, tokens)
     np.testing.assert_allclose(full, c.logits, atol=ATOL, rtol=0)
 
-    P = int(PROMPT_LENS.max())
-    junk = jnp.asarray(random_tokens(cfg.vocab_size, seed=99)[:, :P])
-    prompt = jnp.where(jnp.arange(P)[None, :] < PROMPT_LENS[:, None], tokens[:, :P], junk)
-    cache = models.KVCache.create(cfg, B, 16)
-    logits, cache = f.prefill(params, prompt, jnp.asarray(PROMPT_LENS, jnp.int32), cache)
-    for b, n in enumerate(PROMPT_LENS):
-        np.testing.assert_allclose(logits[b, :n], c.logits[b, :n], atol=ATOL, rtol=0)
-    for i in range(T - P):
-        at = PROMPT_LENS + i
-        step_logits, cache = f.step(params, tokens[np.arange(B), at], cache)
-        np.testing.assert_allclose(step_logits, c.logits[np.arange(B), at], atol=ATOL, rtol=0,
-                                   err_msg=f"step {i} at positions {at}")
-    np.testing.assert_array_equal(cache.lengths, PROMPT_LENS + T - P)
+    ph.assert_ragged_prefill_then_steps(f, params, c)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ import pytest
 import models
 from tests import pretrained_helpers as ph
 from tests.helpers import fns
-from tests.pretrained_helpers import ATOL, PROMPT_LENS, B, T, random_tokens
+from tests.pretrained_helpers import ATOL, B
 
 ckpt, seq2seq_ckpt, encoder_ckpt = ph.ckpt, ph.seq2seq_ckpt, ph.encoder_ckpt
 highest_precision = ph.highest_precision
@@ -31,21 +31,11 @@ def test_decoder_under_chunked_attention_gives_transformers_logits(name, ckpt,
     c = ckpt(name)
     pre = models.load(c.path, **CHUNKED)
     assert (pre.config.attention_impl, pre.config.attention_block) == ("chunked", 4)
-    f, params, tokens = fns(pre.config), pre.params, jnp.asarray(c.tokens)
-    np.testing.assert_allclose(f.forward(params, tokens), c.logits, atol=ATOL, rtol=0)
+    f, params = fns(pre.config), pre.params
+    np.testing.assert_allclose(f.forward(params, jnp.asarray(c.tokens)), c.logits, atol=ATOL,
+                               rtol=0)
 
-    P = int(PROMPT_LENS.max())
-    junk = jnp.asarray(random_tokens(pre.config.vocab_size, seed=99)[:, :P])
-    prompt = jnp.where(jnp.arange(P)[None, :] < PROMPT_LENS[:, None], tokens[:, :P], junk)
-    cache = models.KVCache.create(pre.config, B, 16)
-    logits, cache = f.prefill(params, prompt, jnp.asarray(PROMPT_LENS, jnp.int32), cache)
-    for b, n in enumerate(PROMPT_LENS):
-        np.testing.assert_allclose(logits[b, :n], c.logits[b, :n], atol=ATOL, rtol=0)
-    for i in range(T - P):
-        at = PROMPT_LENS + i
-        step_logits, cache = f.step(params, tokens[np.arange(B), at], cache)
-        np.testing.assert_allclose(step_logits, c.logits[np.arange(B), at], atol=ATOL, rtol=0,
-                                   err_msg=f"step {i}")
+    ph.assert_ragged_prefill_then_steps(f, params, c)
 
 
 @pytest.mark.parametrize("name", ["bart", "t5-v1.1"])
