@@ -32,12 +32,15 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(PY) -m ruff check .
 
-# The benchmarks behind the README's tables (about 40 minutes on 2 CPU cores).
+# The benchmarks behind the README's tables (about 70 minutes on 2 CPU cores);
+# bench.speculative also needs the default run and its draft (see the README).
 bench: $(STAMP)
 	$(PY) -m bench.train
 	$(PY) -m bench.data
 	$(PY) -m bench.decode
 	$(PY) -m bench.load
+	$(PY) -m bench.memory --looped
+	$(PY) -m bench.compile_cache
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
