@@ -30,6 +30,14 @@ def _no_process_wide_compile_cache(monkeypatch):
     monkeypatch.setattr(models, "use_compile_cache", lambda given=None: None)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _compiled_programs_per_module():
+    """Each test worker lives for the whole suite; the programs one module compiles are
+    dropped after it (modules rarely share shapes), so a worker's memory stays bounded."""
+    yield
+    jax.clear_caches()
+
+
 @pytest.fixture
 def key():
     return jax.random.key(0)
