@@ -13,16 +13,18 @@ output is named "attention_out" for remat policies (`jax.ad_checkpoint.checkpoin
 from __future__ import annotations
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, Int
 
-from models.axes import XAVIER_UNIFORM, ZEROS, named, stacked_projection_init
+from models.axes import LORA_STACKED_A_INIT, ZEROS, named, stacked_projection_init
 from models.cache import KVCache
 from models.config import Llama3RopeScaling, TransformerConfig
 from models.kernels import attend, dot_product_attention, merge
 from models.masks import MaskSpec
+from models.projection import Projection, adapted
 from models.relative import RelativeBias
 
 __all__ = ["CrossAttention", "CrossKVProjection", "SelfAttention", "apply_rope",
@@ -68,23 +70,18 @@ def apply_rope(x_BTNH: Float[Array, "B T N H"], positions_BT: Int[Array, "B T"],
     return out.astype(x_BTNH.dtype)
 
 
-def _dense_heads(config: TransformerConfig, heads: int, name: str) -> nn.DenseGeneral:
+def _dense_heads(config: TransformerConfig, heads: int, name: str) -> Projection:
     """A query, key or value projection [D] -> [heads, H] (heads named "heads" for queries,
     "kv_heads" for keys and values)."""
     axis = "heads" if name == "query" else "kv_heads"
-    return nn.DenseGeneral(
-        (heads, config.head_dim), use_bias=config.use_bias or config.qkv_bias,
-        dtype=config.dtype, param_dtype=config.param_dtype,
-        kernel_init=named(XAVIER_UNIFORM, "embed", axis, "head_dim"),
-        bias_init=named(ZEROS, axis, "head_dim"), name=name)
+    return Projection.make(config, (heads, config.head_dim), name, in_axes=("embed",),
+                           out_axes=(axis, "head_dim"),
+                           bias=config.use_bias or config.qkv_bias)
 
 
-def _dense_out(config: TransformerConfig) -> nn.DenseGeneral:
-    return nn.DenseGeneral(
-        config.d_model, axis=(-2, -1), use_bias=config.use_bias, dtype=config.dtype,
-        param_dtype=config.param_dtype,
-        kernel_init=named(XAVIER_UNIFORM, "heads", "head_dim", "embed"),
-        bias_init=named(ZEROS, "embed"), name="out")
+def _dense_out(config: TransformerConfig) -> Projection:
+    return Projection.make(config, config.d_model, "out", in_axes=("heads", "head_dim"),
+                           out_axes=("embed",), bias=config.use_bias)
 
 
 def _attend(module: nn.Module, q, k, v, spec: MaskSpec, *, bias=None, deterministic: bool):
@@ -157,10 +154,10 @@ class SelfAttention(nn.Module):
         bias: RelativeBias | None = None,
         read_only: bool = False,
     ) -> tuple[Float[Array, "B T D"], KVCache | tuple | None]:
-        cfg = self.config
-        q_BTNH = _dense_heads(cfg, cfg.num_heads, "query")(x_BTD)
-        k_BTKH = _dense_heads(cfg, cfg.num_kv_heads, "key")(x_BTD)
-        v_BTKH = _dense_heads(cfg, cfg.num_kv_heads, "value")(x_BTD)
+        cfg, det = self.config, deterministic
+        q_BTNH = _dense_heads(cfg, cfg.num_heads, "query")(x_BTD, det)
+        k_BTKH = _dense_heads(cfg, cfg.num_kv_heads, "key")(x_BTD, det)
+        v_BTKH = _dense_heads(cfg, cfg.num_kv_heads, "value")(x_BTD, det)
         if cfg.positions == "rope":
             inv_freq_h = rope_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
             q_BTNH = apply_rope(q_BTNH, positions_BT, inv_freq_h)
@@ -168,7 +165,7 @@ class SelfAttention(nn.Module):
         if read_only:
             out_BTNH = _attend_new(self, q_BTNH, cache.read(layer), (k_BTKH, v_BTKH),
                                    positions_BT=positions_BT, spec=spec, bias=bias)
-            return _dense_out(cfg)(out_BTNH), (k_BTKH, v_BTKH)
+            return _dense_out(cfg)(out_BTNH, det), (k_BTKH, v_BTKH)
         if cache is None:
             k_BSKH, v_BSKH = k_BTKH, v_BTKH
         else:
@@ -176,7 +173,7 @@ class SelfAttention(nn.Module):
             k_BSKH, v_BSKH = cache.read(layer)
         out_BTNH = _attend(self, q_BTNH, k_BSKH, v_BSKH, spec, bias=bias,
                            deterministic=deterministic)
-        return _dense_out(cfg)(out_BTNH), cache
+        return _dense_out(cfg)(out_BTNH, det), cache
 
 
 class CrossAttention(nn.Module):
@@ -188,9 +185,9 @@ class CrossAttention(nn.Module):
     @nn.compact
     def __call__(self, x_BTD, k_BSKH, v_BSKH, *, spec: MaskSpec, deterministic: bool):
         cfg = self.config
-        q_BTNH = _dense_heads(cfg, cfg.num_heads, "query")(x_BTD)
+        q_BTNH = _dense_heads(cfg, cfg.num_heads, "query")(x_BTD, deterministic)
         out_BTNH = _attend(self, q_BTNH, k_BSKH, v_BSKH, spec, deterministic=deterministic)
-        return _dense_out(cfg)(out_BTNH)
+        return _dense_out(cfg)(out_BTNH, deterministic)
 
 
 class CrossKVProjection(nn.Module):
@@ -205,8 +202,10 @@ class CrossKVProjection(nn.Module):
     num_layers: int
 
     @nn.compact
-    def __call__(self, encoded_BSD: Float[Array, "B S D"]) -> tuple[Array, " Array"]:
-        """Returns k_LBKSH, v_LBKSH."""
+    def __call__(self, encoded_BSD: Float[Array, "B S D"],
+                 deterministic: bool = True) -> tuple[Array, Array]:
+        """Returns k_LBKSH, v_LBKSH. Adapted (`config.lora`), each layer's keys/values add
+        scale * (x A_l) B_l, A [L, D, r] and B [L, r, K, H] stacked like the kernels."""
         cfg = self.config
         shape = (self.num_layers, cfg.d_model, cfg.num_kv_heads, cfg.head_dim)
         # Initialise like L separate [D, K*H] projections (fan_in D, fan_out K*H).
@@ -224,5 +223,22 @@ class CrossKVProjection(nn.Module):
                     f"{name}_bias", named(ZEROS, "layers", "kv_heads", "head_dim"),
                     shape[:1] + shape[2:], cfg.param_dtype)
                 y_LBKSH = y_LBKSH + bias_LKH.astype(cfg.dtype)[:, None, :, None, :]
+            lora = cfg.lora and cfg.lora.shape_of(("decoder", "cross_attention", name))
+            if lora:
+                y_LBKSH = y_LBKSH + self._adapter(name, encoded_BSD, lora, deterministic)
             out.append(y_LBKSH)
         return out[0], out[1]
+
+    def _adapter(self, name: str, x_BSD, lora: tuple[int, float], deterministic: bool):
+        """The adapter's update of every layer's keys (or values), [L, B, K, S, H]."""
+        cfg, (rank, scale) = self.config, lora
+        a_LDr = self.param(f"{name}_lora_a", named(LORA_STACKED_A_INIT, "layers", "embed",
+                                                   "lora"),
+                           (self.num_layers, cfg.d_model, rank), cfg.param_dtype)
+        b_LrKH = self.param(f"{name}_lora_b", named(ZEROS, "layers", "lora", "kv_heads",
+                                                    "head_dim"),
+                            (self.num_layers, rank, cfg.num_kv_heads, cfg.head_dim),
+                            cfg.param_dtype)
+        x_BSD = nn.Dropout(cfg.lora.dropout)(x_BSD, deterministic=deterministic)
+        per_layer = jax.vmap(lambda a, b: adapted(x_BSD, a, b, scale, cfg.dtype))
+        return jnp.moveaxis(per_layer(a_LDr, b_LrKH), 3, 2)   # [L, B, S, K, H] -> K before S

@@ -22,6 +22,7 @@ The names used:
     layers      a scanned stack's leading axis
     positions   learned position rows      types      token-type rows
     buckets     relative-position buckets  labels     classifier outputs
+    lora        a low-rank adapter's rank (`models.lora`)
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from models.errors import UserError
 
 # The logical axis names parameters use (see the module docstring).
 NAMES = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "layers", "positions",
-         "types", "buckets", "labels")
+         "types", "buckets", "labels", "lora")
 
 
 def _traced_once(init):
@@ -61,6 +62,11 @@ def _traced_once(init):
 XAVIER_UNIFORM = _traced_once(nn.initializers.xavier_uniform())
 ZEROS = _traced_once(nn.initializers.zeros)
 ONES = _traced_once(nn.initializers.ones)
+# A LoRA adapter's A [in..., r]: uniform in +-1/sqrt(fan in), as PEFT initialises it
+# (kaiming-uniform with a = sqrt(5)); its B starts at zero.
+LORA_A_INIT = _traced_once(nn.initializers.variance_scaling(1 / 3, "fan_in", "uniform"))
+LORA_STACKED_A_INIT = _traced_once(nn.initializers.variance_scaling(   # [L, D, r]
+    1 / 3, "fan_in", "uniform", batch_axis=(0,)))
 
 
 @functools.cache
@@ -126,6 +132,7 @@ DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("types", None),
     ("buckets", None),
     ("labels", None),
+    ("lora", None),
 )
 
 

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.errors import UserError, check_positive_int, is_int
+from models.lora import LoraConfig, check_against
 
 Architecture = Literal["decoder_only", "encoder_decoder", "encoder_only"]
 PositionKind = Literal["sinusoidal", "sinusoidal_paper", "learned", "rope", "relative"]
@@ -150,6 +151,8 @@ class TransformerConfig:
             fastest exact choice per call). Like `dtype`, a loaded model may take it.
         attention_block: the query and key block size of "chunked" attention (a sequence
             shorter than one block is one block).
+        lora: None, or the low-rank adapters the model carries beside its weights
+            (`models.lora.LoraConfig`; given as that object or as a dict of its fields).
         pad_id, eos_id, bos_id: special token ids, any values in [0, V), equal ones allowed
             (GPT-2 ends and starts with 50256 and has no pad: pad_id None). bos is the first
             decoder input (the encoder-decoder's start token; required there and for
@@ -202,6 +205,7 @@ class TransformerConfig:
     remat_policy: RematPolicy = "full"
     attention_impl: AttentionImpl = "auto"
     attention_block: int = 512
+    lora: LoraConfig | None = None
     pad_id: int | None = 0
     eos_id: int | None = 1
     bos_id: int | None = 2
@@ -217,6 +221,8 @@ class TransformerConfig:
                     raise UserError(f"TransformerConfig.rope_scaling has unknown keys "
                                      f"{sorted(set(value) - known)}; known: {sorted(known)}")
                 value = Llama3RopeScaling(**value)
+            elif field.name == "lora" and isinstance(value, dict):
+                value = LoraConfig.from_dict(value)
             elif field.name in _POSITIVE and value is not None:
                 value = check_positive_int(value, f"TransformerConfig.{field.name}")
             elif field.name == "label_names":
@@ -285,6 +291,8 @@ class TransformerConfig:
         if self.rope_scaling is not None and self.positions != "rope":
             raise UserError(f"TransformerConfig.rope_scaling={self.rope_scaling} needs "
                              f"positions='rope', not {self.positions!r}")
+        if self.lora is not None:
+            check_against(self.lora, self)
         if self.is_encoder_decoder and self.bos_id is None:
             raise UserError("TransformerConfig.bos_id=None: an encoder-decoder needs the "
                              "decoder's start token")
@@ -309,6 +317,8 @@ class TransformerConfig:
         """Every field as JSON-ready values (dtype names; rope_scaling as a dict)."""
         out = dataclasses.asdict(self)
         out["dtype"], out["param_dtype"] = self.dtype.name, self.param_dtype.name
+        if self.lora is not None:
+            out["lora"] = self.lora.to_dict()
         return out
 
     @classmethod

@@ -12,8 +12,9 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, Int
 
-from models.axes import ONES, XAVIER_UNIFORM, ZEROS, constrain, named, normal_init
+from models.axes import ONES, ZEROS, constrain, named, normal_init
 from models.config import TransformerConfig
+from models.projection import Projection
 
 
 def sinusoidal_embedding(positions_BT: Int[Array, "B T"], d_model: int) -> Float[Array, "B T D"]:
@@ -129,21 +130,18 @@ class MLP(nn.Module):
         cfg = self.config
 
         def dense(features, name, axes):
-            return nn.Dense(
-                features, use_bias=cfg.use_bias, dtype=cfg.dtype,
-                param_dtype=cfg.param_dtype,
-                kernel_init=named(XAVIER_UNIFORM, *axes),
-                bias_init=named(ZEROS, axes[1]), name=name)
+            return Projection.make(cfg, features, name, in_axes=axes[:1], out_axes=axes[1:],
+                                   bias=cfg.use_bias)
 
         up, down = ("embed", "mlp"), ("mlp", "embed")
         x_BTD = checkpoint_name(x_BTD, "mlp_in")
         if cfg.activation in GATED:
-            gate_BTF = GATED[cfg.activation](dense(cfg.mlp_dim, "gate", up)(x_BTD))
-            h_BTF = gate_BTF * dense(cfg.mlp_dim, "up", up)(x_BTD)
+            gate_BTF = GATED[cfg.activation](dense(cfg.mlp_dim, "gate", up)(x_BTD, deterministic))
+            h_BTF = gate_BTF * dense(cfg.mlp_dim, "up", up)(x_BTD, deterministic)
         else:
-            h_BTF = ACTIVATIONS[cfg.activation](dense(cfg.mlp_dim, "up", up)(x_BTD))
+            h_BTF = ACTIVATIONS[cfg.activation](dense(cfg.mlp_dim, "up", up)(x_BTD, deterministic))
         h_BTF = nn.Dropout(cfg.mlp_dropout_rate)(h_BTF, deterministic=deterministic)
-        return dense(cfg.d_model, "down", down)(h_BTF)
+        return dense(cfg.d_model, "down", down)(h_BTF, deterministic)
 
 
 def residual(

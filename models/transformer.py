@@ -276,7 +276,7 @@ class EncoderDecoder(PlainInit, _CachedDecoder):
         encoded_BSD = self.encode(
             src, lengths=src_lengths, segment_ids=src_segment_ids, positions=src_positions,
             deterministic=deterministic)
-        cross_k, cross_v = self.cross_kv(encoded_BSD)
+        cross_k, cross_v = self.cross_kv(encoded_BSD, deterministic)
         cross_spec = MaskSpec(q_segment=tgt_segment_ids, k_segment=src_segment_ids,
                               k_valid=valid_from_lengths(src, src_lengths, "src_lengths"))
         positions, self_spec = _forward_spec(cfg, tgt_in, tgt_segment_ids, tgt_positions)
