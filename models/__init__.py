@@ -9,12 +9,13 @@
     models.save("out_dir", pre.config, pre.params, pre.tokenizer)
 """
 
-from models import axes, errors
+from models import axes, errors, lora
 from models.attention import apply_rope, dot_product_attention, rope_frequencies
 from models.cache import BeamKVCache, KVCache
 from models.compile_cache import use_compile_cache
 from models.config import Llama3RopeScaling, TransformerConfig
 from models.encoder_only import EncoderOnly
+from models.lora import LoraConfig
 from models.masks import (
     MaskSpec,
     causal_mask,
@@ -31,8 +32,9 @@ from models.pretrained import GenerationDefaults, Pretrained, load, save
 from models.transformer import DecoderOnly, EncoderDecoder, build
 
 __all__ = [
-    "axes", "errors", "BeamKVCache", "DecoderOnly", "EncoderDecoder", "EncoderOnly", "KVCache",
-    "Llama3RopeScaling", "TransformerConfig",
+    "axes", "errors", "lora",
+    "BeamKVCache", "DecoderOnly", "EncoderDecoder", "EncoderOnly", "KVCache",
+    "Llama3RopeScaling", "LoraConfig", "TransformerConfig",
     "MaskSpec", "apply_rope", "build", "rope_frequencies",
     "causal_mask", "combine_masks", "dot_product_attention", "get_config", "list_configs",
     "padding_mask", "positions_like", "prefill_in_chunks", "segment_mask", "length_mask",

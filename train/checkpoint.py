@@ -282,6 +282,19 @@ def _generation(saved: dict | None, config: TransformerConfig) -> GenerationDefa
         where="the checkpoint's generation defaults")
 
 
+def _with_base(adapters: dict, config: TransformerConfig, experiment: dict) -> dict:
+    """An adapted run's checkpointed adapters joined with the frozen weights they adapt,
+    read again from the run's `init_from`."""
+    import models
+    base = experiment.get("init_from", "")
+    if not base or not os.path.isdir(base):
+        raise FileNotFoundError(f"the checkpoint holds adapters of init_from={base!r}, "
+                                "which is needed to restore the model and is missing")
+    runtime = {k: getattr(config, k) for k in models.pretrained.RUNTIME_FIELDS}
+    loaded = jax.device_get(models.load(base, **runtime).params)
+    return models.lora.join(models.lora.split(loaded)[0], adapters)
+
+
 def restore_model(workdir: str, step: int | None = None) -> SavedModel:
     """The model of a run's newest readable checkpoint (or of `step`), without optimiser
     state, on the host.
@@ -326,7 +339,10 @@ def restore_model(workdir: str, step: int | None = None) -> SavedModel:
             item = config_item(item, ModelChoice(
                 model_config(ml_collections.ConfigDict(item), tok.vocab_size)))
         config = TransformerConfig.from_dict(item["model"])
-        return SavedModel(got.params, config, tok, s, item["model_type"],
+        params = got.params
+        if config.lora is not None:        # the adapters: their base is init_from's
+            params = _with_base(params, config, item["experiment"])
+        return SavedModel(params, config, tok, s, item["model_type"],
                           _generation(item["generation"], config), item["experiment"])
     raise FileNotFoundError(f"no readable checkpoint in {path}: "
                             + "; ".join(f"step {s}: {reason}" for s, reason in unusable))

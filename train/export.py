@@ -4,6 +4,11 @@ Writes a training run's checkpoint (the newest readable one, or step N) as a mod
 directory, the one form in which models leave the project: W/model by default. Training
 runs do this themselves when they finish or are stopped by SIGTERM; this command exports
 any other checkpoint. `python -m decode --model W/model` (or `--workdir W`) then reads it.
+
+A run that trained low-rank adapters (`lora.rank`) exports them as W/adapter, in PEFT's
+layout, naming `init_from` as their base; with `lora.export_merged` also W/model, the
+adapters merged into the weights. `python -m decode --model W/adapter` reads the base and
+the adapters together.
 """
 
 from __future__ import annotations
@@ -39,13 +44,41 @@ def write_model(path: str, config: models.TransformerConfig, params, tokenizer: 
                        generation=generation)
 
 
-def export(workdir: str, step: int | None = None, out: str | None = None) -> str:
-    """Exports a checkpoint of `workdir` into `out` (default WORKDIR/model); returns `out`."""
-    saved = checkpoint.restore_model(workdir, step)
-    out = out or os.path.join(workdir, "model")
-    write_model(out, saved.config, saved.params, saved.tokenizer, model_type=saved.model_type,
-                generation=saved.generation)
+def write_outputs(workdir: str, config: models.TransformerConfig, params,
+                  tokenizer: Tokenizer, *, model_type: str | None = None,
+                  generation: GenerationDefaults | None = None, out: str | None = None,
+                  base: str = "", merged: bool = False) -> str:
+    """A run's model as it leaves the run; returns the directory to decode with.
+
+    A plain model: `write_model` into `out` (default WORKDIR/model). An adapted one
+    (`config.lora`): its adapters into `out` (default WORKDIR/adapter) in PEFT's layout,
+    naming `base` (the `init_from` directory) as theirs; with `merged`, also the adapters
+    merged into the weights as WORKDIR/model.
+    """
+    if config.lora is None:
+        out = out or os.path.join(workdir, "model")
+        write_model(out, config, params, tokenizer, model_type=model_type,
+                    generation=generation)
+        return out
+    out = out or os.path.join(workdir, "adapter")
+    models.save_adapter(out, config, params, model_type=model_type,
+                        base_name_or_path=os.path.abspath(base) if base else "")
+    if merged:
+        plain, merged_params = models.lora.merge(config, params)
+        write_model(os.path.join(workdir, "model"), plain, merged_params, tokenizer,
+                    model_type=model_type, generation=generation)
     return out
+
+
+def export(workdir: str, step: int | None = None, out: str | None = None) -> str:
+    """Exports a checkpoint of `workdir` into `out` (default WORKDIR/model, or an adapted
+    run's WORKDIR/adapter: see `write_outputs`); returns `out`."""
+    saved = checkpoint.restore_model(workdir, step)
+    lora = saved.experiment.get("lora") or {}
+    return write_outputs(workdir, saved.config, saved.params, saved.tokenizer,
+                         model_type=saved.model_type, generation=saved.generation, out=out,
+                         base=saved.experiment.get("init_from", ""),
+                         merged=bool(lora.get("export_merged")))
 
 
 def main(argv: list[str] | None = None) -> int:

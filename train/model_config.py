@@ -72,7 +72,8 @@ class _PresetKeys:
 
 def choose_model(settings, vocab_size: int, *, max_len: int) -> ModelChoice:
     """The run's model: `settings.init_from`'s (with its runtime overrides: dtype, dropout,
-    scan_layers, remat) or the preset's (`preset_config`). A directory's config is the one
+    scan_layers, remat; and the adapters `settings.lora` describes) or the preset's
+    (`preset_config`). A directory's config is the one
     `models.load` gives: an encoder-decoder's start token (bos_id) is
     generation_config.json's decoder_start_token_id when it names one.
 
@@ -91,6 +92,9 @@ def choose_model(settings, vocab_size: int, *, max_len: int) -> ModelChoice:
     family, cfg, hf = read_config(path, **{"dtype": settings.dtype,
                                            **dict(settings.model_overrides)})
     cfg, generation = with_generation(path, hf, cfg)
+    lora = settings.lora.adapters()
+    if lora is not None:              # adapters of its projections; the weights stay frozen
+        cfg = cfg.replace(lora=lora)
     if max_len > cfg.max_len:
         raise UserError(f"max_source_length / max_target_length / max_decode_length + 1 = "
                          f"{max_len} exceed the max_len {cfg.max_len} of {path}")

@@ -41,11 +41,54 @@ from train.masking import Masking
 from train.objectives.scheduled_sampling import ScheduledSampling
 
 __all__ = ["BatchSettings", "CheckpointSettings", "DataSettings", "EvalSettings",
-           "HostSettings", "LoopSettings", "ModelSettings", "ObjectiveSettings",
+           "HostSettings", "LoopSettings", "LoraSettings", "ModelSettings", "ObjectiveSettings",
            "OptimizerSettings", "ParallelSettings", "ScheduledSampling"]
 
 SPLITS = ("train", "validation", "test")
 SPM_MODEL_TYPES = ("unigram", "bpe", "char", "word")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraSettings(Part):
+    """The `lora.*` keys: low-rank adaptation of `init_from` (Hu et al. 2021). With
+    `rank` > 0 the directory's weights stay frozen (in `base_dtype`) and only adapters
+    beside the `targets` train, with optimiser state for them alone (`models.lora`).
+
+    Attributes:
+        rank: r of every adapter (0: no adapters, every weight trains).
+        alpha: the update's scale is alpha / rank.
+        dropout: dropout on the adapters' input while training.
+        targets: comma-separated projections, "[[stack.]block.]name" (`models.lora`):
+            query, key, value, out, gate, up, down; self_attention.query,
+            cross_attention.value, decoder.mlp.down, ...
+        base_dtype: the frozen weights' storage dtype (the compute dtype is `dtype`).
+        export_merged: the run's export also writes WORKDIR/model, the adapters merged
+            into the weights (always: WORKDIR/adapter, in PEFT's layout).
+    """
+
+    prefix = "lora."
+    rank: int = setting(0, integer(0))
+    alpha: float = setting(16.0, number("> 0", lambda v: v > 0))
+    dropout: float = setting(0.0, number("in [0, 1)", lambda v: 0 <= v < 1))
+    targets: str = setting("query,value", Rule(
+        "comma-separated projection names, such as 'query,value'",
+        lambda v: isinstance(v, str) and bool(v.strip(", "))))
+    base_dtype: str = setting("bfloat16", float_dtype())
+    export_merged: bool = setting(False, boolean())
+
+    def check(self) -> None:
+        self.adapters()           # the targets' names, checked before any data work
+
+    def adapters(self):
+        """The `models.lora.LoraConfig` these keys describe (None when rank is 0)."""
+        if not self.rank:
+            return None
+        from models.lora import LoraConfig
+        try:
+            return LoraConfig(rank=self.rank, alpha=self.alpha, dropout=self.dropout,
+                              targets=self.targets)
+        except UserError as e:
+            raise fail("lora.targets", self.targets, f": {e}", "") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +103,8 @@ class ModelSettings(Part):
             `vocab_size` are then unused and model_overrides may only set runtime fields
             (dtype, dropout, scan_layers, remat).
         dtype: the compute dtype; parameters stay float32.
+        lora: low-rank adapters of `init_from` instead of training every weight
+            (`LoraSettings`).
     """
 
     model: str = setting("transformer-tiny", model_name())
@@ -67,6 +112,8 @@ class ModelSettings(Part):
         {}, mapping("a dict of TransformerConfig fields"), convert=frozen)
     init_from: str = setting("", string())
     dtype: str = setting("float32", float_dtype())
+    lora: LoraSettings = subpart(
+        LoraSettings, "a dict of rank, alpha, dropout, targets, base_dtype, export_merged")
 
     @property
     def name(self) -> str:
@@ -77,6 +124,10 @@ class ModelSettings(Part):
         """init_from: a model directory whose config reads, and overrides that keep its
         architecture; refused by name before any data work."""
         path = self.init_from
+        if self.lora.rank and not path:
+            raise fail("lora.rank", self.lora.rank, "adapts a trained model: set init_from "
+                       "to its directory (low-rank adapters beside random weights learn "
+                       "nothing the model could not)")
         if not path:
             return
         if not os.path.isdir(path):

@@ -40,7 +40,7 @@ from train import (
     state as state_lib,
     workdir as workdir_lib,
 )
-from train.export import write_model
+from train.export import write_outputs
 from train.metrics import MetricWriter
 from train.model_config import ModelChoice, choose_model
 from train.objectives import Objective, fit
@@ -106,16 +106,17 @@ class Run:
                         iterator.get_state(), item, tok=self.tokenizer)
 
     def export(self, state) -> str | None:
-        """The model as a directory, WORKDIR/model (written by the lead process; every
+        """The model as a directory, WORKDIR/model, or an adapted model's adapters as
+        WORKDIR/adapter (`train.export.write_outputs`; written by the lead process, every
         process gathers the params, a collective when they are sharded)."""
-        params = self.wrapper.host_state(state).params
+        params = self.wrapper.host_state(state).model_params
         if not self.lead:
             return None
-        path = os.path.join(self.workdir, "model")
-        write_model(path, self.choice.config, params,
-                    self.tokenizer, model_type=self.choice.model_type,
-                    generation=self.choice.generation)
-        return path
+        model = self.config.model
+        return write_outputs(self.workdir, self.choice.config, params, self.tokenizer,
+                             model_type=self.choice.model_type,
+                             generation=self.choice.generation, base=model.init_from,
+                             merged=model.lora.export_merged)
 
 
 @dataclasses.dataclass
@@ -225,10 +226,12 @@ def pipeline_config(settings: RunConfig, objective: Objective | None = None, *,
         **(objective.pipeline_options() if objective is not None else {}))
 
 
-def make_wrapper(settings: ParallelSettings, steps: Steps, tx, *, seed: int) -> Wrapper:
+def make_wrapper(settings: ParallelSettings, steps: Steps, tx, *, seed: int,
+                 base_dtype=None) -> Wrapper:
     """The wrapper `settings.parallel` names: data parallel (pmap, shard_map), or sharded
     over `settings.mesh_shape` with the state's shardings derived from its logical axes
-    (`tx` and `seed` make the state whose shardings those are).
+    (`tx`, `seed` and an adapted model's `base_dtype` make the state whose shardings those
+    are).
 
     Raises:
         UserError: a mesh that does not match the device count, or attention heads that
@@ -237,7 +240,8 @@ def make_wrapper(settings: ParallelSettings, steps: Steps, tx, *, seed: int) -> 
     if settings.parallel != "sharded":
         return parallel.DataParallel(settings.parallel, *steps.functions())
     return sharding.for_model(steps, tx, mesh=sharding.make_mesh(settings.mesh_shape),
-                              rules=sharding.check_rules(settings.rules), seed=seed)
+                              rules=sharding.check_rules(settings.rules), seed=seed,
+                              base_dtype=base_dtype)
 
 
 def start_run(config, workdir: str) -> tuple[Run, Start]:
@@ -292,15 +296,19 @@ def _start_run(settings: RunConfig, workdir: str, lock: workdir_lib.Lock
         return model.init(jax.random.key(seed), *init_args, method=init_method)["params"]
 
     heads = set(jax.eval_shape(init))
+    base_dtype = settings.model.lora.base_dtype if mcfg.lora is not None else None
 
     def fresh_state(init_params=None):
-        params = init_params
-        if params is None or set(params) != heads:      # a head of its own (see _head_change)
-            params = {**init(), **{k: v for k, v in (params or {}).items() if k in heads}}
-        return state_lib.TrainState.create(params, tx, seed)
+        # The loaded parts replace the initialised ones (under jit, the replaced ones are
+        # never computed); a head of its own stays initialised (see _head_change), and so
+        # do an adapted model's adapters.
+        base, adapters = models.lora.split(init())
+        base.update({k: v for k, v in (init_params or {}).items() if k in heads})
+        return state_lib.TrainState.create(models.lora.join(base, adapters), tx, seed,
+                                           base_dtype=base_dtype)
 
     steps = Steps(model, objective, schedule, settings.optimizer.grad_accum_steps)
-    wrapper = make_wrapper(settings.parallel, steps, tx, seed=seed)
+    wrapper = make_wrapper(settings.parallel, steps, tx, seed=seed, base_dtype=base_dtype)
     if lead:
         for line in wrapper.notes():
             print(line, flush=True)
@@ -313,7 +321,11 @@ def _start_run(settings: RunConfig, workdir: str, lock: workdir_lib.Lock
     init_from = settings.model.init_from
     if restored is not None:
         resumed_from = restored.step
-        state = wrapper.put_state(restored.state)
+        state = restored.state
+        if mcfg.lora is not None:        # checkpoints hold the adapters, not the base
+            base = wrapper.load_params(init_from, **_runtime(mcfg, base_dtype))
+            state = state.replace(frozen=models.lora.split(base)[0])
+        state = wrapper.put_state(state)
         iterator.set_state(restored.data)
         saved = restored.config.get("data") if isinstance(restored.config, dict) else None
         changes = data_lib.data_changes(saved, record) if saved else []
@@ -323,7 +335,7 @@ def _start_run(settings: RunConfig, workdir: str, lock: workdir_lib.Lock
         if lead:
             print(f"resumed from step {resumed_from}", flush=True)
     elif init_from:
-        loaded = wrapper.load_params(init_from, **_runtime(mcfg))
+        loaded = wrapper.load_params(init_from, **_runtime(mcfg, base_dtype))
         state = wrapper.init_state(fresh_state, loaded)
         if lead:
             print(f"initialised from {init_from} ({choice.model_type})", flush=True)
@@ -352,6 +364,8 @@ def _head_change(heads: set[str], loaded: dict) -> tuple[list[str], list[str]]:
     return sorted(heads - set(loaded)), sorted(set(loaded) - heads)
 
 
-def _runtime(config: models.TransformerConfig) -> dict:
-    """The fields of `config` that `models.load` takes (how to run, not what)."""
-    return {k: getattr(config, k) for k in models.pretrained.RUNTIME_FIELDS}
+def _runtime(config: models.TransformerConfig, base_dtype=None) -> dict:
+    """The fields of `config` that `models.load` takes (how to run, not what); an adapted
+    model's base is read straight into `base_dtype`."""
+    runtime = {k: getattr(config, k) for k in models.pretrained.RUNTIME_FIELDS}
+    return runtime if base_dtype is None else {**runtime, "param_dtype": base_dtype}

@@ -153,7 +153,8 @@ class Sharded(Wrapper):
                               out_shardings=(self.state_shardings, self.replicated),
                               donate_argnums=(0,))
         self._eval = jax.jit(eval_step,
-                             in_shardings=(self.state_shardings.params, self.batch_sharding),
+                             in_shardings=(self.state_shardings.model_params,
+                                           self.batch_sharding),
                              out_shardings=self.replicated)
 
     def init_state(self, make_state: Callable, *args):
@@ -248,12 +249,14 @@ class Sharded(Wrapper):
         return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), metrics)
 
 
-def for_model(steps: Steps, tx, *, mesh: Mesh, rules: dict, seed: int = 0) -> Sharded:
+def for_model(steps: Steps, tx, *, mesh: Mesh, rules: dict, seed: int = 0,
+              base_dtype=None) -> Sharded:
     """`steps` (`Steps.functions(axis=None)`) under `Sharded` on `mesh`, the state's
     shardings derived from the params' logical axes.
 
     Args:
-        tx: the optimiser the state is made with (`TrainState.create(params, tx, seed)`).
+        tx: the optimiser the state is made with (`TrainState.create(params, tx, seed)`;
+            an adapted model's frozen base in `base_dtype`).
         rules: {logical axis: mesh axes} (`check_rules`).
 
     Raises:
@@ -265,7 +268,7 @@ def for_model(steps: Steps, tx, *, mesh: Mesh, rules: dict, seed: int = 0) -> Sh
     boxed = boxed_params(model, *args, method=method)
 
     def make_state(params):
-        return state_lib.TrainState.create(params, tx, seed)
+        return state_lib.TrainState.create(params, tx, seed, base_dtype=base_dtype)
 
     specs = state_specs(boxed, make_state)
     abstract = jax.eval_shape(make_state, meta.unbox(boxed))

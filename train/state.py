@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import optax
 from flax import struct
 
+from models import lora
 from models.errors import UserError
 
 
@@ -19,21 +20,42 @@ class TrainState:
 
     Attributes:
         step: optimiser updates applied so far (int32 scalar).
-        params: model parameters (float32 unless param_dtype says otherwise).
-        opt_state: the optax state (moments; accumulated gradients under MultiSteps).
+        params: the trained parameters (float32 unless param_dtype says otherwise): the
+            whole model's, or an adapted model's adapters alone (`models.lora`).
+        opt_state: the optax state (moments; accumulated gradients under MultiSteps), for
+            `params` only.
         rng: uint32[2] raw key data; dropout keys are `fold_in(fold_in(rng, step), device)`.
         tx: the optimiser (static, not saved).
+        frozen: an adapted model's base weights, which never train (None otherwise).
+            Checkpoints leave them out: a resumed run reads them from `init_from` again.
     """
     step: jax.Array
     params: Any
     opt_state: Any
     rng: jax.Array
     tx: optax.GradientTransformation = struct.field(pytree_node=False)
+    frozen: Any = None
 
     @classmethod
-    def create(cls, params, tx: optax.GradientTransformation, seed: int) -> TrainState:
+    def create(cls, params, tx: optax.GradientTransformation, seed: int, *,
+               base_dtype=None) -> TrainState:
+        """A fresh state of `params` (the model's whole tree). Where it holds adapters
+        (`models.lora`), only they train: the rest is `frozen`, stored in `base_dtype`
+        (None: as given), and the optimiser state covers the adapters alone."""
+        base, adapters = lora.split(params)
+        frozen = None
+        if adapters:
+            frozen = base if base_dtype is None else jax.tree.map(
+                lambda x: x.astype(base_dtype), base)
+            params = adapters
         return cls(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
-                   rng=jax.random.key_data(jax.random.key(seed)), tx=tx)
+                   rng=jax.random.key_data(jax.random.key(seed)), tx=tx, frozen=frozen)
+
+    @property
+    def model_params(self):
+        """The model's whole parameter tree: `params`, joined with the frozen base of an
+        adapted model (no copy: the same leaves)."""
+        return self.params if self.frozen is None else lora.join(self.frozen, self.params)
 
     def apply_gradients(self, grads) -> TrainState:
         updates, opt_state = self.tx.update(grads, self.opt_state, self.params)

@@ -78,7 +78,8 @@ def train_step(state: TrainState, batch, *, model, objective: Objective, schedul
     num_devices = _psum(1, axis)
 
     def loss_fn(params):
-        sums = _sums(model, objective, params, batch, task, rng=rng, step=state.step,
+        whole = state.replace(params=params).model_params     # with an adapted model's base
+        sums = _sums(model, objective, whole, batch, task, rng=rng, step=state.step,
                      train=True)
         return sums["loss"] * num_devices / jnp.maximum(global_weight, 1.0), sums
 

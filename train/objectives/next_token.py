@@ -127,7 +127,7 @@ class NextToken(Objective):
         if not (validating or testing):
             return {}, None
         from train import evaluate
-        host_params = run.wrapper.host_state(state).params     # a collective when sharded
+        host_params = run.wrapper.host_state(state).model_params    # a collective when sharded
 
         def decoded(split: str, n: int, beam: bool):
             return evaluate.decoded_metrics(
