@@ -9,7 +9,10 @@ as \\n.
 text out with its tokenizer, which adds its own special tokens (GPT-2 none, Llama a leading
 BOS, a run's encoder-decoder export a trailing EOS). A directory without tokenizer files,
 and --config (a preset with random weights, seeded by --seed), take and print
-space-separated token ids. --workdir RUN is --model RUN/model.
+space-separated token ids. --workdir RUN is --model RUN/model. --adapter DIR applies LoRA
+adapters (PEFT's layout: a run's RUN/adapter, or PEFT's own) to --model's weights without
+merging them; --model DIR of adapters alone reads their base from adapter_config.json
+(base_model_name_or_path), and so does --workdir of a run that exported only adapters.
 
 The directory's generation_config.json fills in what the command line does not give: the
 end tokens, the strategy (beam search when num_beams > 1), the beam size, the length
@@ -114,9 +117,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("text", nargs="*", help="inputs; stdin lines when none")
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--model", help="a model directory (Hugging Face layout)")
-    source.add_argument("--workdir", help="a training run: its export, RUN/model")
+    source.add_argument("--workdir", help="a training run: its export, RUN/model (or an "
+                        "adapted run's RUN/adapter)")
     source.add_argument("--config",
                         help=f"a preset with random weights: {', '.join(models.list_configs())}")
+    p.add_argument("--adapter", default=None, metavar="DIR",
+                   help="LoRA adapters (PEFT's layout) applied to --model's weights")
     p.add_argument("--seed", type=int, default=0, help="weights and sampling seed")
     task = p.add_mutually_exclusive_group()
     task.add_argument("--fill-mask", action="store_true",
@@ -194,13 +200,17 @@ def _load(args):
         eos = None if cfg.eos_id is None else (cfg.eos_id,)
         return model, params["params"], None, GenerationDefaults(eos_ids=eos)
     path = encoder_cli.model_source(args)
+    if args.adapter and args.config:
+        raise UserError("--adapter adapts a model directory (--model), not a preset")
     try:
-        pre = models.load(path)
+        pre = models.load(path, adapter=args.adapter)
     except FileNotFoundError as e:
         hint = (f" (a run exports it when it finishes; python -m train.export --workdir "
                 f"{args.workdir} writes it from a checkpoint)" if args.workdir else "")
         raise UserError(f"{e}{hint}") from None
+    lora = pre.config.lora
     _note(f"# {path}: {pre.model_type}, {pre.config.architecture}"
+          + ("" if lora is None else f", adapters of rank {lora.rank} on {list(lora.targets)}")
           + ("" if pre.tokenizer else "; no tokenizer: token ids in and out"))
     return pre.model, pre.params, pre.tokenizer, pre.generation
 

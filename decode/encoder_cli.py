@@ -16,6 +16,7 @@ max_len before anything runs; a blank line gives a blank line.
 from __future__ import annotations
 
 import argparse
+import os
 
 from decode import encoder, encoder_text
 from decode.text import one_line, token_ids
@@ -40,7 +41,13 @@ def model_source(args) -> str:
     """What the command line decodes with, as messages name it."""
     if args.config:
         return f"the preset {args.config}"
-    return args.model or f"{args.workdir.rstrip('/')}/model"
+    if args.model:
+        return args.model
+    run = args.workdir.rstrip("/")
+    # A run that trained adapters exports them (RUN/adapter), and RUN/model only merged.
+    if not os.path.isdir(f"{run}/model") and os.path.isdir(f"{run}/adapter"):
+        return f"{run}/adapter"
+    return f"{run}/model"
 
 
 def _flag(dest: str) -> str:

@@ -17,7 +17,8 @@ A projection is named by where it sits, `stack.block.name`:
     name    query | key | value | out  (attention)   gate | up | down  (MLP)
 
 A target names the last one, two or three parts and adapts every projection it ends:
-"query" (each attention's), "cross_attention.value", "decoder.mlp.down".
+"query" (each attention's), "cross_attention.value", "decoder.mlp.down"; or a block, for
+all of its projections: "mlp", "self_attention", "decoder.cross_attention".
 
     cfg = cfg.replace(lora=LoraConfig(rank=8, alpha=16, targets=("query", "value")))
     params = models.build(cfg).init(key, tokens)["params"]       # base leaves + adapters
@@ -57,25 +58,31 @@ def _targets(value) -> tuple[str, ...]:
 
 
 def _parse(target) -> tuple[str, ...]:
-    """A target's parts, checked: [[stack.]block.]name."""
+    """A target's parts, checked: [[stack.]block.]name, or [stack.]block for all of a
+    block's projections."""
     parts = tuple(target.split(".")) if isinstance(target, str) else ()
-    ok = (1 <= len(parts) <= 3 and parts[-1] in NAMES
-          and (len(parts) < 2 or parts[-1] in BLOCKS.get(parts[-2], ()))
-          and (len(parts) < 3 or parts[0] in STACKS))
+    named = bool(parts) and parts[-1] in NAMES
+    block = parts[-2:-1] if named else parts[-1:]
+    ok = (1 <= len(parts) <= 3 - (not named)
+          and (parts[-1] in NAMES or parts[-1] in BLOCKS)
+          and (not block or block[0] in BLOCKS and (not named or parts[-1] in BLOCKS[block[0]]))
+          and (len(parts) < 2 + named or parts[0] in STACKS))
     if not ok:
-        every = [*NAMES, *(f"{b}.{n}" for b, names in BLOCKS.items() for n in names)]
+        every = [*NAMES, *BLOCKS, *(f"{b}.{n}" for b, names in BLOCKS.items() for n in names)]
         close = difflib.get_close_matches(str(target), every, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise UserError(f"lora target {target!r} is not a projection{hint}: "
                          f"[[encoder|decoder.]self_attention|cross_attention|mlp.]name, "
-                         f"name one of {NAMES}")
+                         f"name one of {NAMES}, or a block alone for all of its projections")
     return parts
 
 
 def matches(target: str, site: Site) -> bool:
-    """Whether `target` ends the projection `site`: "value" ends
-    ("decoder", "cross_attention", "value")."""
+    """Whether `target` ends the projection `site` ("value" ends ("decoder",
+    "cross_attention", "value")), or names its block ("mlp", "decoder.self_attention")."""
     parts = _parse(target)
+    if parts[-1] in BLOCKS:
+        return site[:-1][-len(parts):] == parts
     return site[-len(parts):] == parts
 
 
