@@ -32,7 +32,8 @@ def _noisy(adapters, seed=1):
     """Adapters with every leaf random (B no longer zero)."""
     leaves, tree = jax.tree.flatten(adapters)
     keys = jax.random.split(jax.random.key(seed), len(leaves))
-    return tree.unflatten([0.3 * jax.random.normal(k, x.shape) for k, x in zip(keys, leaves)])
+    return tree.unflatten([0.3 * jax.random.normal(k, x.shape)
+                           for k, x in zip(keys, leaves, strict=True)])
 
 
 @pytest.mark.parametrize("arch", ["decoder_only", "encoder_decoder", "encoder_only"])
@@ -62,7 +63,8 @@ def test_adapted_model_starts_as_its_base_and_merges_into_the_same_model(arch, s
 def test_a_projection_adds_scale_times_x_a_b():
     cfg = tiny().replace(lora=models.LoraConfig(rank=2, alpha=5.0, targets=("decoder.mlp.up",)))
     params, (tokens,) = _init(cfg)
-    params = lora.join(*[f(t) for f, t in zip((lambda t: t, _noisy), lora.split(params))])
+    base, adapters = lora.split(params)
+    params = lora.join(base, _noisy(adapters))
     up = params["decoder"]["layer_0"]["mlp"]["up"]
     assert set(up) == {"kernel", "bias", "lora_a", "lora_b"}
     chex.assert_shape([up["lora_a"], up["lora_b"]], [(32, 2), (2, 48)])
