@@ -41,11 +41,12 @@ most 0.35. A `step_time` line per variant at `--time-shape` (default `llama-smal
 `--time-steps` steps after a warm-up step, the variants taking turns step by step, and
 `step_time_ratio` (median, this variant over `full`).
 
-XLA's CPU compiler computes bfloat16 matrix products in float32 and moves the conversion of
-each stacked (scanned) weight out of the layer loop, so on a CPU a bfloat16 base adds a
-float32 copy of the layers' base weights to `temp_bytes`, whatever the compute dtype
-(`--dtype`); an accelerator multiplies bfloat16 directly. `state_bytes` does not depend on
-the backend. Times on a shared CPU are indicative; the ratios are what to compare.
+XLA's CPU compiler computes bfloat16 matrix products in float32 and converts each stacked
+(scanned) weight whole, before the layer loops, so on a CPU a bfloat16 base adds a float32
+copy of the base weights to `temp_bytes`, whatever the compute dtype (`--dtype float32` or
+`bfloat16`: the same bytes). An accelerator multiplies bfloat16 weights directly under a
+bfloat16 compute dtype; no accelerator has measured this yet. `state_bytes` does not depend
+on the backend. Times on a shared CPU are indicative; the ratios are what to compare.
 """
 
 from __future__ import annotations
