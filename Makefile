@@ -41,6 +41,7 @@ bench: $(STAMP)
 	$(PY) -m bench.load
 	$(PY) -m bench.memory --looped
 	$(PY) -m bench.compile_cache
+	$(PY) -m bench.lora
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

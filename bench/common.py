@@ -31,15 +31,16 @@ def bench_settings() -> RunConfig:
     return RunConfig.from_config(config)
 
 
-def make_state_fn(model, tx):
+def make_state_fn(model, tx, base_dtype=None):
     """`make_state()`: the fresh train state (params from key 0), to run under jit, into
-    shards (`Wrapper.init_state`), or abstractly (`jax.eval_shape`)."""
+    shards (`Wrapper.init_state`), or abstractly (`jax.eval_shape`); an adapted model's
+    frozen base in `base_dtype` (`TrainState.create`)."""
     args, method = models.axes.init_args(model.config)
 
     def make_state():
         tokens = [jnp.zeros(a.shape, a.dtype) for a in args]
         params = model.init(jax.random.key(0), *tokens, method=method)["params"]
-        return state_lib.TrainState.create(params, tx, 0)
+        return state_lib.TrainState.create(params, tx, 0, base_dtype=base_dtype)
     return make_state
 
 
@@ -78,18 +79,19 @@ def make_wrapper(model, settings: RunConfig, *, mesh_shape=None, rows: int,
     return wrapper, tx
 
 
-def compile_step(wrapper, model, tx, batch_shapes: dict):
+def compile_step(wrapper, model, tx, batch_shapes: dict, base_dtype=None):
     """`wrapper`'s train step compiled from abstract shapes: nothing is allocated.
 
     Args:
         tx: the optimiser the wrapper's steps were made with; states given to the
             executable must hold this same `tx`.
         batch_shapes: {key: (rows, width)} of the global batch, int32.
+        base_dtype: an adapted model's frozen base dtype (`make_state_fn`).
 
     Returns:
         (compiled executable, seconds to lower and compile, this device's batch bytes).
     """
-    abstract = jax.eval_shape(make_state_fn(model, tx))
+    abstract = jax.eval_shape(make_state_fn(model, tx, base_dtype))
     state, batch = wrapper.abstract_inputs(abstract, batch_shapes)
     batch_bytes = sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
                       for x in batch.values())
