@@ -95,8 +95,11 @@ class InputEmbedding(nn.Module):
         return nn.Dropout(cfg.dropout_rate)(x_BTD, deterministic=deterministic)
 
 
-def make_norm(config: TransformerConfig, name: str | None = None) -> nn.Module:
-    ones, zeros = named(ONES, "embed"), named(ZEROS, "embed")
+def make_norm(config: TransformerConfig, name: str | None = None,
+              axis: str = "embed") -> nn.Module:
+    """The config's norm over the last axis (logically named `axis`: "embed" for the
+    residual stream, "head_dim" for `qk_norm`)."""
+    ones, zeros = named(ONES, axis), named(ZEROS, axis)
     if config.norm == "rmsnorm":
         return nn.RMSNorm(
             epsilon=config.norm_eps, dtype=config.dtype, param_dtype=config.param_dtype,
