@@ -64,6 +64,19 @@ CASES = {
         _SMALL, vocab_size=72, num_key_value_heads=1, head_dim=8, tie_word_embeddings=True,
         use_sliding_window=True, sliding_window=4, max_window_layers=0), dict(
         qk_norm=True, num_kv_heads=1, tie_embeddings=True, sliding_window=4)),
+    "gemma-mqa-tied-head-dim": ("gemma", "GemmaConfig", dict(
+        _SMALL, num_key_value_heads=1, head_dim=16, tie_word_embeddings=True,
+        hidden_act="gelu_pytorch_tanh"), dict(
+        activation="geglu", norm_scale_offset=1.0, scale_embeddings=True, num_kv_heads=1,
+        head_dim=16, tie_embeddings=True, use_bias=False, qk_norm=False, norm_eps=1e-5)),
+    # The original releases' spelling: hidden_act "gelu" (the tanh form; transformers saves
+    # it as gelu_pytorch_tanh, and the published config of section 4 reads "gelu" as it is),
+    # and hidden_activation, which v4 preferred, naming the same function.
+    "gemma-gqa-untied-legacy-gelu": ("gemma", "GemmaConfig", dict(
+        _SMALL, vocab_size=70, num_key_value_heads=2, head_dim=8, tie_word_embeddings=False,
+        hidden_act="gelu", hidden_activation="gelu_pytorch_tanh",
+        rope_parameters={"rope_type": "default", "rope_theta": 1_000.0}), dict(
+        activation="geglu", num_kv_heads=2, tie_embeddings=False, rope_theta=1_000.0)),
 }
 
 
@@ -194,6 +207,18 @@ REFUSED = [
      ["layer_types", "use_sliding_window"]),
     ("qwen3-gqa-head-dim", dict(layer_types=["full_attention"]), ["layer_types", "2 layers"]),
     ("qwen3-gqa-head-dim", dict(mlp_bias=True), ["mlp_bias"]),
+    ("gemma-mqa-tied-head-dim", dict(attention_bias=True), ["attention_bias", "True"]),
+    ("gemma-mqa-tied-head-dim", dict(hidden_act="gelu_exact"), ["hidden_act", "gelu_exact"]),
+    ("gemma-mqa-tied-head-dim", dict(hidden_act="relu"), ["hidden_act", "relu"]),
+    ("gemma-mqa-tied-head-dim", dict(hidden_act="gelu", hidden_activation="silu"),
+     ["hidden_activation", "silu", "v4 and v5"]),
+    ("gemma-mqa-tied-head-dim", dict(use_bidirectional_attention=True),
+     ["use_bidirectional_attention", "True"]),
+    ("gemma-mqa-tied-head-dim", dict(rope_parameters={"rope_type": "linear", "factor": 2.0,
+                                                      "rope_theta": 1e4}),
+     ["rope_type", "linear"]),
+    ("gemma-mqa-tied-head-dim", dict(final_logit_softcapping=30.0),
+     ["final_logit_softcapping"]),
 ]
 
 
@@ -243,6 +268,16 @@ PUBLISHED = {
         "sliding_window": None, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
         "transformers_version": "4.51.0", "use_cache": True, "use_sliding_window": False,
         "vocab_size": 151936}, 596_049_920),
+    "gemma-2b": ("GemmaConfig", {
+        "architectures": ["GemmaForCausalLM"], "attention_bias": False,
+        "attention_dropout": 0.0, "bos_token_id": 2, "eos_token_id": 1, "head_dim": 256,
+        "hidden_act": "gelu", "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 2048,
+        "initializer_range": 0.02, "intermediate_size": 16384,
+        "max_position_embeddings": 8192, "model_type": "gemma", "num_attention_heads": 8,
+        "num_hidden_layers": 18, "num_key_value_heads": 1, "pad_token_id": 0,
+        "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 10000.0,
+        "torch_dtype": "bfloat16", "transformers_version": "4.38.0.dev0", "use_cache": True,
+        "vocab_size": 256000}, 2_506_172_416),
 }
 
 
@@ -268,3 +303,23 @@ def test_a_preset_at_the_published_size_has_transformers_parameter_count(preset)
     ids = dict(pad_id=cfg.pad_id, eos_id=cfg.eos_id, bos_id=cfg.bos_id)
     assert FAMILIES[published["model_type"]].config_from_hf(published).replace(**ids) == cfg
     assert _our_count(cfg) == _their_count(class_name, published) == count
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. Gemma's embedding scale is sqrt(D) rounded to the compute dtype, as transformers rounds it.
+
+def test_gemma_scales_embeddings_by_sqrt_d_rounded_to_the_compute_dtype(ckpt):
+    c = ckpt("gemma-mqa-tied-head-dim")
+    pre = models.load(c.path, dtype="bfloat16", param_dtype="bfloat16")
+    tokens = jnp.asarray(c.tokens)
+    ours = pre.model.apply({"params": pre.params}, tokens, jnp.zeros_like(tokens), True,
+                           method=lambda m, *a: m.embed(*a))
+    model = copy.deepcopy(c.model).to(torch.bfloat16)
+    with torch.no_grad():            # transformers' scaled embedding (sqrt(D) in its dtype)
+        theirs = model.model.embed_tokens(torch.as_tensor(c.tokens, dtype=torch.long))
+    assert 32 ** 0.5 != float(torch.tensor(32 ** 0.5, dtype=torch.bfloat16))   # it rounds
+    unrounded = pre.params["tokens"]["embedding"].astype(jnp.float32)[tokens] * 32 ** 0.5
+    assert not np.array_equal(np.asarray(unrounded.astype(jnp.bfloat16).astype(jnp.float32)),
+                              theirs.float().numpy())
+    np.testing.assert_array_equal(np.asarray(ours.astype(jnp.float32)),
+                                  theirs.float().numpy())
