@@ -23,6 +23,7 @@ from models.axes import LORA_STACKED_A_INIT, ZEROS, named, stacked_projection_in
 from models.cache import KVCache
 from models.config import Llama3RopeScaling, TransformerConfig
 from models.kernels import attend, dot_product_attention, merge
+from models.layers import make_norm
 from models.masks import MaskSpec
 from models.projection import Projection, adapted
 from models.relative import RelativeBias
@@ -136,7 +137,9 @@ class SelfAttention(nn.Module):
     With `read_only` the cache is only read: the queries attend over its filled slots and
     their own new keys, and the new keys/values come back (k_BTKH, v_BTKH) for the caller
     to commit, in place of the cache (a decoding step: see `_CachedDecoder.read_step`).
-    `bias` (relative positions, a `RelativeBias`) is added to the logits.
+    `bias` (relative positions, a `RelativeBias`) is added to the logits. With
+    `config.qk_norm` the queries and keys are normalised over H (scales `query_norm`,
+    `key_norm`) before rotary positions, so the cache holds normalised, rotated keys.
     """
 
     config: TransformerConfig
@@ -158,6 +161,9 @@ class SelfAttention(nn.Module):
         q_BTNH = _dense_heads(cfg, cfg.num_heads, "query")(x_BTD, det)
         k_BTKH = _dense_heads(cfg, cfg.num_kv_heads, "key")(x_BTD, det)
         v_BTKH = _dense_heads(cfg, cfg.num_kv_heads, "value")(x_BTD, det)
+        if cfg.qk_norm:                  # over H, one scale for every head (before RoPE)
+            q_BTNH = make_norm(cfg, "query_norm", axis="head_dim")(q_BTNH)
+            k_BTKH = make_norm(cfg, "key_norm", axis="head_dim")(k_BTKH)
         if cfg.positions == "rope":
             inv_freq_h = rope_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
             q_BTNH = apply_rope(q_BTNH, positions_BT, inv_freq_h)

@@ -105,6 +105,10 @@ class TransformerConfig:
         norm: "layernorm" or "rmsnorm"; norm_position: "pre" (x + f(norm(x)), with a final
             norm after the stack) or "post" (norm(x + f(x)), as in Vaswani et al.).
         norm_eps: epsilon of every norm.
+        norm_scale_offset: RMSNorm only: the norm multiplies by (offset + scale), so a
+            stored scale of 0 is the identity when the offset is 1 (Gemma's 1 + weight);
+            with an offset the normalised value and the product are computed in float32,
+            then cast to `dtype`. 0.0: the plain scale.
         activation: "relu", "gelu" (tanh approximation, as GPT-2), "gelu_exact" (erf),
             "silu" (swish), or gated: "swiglu" (silu(x W_gate) * x W_up) and "geglu" (the
             same with tanh GELU, T5 v1.1).
@@ -112,6 +116,9 @@ class TransformerConfig:
         use_bias: biases in the attention and MLP projections.
         qkv_bias: biases in the query/key/value projections even without `use_bias`
             (Qwen2).
+        qk_norm: a norm (the config's `norm`, `norm_eps`) over each head's H channels of the
+            self-attention queries and keys, before rotary positions, with a scale [H] of
+            its own for each (Qwen3). Not with cross-attention (an encoder-decoder).
         sliding_window: None, or W: a query sees only the W most recent positions, itself
             included (key position > query position - W), in the forward pass, prefill and
             every cached step alike (Mistral). The cache stays `max_len` slots.
@@ -181,10 +188,12 @@ class TransformerConfig:
     norm: NormKind = "layernorm"
     norm_position: NormPosition = "pre"
     norm_eps: float = 1e-6
+    norm_scale_offset: float = 0.0
     activation: Activation = "relu"
     mlp_dropout_rate: float = 0.0
     use_bias: bool = True
     qkv_bias: bool = False
+    qk_norm: bool = False
     sliding_window: int | None = None
     num_token_types: int = 0
     num_labels: int = 0
@@ -288,6 +297,13 @@ class TransformerConfig:
                 f"TransformerConfig.relative_max_distance={self.relative_max_distance} must "
                 f"exceed relative_buckets // 2 = {self.relative_buckets // 2} (the exact "
                 "buckets end there; the logarithmic ones reach up to the max distance)")
+        if self.norm_scale_offset and self.norm != "rmsnorm":
+            raise UserError(f"TransformerConfig.norm_scale_offset={self.norm_scale_offset} "
+                            f"needs norm='rmsnorm', not {self.norm!r}")
+        if self.qk_norm and self.is_encoder_decoder:
+            raise UserError("TransformerConfig.qk_norm=True normalises self-attention's "
+                            "queries and keys; an encoder-decoder's cross-attention has no "
+                            "such norms")
         if self.rope_scaling is not None and self.positions != "rope":
             raise UserError(f"TransformerConfig.rope_scaling={self.rope_scaling} needs "
                              f"positions='rope', not {self.positions!r}")

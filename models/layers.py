@@ -95,8 +95,17 @@ class InputEmbedding(nn.Module):
         return nn.Dropout(cfg.dropout_rate)(x_BTD, deterministic=deterministic)
 
 
-def make_norm(config: TransformerConfig, name: str | None = None) -> nn.Module:
-    ones, zeros = named(ONES, "embed"), named(ZEROS, "embed")
+def make_norm(config: TransformerConfig, name: str | None = None,
+              axis: str = "embed") -> nn.Module:
+    """The config's norm over the last axis (logically named `axis`: "embed" for the
+    residual stream, "head_dim" for `qk_norm`)."""
+    ones, zeros = named(ONES, axis), named(ZEROS, axis)
+    if config.norm == "rmsnorm" and config.norm_scale_offset:
+        return OffsetRMSNorm(
+            epsilon=config.norm_eps, offset=config.norm_scale_offset, dtype=config.dtype,
+            param_dtype=config.param_dtype,
+            scale_init=named(nn.initializers.constant(1.0 - config.norm_scale_offset), axis),
+            name=name)
     if config.norm == "rmsnorm":
         return nn.RMSNorm(
             epsilon=config.norm_eps, dtype=config.dtype, param_dtype=config.param_dtype,
@@ -104,6 +113,26 @@ def make_norm(config: TransformerConfig, name: str | None = None) -> nn.Module:
     return nn.LayerNorm(
         epsilon=config.norm_eps, dtype=config.dtype, param_dtype=config.param_dtype,
         scale_init=ones, bias_init=zeros, name=name)
+
+
+class OffsetRMSNorm(nn.Module):
+    """RMSNorm times (offset + scale), computed in float32 and cast to `dtype` at the end
+    (Gemma's norm, offset 1: a scale of 0 is the identity). Its parameter is `scale` [D],
+    initialised to 1 - offset (the identity)."""
+
+    epsilon: float
+    offset: float
+    dtype: jnp.dtype
+    param_dtype: jnp.dtype
+    scale_init: Callable
+
+    @nn.compact
+    def __call__(self, x_BTD: Float[Array, "... D"]) -> Float[Array, "... D"]:
+        scale_D = self.param("scale", self.scale_init, (x_BTD.shape[-1],), self.param_dtype)
+        x = x_BTD.astype(jnp.float32)
+        x = x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + self.epsilon)
+        factor = (self.offset + scale_D.astype(jnp.float32)).reshape((1,) * (x.ndim - 1) + (-1,))
+        return (x * factor).astype(self.dtype)
 
 
 ACTIVATIONS = {

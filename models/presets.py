@@ -59,6 +59,18 @@ _PRESETS: dict[str, dict] = {
     "roberta-base": dict(
         _BERT, vocab_size=50_265, d_model=768, num_heads=12, mlp_dim=3072, num_layers=12,
         position_offset=2, num_token_types=1, norm_eps=1e-5, pad_id=1, bos_id=0, eos_id=2),
+    # Qwen3-0.6B (Qwen team, 2025): Llama-style with an RMSNorm on each head's queries and
+    # keys, head_dim 128 apart from D / N, a tied head. Its special ids are the project's.
+    "qwen3-0.6b": dict(
+        _LLAMA, vocab_size=151_936, d_model=1024, num_heads=16, num_kv_heads=8, head_dim=128,
+        mlp_dim=3072, num_layers=28, max_len=40_960, qk_norm=True, tie_embeddings=True,
+        norm_eps=1e-6, rope_theta=1_000_000.0),
+    # Gemma 2B (Google, 2024): multi-query attention, head_dim 256, GeGLU, RMSNorms scaled by
+    # (1 + weight), embeddings times sqrt(D), a tied head.
+    "gemma-2b": dict(
+        _LLAMA, vocab_size=256_000, d_model=2048, num_heads=8, num_kv_heads=1, head_dim=256,
+        mlp_dim=16_384, num_layers=18, max_len=8192, activation="geglu",
+        norm_scale_offset=1.0, scale_embeddings=True, tie_embeddings=True, norm_eps=1e-6),
     # A small Llama-style model: RMSNorm, RoPE, SwiGLU, grouped-query attention, no biases.
     "llama-small": dict(
         _LLAMA, vocab_size=32_000, d_model=768, num_heads=12, num_kv_heads=4, mlp_dim=2048,

@@ -5,6 +5,7 @@ against transformers' generate."""
 import dataclasses
 import json
 import os
+import warnings
 
 import jax
 import numpy as np
@@ -48,7 +49,6 @@ def test_a_full_generation_config_gives_typed_fields():
 
 
 BAD = [
-    ({"eos_token_id": 64}, r"x: eos_token_id 64 is outside \[0, vocab_size=64\)"),
     ({"eos_token_id": [1, "2"]}, r"eos_token_id=\[1, '2'\] must be a token id or a list"),
     ({"bad_words_ids": [[3], [4, 99]]}, r"bad_words_ids 99 is outside \[0, vocab_size=64\)"),
     ({"bad_words_ids": [[3], []]}, r"bad_words_ids=.* must be a list of lists of token ids"),
@@ -65,6 +65,18 @@ BAD = [
     ({"repetition_penalty": 0}, r"repetition_penalty=0 must be a positive number"),
     ({"renormalize_logits": "yes"}, r"renormalize_logits='yes' must be true or false"),
 ]
+
+
+def test_end_ids_outside_the_vocabulary_are_dropped_with_a_warning_naming_them():
+    # transformers runs such a config: the token is never produced, so it never ends.
+    with pytest.warns(UserWarning, match=r"x: eos_token_id 64 outside \[0, vocab_size=64\)"):
+        assert parse({"eos_token_id": 64}, where="x").eos_ids is None
+    with pytest.warns(UserWarning, match=r"eos_token_id 70, -1 outside"):
+        assert parse({"eos_token_id": [70, 5, -1]}).eos_ids == (5,)
+    # Ids config.json holds were named when it was read: no second warning.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert parse({}, model_config={"eos_token_id": [64, 3]}).eos_ids == (3,)
 
 
 @pytest.mark.parametrize("raw,message", BAD, ids=[m[:30] for _, m in BAD])

@@ -15,6 +15,7 @@ import pickle
 import re
 import shutil
 
+import numpy as np
 import pytest
 
 import models
@@ -29,20 +30,75 @@ from tests.pretrained_helpers import (
     transformers,
 )
 
-ckpt = ph.ckpt                                                 # the shared fixture
+ckpt, seq2seq_ckpt = ph.ckpt, ph.seq2seq_ckpt                  # the shared fixtures
+highest_precision = ph.highest_precision
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
 
 # ---------------------------------------------------------------------------------------------
 # (Sections numbered as in tests/test_pretrained_decoders.py.) 1. Special ids outside the vocab.
 
-def test_gpt2_default_special_ids_outside_a_tiny_vocab_are_refused_naming_eos_id(
-        ckpt, tmp_path):
-    # GPT2Config's defaults: bos = eos = 50256, no pad.
-    path = edit_config(copy_dir(ckpt("gpt2-tied").path, tmp_path / "m"), lambda hf: hf.update(
-        bos_token_id=50256, eos_token_id=50256, pad_token_id=None))
-    with pytest.raises(ValueError, match=r"eos_id.*50256"):
-        models.load(path)
+def _outside_ids(path: str, **ids) -> str:
+    """The directory with config.json's and generation_config.json's ids set to `ids`."""
+    edit_config(path, lambda hf: hf.update(ids))
+    with open(os.path.join(path, "generation_config.json")) as f:
+        generation = json.load(f)
+    generation.update({k: v for k, v in ids.items() if k != "pad_token_id"})
+    with open(os.path.join(path, "generation_config.json"), "w") as f:
+        json.dump(generation, f)
+    return path
+
+
+def _warnings_naming(record, word: str) -> list[str]:
+    return [str(w.message) for w in record if word in str(w.message)]
+
+
+def test_end_and_start_ids_outside_the_vocabulary_load_with_one_warning_naming_them(
+        ckpt, tmp_path, highest_precision):
+    # GPT2Config's defaults (bos = eos = 50256, no pad) in a 64-token vocabulary: transformers
+    # runs this config (that token is never produced), and so do we.
+    c = ckpt("gpt2-tied")
+    path = _outside_ids(copy_dir(c.path, tmp_path / "m"), bos_token_id=50256,
+                        eos_token_id=50256, pad_token_id=None)
+    with pytest.warns(UserWarning) as record:
+        pre = models.load(path)
+    (message,) = _warnings_naming(record, "50256")
+    assert "eos_token_id 50256" in message and "bos_token_id 50256" in message, message
+    assert "vocab_size=64" in message
+    assert (pre.config.eos_id, pre.config.bos_id, pre.config.pad_id) == (None, None, None)
+    assert pre.generation.eos_ids is None
+    np.testing.assert_allclose(pre.model.apply({"params": pre.params}, c.tokens), c.logits,
+                               atol=ph.ATOL, rtol=0)
+
+
+def test_a_list_of_end_ids_keeps_those_inside_the_vocabulary(ckpt, tmp_path):
+    path = _outside_ids(copy_dir(ckpt("llama-mha-untied-bias").path, tmp_path / "m"),
+                        eos_token_id=[500, 2, 3])
+    with pytest.warns(UserWarning) as record:
+        pre = models.load(path)
+    (message,) = _warnings_naming(record, "500")
+    assert "eos_token_id 500" in message
+    assert pre.config.eos_id == 2 and pre.generation.eos_ids == (2, 3)
+
+
+def test_an_end_id_outside_the_vocabulary_in_generation_config_alone_is_named(ckpt, tmp_path):
+    path = copy_dir(ckpt("llama-mha-untied-bias").path, tmp_path / "m")
+    with open(os.path.join(path, "generation_config.json")) as f:
+        generation = json.load(f)
+    with open(os.path.join(path, "generation_config.json"), "w") as f:
+        json.dump({**generation, "eos_token_id": [2, 64]}, f)
+    with pytest.warns(UserWarning, match=r"generation_config.json: eos_token_id 64 outside"):
+        pre = models.load(path)
+    assert pre.config.eos_id == 2 and pre.generation.eos_ids == (2,)
+
+
+def test_an_encoder_decoders_start_id_outside_the_vocabulary_is_still_refused(
+        seq2seq_ckpt, tmp_path):
+    # The decoder reads its start token, so it must have an embedding.
+    path = edit_config(copy_dir(seq2seq_ckpt("bart").path, tmp_path / "m"),
+                       lambda hf: hf.update(decoder_start_token_id=64))
+    with pytest.raises(ValueError, match=r"bos_id=64"):
+        read_config(path)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -340,6 +396,34 @@ def test_a_tensor_that_is_not_floating_point_is_refused_by_name(ckpt, tmp_path):
     with pytest.raises(ValueError, match=rf"tensor {re.escape(key)} holds int32, not "
                                          "floating-point weights"):
         models.load(path)
+
+
+def _poison(t: dict) -> None:
+    """Two NaN and one Inf in one tensor, one -Inf in another (a bfloat16 copy of it)."""
+    up, norm = "model.layers.0.mlp.up_proj.weight", "model.layers.1.input_layernorm.weight"
+    t[up][0, :2], t[up][3, 4] = float("nan"), float("inf")
+    t[norm] = t[norm].to(torch.bfloat16)
+    t[norm][5] = float("-inf")
+
+
+def test_weights_holding_nan_or_inf_are_named_with_counts_unless_allowed(ckpt, tmp_path):
+    c = ckpt("llama-mha-untied-bias")
+    path = _rewrite_weights(copy_dir(c.path, tmp_path / "m"), _poison)
+    with pytest.raises(ValueError) as info:
+        models.load(path)
+    message = str(info.value)
+    assert "2 tensor(s) holding NaN or Inf" in message, message
+    assert "model.layers.0.mlp.up_proj.weight: 2 NaN, 1 Inf of 1536 values" in message
+    assert "model.layers.1.input_layernorm.weight: 0 NaN, 1 Inf of 32 values" in message
+    assert "allow_non_finite=True" in message
+
+    with pytest.warns(UserWarning, match=r"up_proj.weight: 2 NaN, 1 Inf"):
+        pre = models.load(path, allow_non_finite=True)
+    up = np.asarray(pre.params["decoder"]["layer_0"]["mlp"]["up"]["kernel"])   # [D, F]
+    assert np.isnan(up[:2, 0]).all() and up[4, 3] == np.inf
+    assert np.isfinite(up).sum() == up.size - 3
+    norm = np.asarray(pre.params["decoder"]["layer_1"]["self_attention_norm"]["scale"])
+    assert norm[5] == -np.inf and np.isfinite(norm).sum() == 31
 
 
 def test_rope_theta_given_twice_must_agree(ckpt, tmp_path):

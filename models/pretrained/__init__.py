@@ -55,7 +55,20 @@ import flax.linen as nn
 from models import atomic, axes
 from models.config import TransformerConfig
 from models.errors import UserError
-from models.pretrained import bart, bert, gpt2, llama, marian, mistral, qwen2, roberta, t5, zoo
+from models.pretrained import (
+    bart,
+    bert,
+    gemma,
+    gpt2,
+    llama,
+    marian,
+    mistral,
+    qwen2,
+    qwen3,
+    roberta,
+    t5,
+    zoo,
+)
 from models.pretrained.convert import read_params, theirs_tensors
 from models.pretrained.family import Family, Inexpressible
 from models.pretrained.files import (
@@ -75,12 +88,13 @@ from models.transformer import build
 
 FAMILIES: dict[str, Family] = {
     f.model_type: f for f in (gpt2.FAMILY, llama.FAMILY, mistral.FAMILY, qwen2.FAMILY,
-                              bart.FAMILY, marian.FAMILY, t5.FAMILY, t5.MT5_FAMILY,
-                              bert.FAMILY, roberta.FAMILY, zoo.FAMILY)}
+                              qwen3.FAMILY, gemma.FAMILY, bart.FAMILY, marian.FAMILY,
+                              t5.FAMILY, t5.MT5_FAMILY, bert.FAMILY, roberta.FAMILY,
+                              zoo.FAMILY)}
 # Tried in this order when saving a config without a model_type; the first that expresses
 # it wins (the project's own type expresses everything).
-SAVE_ORDER = ("gpt2", "llama", "mistral", "qwen2", "bart", "marian", "t5", "bert", "roberta",
-              zoo.MODEL_TYPE)
+SAVE_ORDER = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "bart", "marian", "t5",
+              "bert", "roberta", zoo.MODEL_TYPE)
 # Written last by `save`; `load` checks the files against it when it is there.
 MANIFEST = "zoo_integrity.json"
 # Fields a loaded config may be given: how to run it, not what it computes.
@@ -145,7 +159,8 @@ def read_config(path: str, **runtime) -> tuple[Family, TransformerConfig, dict]:
     return family, (cfg.replace(**runtime) if runtime else cfg), hf
 
 
-def load(path: str, *, mesh=None, rules=None, **runtime) -> Pretrained:
+def load(path: str, *, mesh=None, rules=None, allow_non_finite: bool = False,
+         **runtime) -> Pretrained:
     """Reads a model directory: config.json, safetensors weights (sharded or not, any
     float dtype, cast to `param_dtype`), the tokenizer files if any, and
     generation_config.json if any. Reads JSON and safetensors only (no pickle, no code).
@@ -155,11 +170,18 @@ def load(path: str, *, mesh=None, rules=None, **runtime) -> Pretrained:
         mesh: a (data, fsdp, tensor) `jax.sharding.Mesh`: each array is put onto its
             shards as it is read (by its logical axes and `rules`, default
             `models.axes.DEFAULT_RULES`), so no device holds the whole model.
+        allow_non_finite: load weights holding NaN or Inf (a warning names each such
+            tensor and its counts) instead of refusing them.
         runtime: how to run the model, not what it computes: `dtype` (compute),
             `param_dtype` (default float32), `scan_layers`, `remat`, dropout rates.
 
     Raises:
-        UserError: naming the field, value or tensor that cannot be loaded exactly.
+        UserError: naming the field, value or tensor that cannot be loaded exactly, and
+            every tensor holding NaN or Inf (unless `allow_non_finite`).
+
+    Warns:
+        UserWarning: naming an end or start id outside the vocabulary (never produced,
+            so dropped from the config, as transformers runs it).
         FileNotFoundError: naming what is missing.
     """
     family, cfg, hf = read_config(path, **runtime)
@@ -171,7 +193,8 @@ def load(path: str, *, mesh=None, rules=None, **runtime) -> Pretrained:
     if mesh is not None:
         shardings = axes.param_shardings(build(cfg), mesh, rules or axes.DEFAULT_RULES)
     with Weights(path) as weights:
-        params = read_params(weights, family, cfg, shardings)
+        params = read_params(weights, family, cfg, shardings,
+                             allow_non_finite=allow_non_finite)
     cfg, generation = with_generation(path, hf, cfg)     # an encoder-decoder's start id
     return Pretrained(model=build(cfg), config=cfg, params=params,
                       tokenizer=load_tokenizer(path, missing_ok=True),

@@ -18,10 +18,12 @@ another) the family's `config_from_hf` / `config_to_hf` add around `read` and `w
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable
 from typing import Any, Literal
 
 from models.config import TransformerConfig
+from models.errors import is_int
 from models.pretrained.family import REQUIRED, ConfigReader, require
 
 DECODER_START = "decoder_start_token_id"
@@ -74,6 +76,15 @@ class SpecialIds:
     A list of end ids (Llama 3) keeps its first as our `eos_id` (an empty list: None); the
     whole list is a generation default (`generation` reads it).
 
+    An end id, or a decoder-only or encoder-only model's start id, outside [0, vocab_size)
+    is a token the model never produces or reads (transformers runs such configs): it is
+    dropped (None, or left out of a list of end ids) with one `UserWarning` naming it. An
+    encoder-decoder's decoder start outside the vocabulary is refused: the decoder reads it.
+
+        SpecialIds(start="eos").read(ConfigReader({"vocab_size": 10, "eos_token_id": [12, 3]},
+                                                  "llama"))
+        # {"pad_id": None, "eos_id": 3, "bos_id": 3}, and a warning naming eos_token_id 12
+
     Attributes:
         pad, eos: the defaults of pad_token_id and eos_token_id.
         start: the default of our `bos_id`: an id, None, or "pad" / "eos": the pad or end
@@ -101,11 +112,30 @@ class SpecialIds:
         """{"pad_id", "eos_id", "bos_id"} of config.json; a decoder start that is None is
         refused by name."""
         pad = self._take(r, "pad_token_id", self.pad)
+        vocab = r.hf.get("vocab_size")
+        outside = []                                 # (key, id) of ids never produced
+
+        def inside(key, value):
+            if is_int(value) and is_int(vocab) and not 0 <= value < vocab:
+                outside.append((key, value))
+                return False
+            return True
+
         eos = self._take(r, "eos_token_id", self.eos)
         if isinstance(eos, list):
-            eos = eos[0] if eos else None
+            kept = [e for e in eos if inside("eos_token_id", e)]
+            eos = kept[0] if kept else None
+        elif not inside("eos_token_id", eos):
+            eos = None
         start = self._take(r, self.start_key, pad if self.start == "pad" else
                            eos if self.start == "eos" else self.start)
+        if self.start_key != DECODER_START and not inside(self.start_key, start):
+            start = None
+        if outside:
+            shown = ", ".join(f"{key} {value}" for key, value in outside)
+            warnings.warn(f"{r.model_type} config.json: {shown} outside [0, vocab_size={vocab})"
+                          ": a token the model never produces; loaded without it",
+                          UserWarning, stacklevel=2)
         if self.start_key == DECODER_START:
             r.take("bos_token_id", None)           # the source's start token: dropped
             if start is None:

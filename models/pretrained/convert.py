@@ -8,7 +8,9 @@ Reading checks the whole file against the table before converting anything:
   warning), a tied copy or the tied head (unexpected ones are named);
 - tied copies must equal the tensor read, and stored tensors the config determines must
   equal ours (both named otherwise);
-- every converted array must have the shape the model expects (named with both shapes).
+- every converted array must have the shape the model expects (named with both shapes);
+- every tensor read must be finite: NaN and Inf are counted per tensor and named, as an
+  error unless the caller allows them (`allow_non_finite`, then as a warning).
 
 Tensors are read, converted and cast one at a time on the host and each
 parameter is put on the device as soon as it is whole (stacked, scanned parameters when
@@ -67,14 +69,19 @@ def _key_resolver(family: Family, present: set[str], needed: set[str]):
 
 
 def read_params(weights: Weights, family: Family, cfg: TransformerConfig,
-                shardings=None) -> dict:
+                shardings=None, *, allow_non_finite: bool = False) -> dict:
     """The model's parameter tree (jax arrays of `cfg.param_dtype`) from `weights`, each
     array put on its sharding as it is read when `shardings` (a tree like the params') is
     given, else on the default device.
 
+    Args:
+        allow_non_finite: load tensors holding NaN or Inf (with a warning naming them)
+            instead of refusing the checkpoint.
+
     Raises:
-        UserError: naming missing or unexpected tensors, or a tensor whose converted shape
-            differs from the model's, with both shapes.
+        UserError: naming missing or unexpected tensors, a tensor whose converted shape
+            differs from the model's, with both shapes, or (unless `allow_non_finite`) the
+            tensors holding NaN or Inf, with their counts.
     """
     if family.renames:
         weights = _Renamed(weights, family)
@@ -92,6 +99,7 @@ def read_params(weights: Weights, family: Family, cfg: TransformerConfig,
     initial = initial_params(cfg, [p for _, theirs, ours in entries if set(theirs) <= plan.fresh
                                    for p in ours]) if plan.fresh else {}
     tree = _Tree(cfg, shardings)
+    non_finite = []                       # "key: n NaN, m Inf of size" of every such tensor
     for rule, theirs, ours in entries:
         if set(theirs) <= plan.fresh:
             tree.place(ours, [initial[p] for p in ours])
@@ -101,6 +109,7 @@ def read_params(weights: Weights, family: Family, cfg: TransformerConfig,
             if not jnp.issubdtype(a.dtype, jnp.floating):      # bfloat16 included
                 raise UserError(f"{family.model_type} checkpoint tensor {k} holds "
                                  f"{a.dtype}, not floating-point weights")
+            non_finite += _non_finite(k, a)
         try:
             arrays = rule.layout.to_ours(read, cfg)
             shapes = [tuple(a.shape) for a in arrays]
@@ -114,7 +123,23 @@ def read_params(weights: Weights, family: Family, cfg: TransformerConfig,
             raise UserError(f"{family.model_type} checkpoint {weights.directory}: {bad} (for "
                              f"{', '.join(ours)})")
         tree.place(ours, arrays)
+    if non_finite:
+        what = (f"{family.model_type} checkpoint {weights.directory} has {len(non_finite)} "
+                f"tensor(s) holding NaN or Inf: {'; '.join(non_finite[:6])}"
+                + (f" and {len(non_finite) - 6} more" if len(non_finite) > 6 else ""))
+        if not allow_non_finite:
+            raise UserError(what + " (models.load(..., allow_non_finite=True) loads them)")
+        warnings.warn(what, UserWarning, stacklevel=3)
     return tree.params
+
+
+def _non_finite(key: str, a: np.ndarray) -> list[str]:
+    """[] for a finite tensor, else ["key: n NaN, m Inf of size values"]."""
+    if np.isfinite(a).all():
+        return []
+    nan = int(np.isnan(a).sum())
+    return [f"{key}: {nan} NaN, {int(a.size - nan - np.isfinite(a).sum())} Inf of {a.size} "
+            "values"]
 
 
 @dataclasses.dataclass(frozen=True)

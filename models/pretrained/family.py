@@ -162,7 +162,8 @@ class ConfigReader:
 # The variants a family expresses only when it says so: `require` holds every other family
 # to these values.
 PLAIN = {"position_offset": 0, "embedding_norm": False, "scale_attention": True,
-         "scale_head_input": False, "logits_bias": False, "mlp_dropout_rate": 0.0}
+         "scale_head_input": False, "logits_bias": False, "mlp_dropout_rate": 0.0,
+         "qk_norm": False, "norm_scale_offset": 0.0}
 
 
 def require(cfg: TransformerConfig, model_type: str, **fields) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import numbers
 import os
+import warnings
 
 from models.config import TransformerConfig
 from models.errors import UserError, is_int
@@ -115,7 +116,7 @@ class GenerationDefaults:
             fields = _Fields({**raw, "eos_token_id": model_config.get("eos_token_id",
                                                                       default_eos)},
                              vocab_size, where)
-        eos_ids = fields.ids("eos_token_id")
+        eos_ids = fields.end_ids(_as_tuple(model_config.get("eos_token_id")) or ())
         start = raw.get("decoder_start_token_id", model_config.get("decoder_start_token_id"))
         start_id = _Fields({"decoder_start_token_id": start}, vocab_size, where).id(
             "decoder_start_token_id")
@@ -248,6 +249,22 @@ class _Fields:
         for v in values:
             self._check_id(name, v)
         return tuple(values) or None
+
+    def end_ids(self, warned: tuple) -> tuple[int, ...] | None:
+        """`ids("eos_token_id")` without the ids outside the vocabulary, which the model
+        never produces (transformers runs such configs); a `UserWarning` names them, unless
+        they are all in `warned` (config.json's end ids, which reading it named)."""
+        value = self.raw.get("eos_token_id")
+        values = value if isinstance(value, list) else [value]
+        outside = [v for v in values if is_int(v) and not 0 <= v < self.vocab_size]
+        if not outside:
+            return self.ids("eos_token_id")
+        if not set(outside) <= set(warned):
+            warnings.warn(f"{self.where}: eos_token_id {', '.join(map(str, outside))} outside "
+                          f"[0, vocab_size={self.vocab_size}): a token the model never "
+                          "produces; loaded without it", UserWarning, stacklevel=4)
+        kept = [v for v in values if v not in outside]
+        return _Fields({"eos_token_id": kept}, self.vocab_size, self.where).ids("eos_token_id")
 
     def single_token_words(self, name: str) -> list[int]:
         value = self.raw.get(name)

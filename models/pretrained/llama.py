@@ -93,9 +93,10 @@ def rules(cfg: TransformerConfig) -> list[Rule]:
             *final_norm(cfg, "decoder", "model.norm"), *untied_head(cfg)]
 
 
-def family(model_type: str, architecture: str, config_from_hf, config_to_hf) -> Family:
+def family(model_type: str, architecture: str, config_from_hf, config_to_hf,
+           weight_rules=rules) -> Family:
     return Family(model_type=model_type, architectures=(architecture,),
-                  config_from_hf=config_from_hf, config_to_hf=config_to_hf, rules=rules,
+                  config_from_hf=config_from_hf, config_to_hf=config_to_hf, rules=weight_rules,
                   prefix="model.",
                   ignored=(r"(model\.)?layers\.\d+\.self_attn\.rotary_emb\.inv_freq",))
 
