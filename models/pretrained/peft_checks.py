@@ -119,8 +119,9 @@ def present_modules(tensors: dict, family: Family, cfg: TransformerConfig, field
             adaptable = sorted({m.name.rsplit(".", 1)[-1] for m, _ in known.values()})
             what = ("a module of the base that cannot carry an adapter here" if name in
                     universe else "no module of this base (an adapter made for another base?)")
-            raise UserError(f"adapter {where}: {PREFIX}{file_name}{LORA_TENSORS[0]} names "
+            raise UserError(f"adapter {where}: {PREFIX}{file_name}{kinds[0]} names "
                              f"{what}; adaptable modules end with {adaptable}")
+    for file_name, kinds in sorted(names.items()):
         if len(kinds) != 2:
             other = next(t for t in LORA_TENSORS if t != kinds[0])
             raise UserError(f"adapter {where} has {PREFIX}{file_name}{kinds[0]} without its "

@@ -109,7 +109,7 @@ def modules(family: Family, cfg: TransformerConfig) -> list[Module]:
             continue
         name = rule.theirs[0].rsplit(".", 1)[0]
         kernels, stack = list(rule.ours), rule.stack
-        if rule.stack is None and sites[0][1] == "cross_attention" and "[" not in kernels[0]:
+        if rule.stack is None and kernels[0].startswith("cross_kv/") and "[" not in kernels[0]:
             # A whole kernel stacked over layers (the project's own files): one module per
             # layer, named where the layer's cross-attention is.
             name, stack = f"decoder.layer_{{i}}.cross_attention.{sites[0][2]}", "decoder"
