@@ -33,7 +33,7 @@ from models.errors import UserError
 from models.lora import LoraConfig, projection_widths
 from models.pretrained import peft as peft_files, read_adapter, zoo
 from tests import pretrained_helpers as ph
-from tests.helpers import fns, tiny
+from tests.helpers import fns, random_adapters, tiny
 from tests.pretrained_helpers import hf_load, hf_logits, hf_seq2seq_load, hf_seq2seq_logits, torch
 
 peft = pytest.importorskip("peft")
@@ -97,16 +97,6 @@ def _our_logits(case: Case, cfg, params, c) -> np.ndarray:
         return np.asarray(f.forward(params, jnp.asarray(c.src), jnp.asarray(c.tgt_in),
                                     src_lengths=jnp.asarray(c.src_lens)))
     return np.asarray(f.forward(params, jnp.asarray(c.tokens)))
-
-
-def random_adapters(cfg: models.TransformerConfig, seed: int) -> dict:
-    """Adapters of `cfg.lora`, every value random (B too: not the zeros of `init`)."""
-    tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)
-    args = (tokens, tokens) if cfg.is_encoder_decoder else (tokens,)
-    shapes = jax.eval_shape(models.build(cfg).init, jax.random.key(0), *args)["params"]
-    rng = np.random.default_rng(seed)
-    return jax.tree.map(lambda s: jnp.asarray(rng.normal(0.0, 0.15, s.shape), s.dtype),
-                        lora.split(shapes)[1])
 
 
 def _adapted(case: Case, c, seed: int = 0, **runtime):
