@@ -56,7 +56,8 @@ def random_adapters(cfg: models.TransformerConfig, seed: int) -> dict:
     (B too, not the zeros of `init`), without running `init`."""
     tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)
     args = (tokens, tokens) if cfg.is_encoder_decoder else (tokens,)
-    shapes = jax.eval_shape(models.build(cfg).init, jax.random.key(0), *args)["params"]
+    init = functools.partial(models.build(cfg).init, method="classify" if cfg.num_labels else None)
+    shapes = jax.eval_shape(init, jax.random.key(0), *args)["params"]
     rng = np.random.default_rng(seed)
     return jax.tree.map(lambda s: jnp.asarray(rng.normal(0.0, 0.15, s.shape), s.dtype),
                         models.lora.split(shapes)[1])

@@ -37,7 +37,8 @@ from tests.helpers import fns, random_adapters, tiny
 from tests.pretrained_helpers import hf_load, hf_logits, hf_seq2seq_load, hf_seq2seq_logits, torch
 
 peft = pytest.importorskip("peft")
-ckpt, seq2seq_ckpt, highest_precision = ph.ckpt, ph.seq2seq_ckpt, ph.highest_precision
+ckpt, seq2seq_ckpt, encoder_ckpt = ph.ckpt, ph.seq2seq_ckpt, ph.encoder_ckpt
+highest_precision = ph.highest_precision
 
 ATOL = 2e-5
 
@@ -161,6 +162,34 @@ def test_gpt2_query_and_value_share_c_attn_in_blocks(tmp_path, ckpt):
     with open(os.path.join(out, peft_files.CONFIG)) as f:
         written = json.load(f)
     assert written["rank_pattern"] == {"c_attn": 6} and written["alpha_pattern"] == {"c_attn": 12}
+
+
+@pytest.mark.parametrize("name", ["bert-mlm", "roberta-classifier-3-layers-relu"])
+def test_encoder_only_adapters_load_in_peft_with_our_logits(name, tmp_path, encoder_ckpt,
+                                                            highest_precision):
+    """BERT's and RoBERTa's "output.dense" is both the attention's out and the MLP's down:
+    one name suffix selects both."""
+    c = encoder_ckpt(name)
+    pre = models.load(c.path)
+    cfg = pre.config.replace(lora=LoraConfig(targets=("query", "value", "out", "down")))
+    adapters = random_adapters(cfg, seed=2)
+    out = str(tmp_path / "adapter")
+    models.save_adapter(out, cfg, adapters)
+    with open(os.path.join(out, peft_files.CONFIG)) as f:
+        written = json.load(f)
+    assert written["task_type"] == "FEATURE_EXTRACTION"
+    assert written["target_modules"] == ["output.dense", "query", "value"]
+    model = peft.PeftModel.from_pretrained(ph.hf_encoder_load(c.path, c.class_name), out)
+    theirs = ph.hf_encoder_logits(model.eval(), c.tokens, c.lengths, c.token_types)
+    kwargs = {"lengths": jnp.asarray(c.lengths)}
+    if c.token_types is not None:
+        kwargs["token_types"] = jnp.asarray(c.token_types)
+    ours = np.asarray(models.build(cfg).apply(
+        {"params": lora.join(pre.params, adapters)}, jnp.asarray(c.tokens),
+        method="classify" if cfg.num_labels else None, **kwargs))
+    real = (np.arange(c.tokens.shape[1]) < c.lengths[:, None]) if ours.ndim == 3 else ...
+    np.testing.assert_allclose(ours[real], theirs[real], atol=ATOL, rtol=0)
+    _assert_round_trip(cfg, adapters, out, c.path)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -305,7 +334,8 @@ def _refused(base: str, adapter: str, *words, **kwargs) -> None:
 @pytest.mark.parametrize("field, value", [
     ("peft_type", "IA3"), ("use_dora", True), ("bias", "lora_only"),
     ("modules_to_save", ["lm_head"]), ("layers_to_transform", [0]),
-    ("layers_pattern", "layers"), ("lora_bias", True), ("a_future_switch", 3),
+    ("layers_pattern", "layers"), ("lora_bias", True), ("init_lora_weights", "pissa"),
+    ("a_future_switch", 3),
 ])
 def test_config_fields_this_project_cannot_compute_are_refused(field, value, llama_adapter):
     base, out = llama_adapter
@@ -360,6 +390,15 @@ def test_an_adapter_made_for_another_base_is_refused(tmp_path, ckpt, llama_adapt
 def test_base_names_that_name_the_base_are_accepted(name, llama_adapter):
     base, out = llama_adapter
     assert models.load(base, adapter=_edit_json(out, base_model_name_or_path=name)).config.lora
+
+
+def test_all_linear_targets_and_harmless_fields_are_accepted(llama_adapter):
+    base, out = llama_adapter
+    _edit_json(out, target_modules="all-linear", init_lora_weights="gaussian",
+               peft_version="0.21.2", eva_config=None, inference_mode=False)
+    assert models.load(base, adapter=out).config.lora.targets == (
+        "decoder.self_attention.query", "decoder.self_attention.value", "decoder.mlp.gate",
+        "decoder.mlp.down")
 
 
 def test_saving_an_adapted_model_whole_is_refused(tmp_path, ckpt):

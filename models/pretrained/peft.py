@@ -203,7 +203,7 @@ def read(adapter_dir: str, family: Family, cfg: TransformerConfig, *, base_dir: 
     shapes: dict[tuple, tuple[int, float]] = {}
     for module, names in found.items():
         shapes.update(_site_shapes(module, names, tensors, fields, blocks.get(module.name)))
-    lora = _lora_config(shapes, fields, cfg)
+    lora = _lora_config(shapes, fields)
     lora_cfg = cfg.replace(lora=lora)
     want = parameter_shapes(lora_cfg)
     tree = ParamTree(lora_cfg, None)
@@ -310,14 +310,13 @@ def _site_shapes(module: Module, names, tensors: dict, fields: dict,
     return out
 
 
-def _lora_config(shapes: dict, fields: dict, cfg: TransformerConfig) -> LoraConfig:
+def _lora_config(shapes: dict, fields: dict) -> LoraConfig:
     """Targets fully qualified, in the model's order; the most common (rank, alpha) (the
     file's r and lora_alpha first) the default, overrides for the others."""
-    order = {s: k for k, s in enumerate(shapes)}
     pairs = collections.Counter(shapes.values())
     default = ((fields["r"], fields["lora_alpha"]) if (fields["r"], fields["lora_alpha"])
                in pairs else pairs.most_common(1)[0][0])
-    targets = [".".join(s) for s in sorted(shapes, key=order.get)]
+    targets = [".".join(s) for s in shapes]
     overrides = tuple((".".join(s), r, a) for s, (r, a) in shapes.items() if (r, a) != default)
     return LoraConfig(rank=default[0], alpha=default[1], dropout=fields["lora_dropout"],
                       targets=tuple(targets), overrides=overrides,

@@ -8,13 +8,14 @@ import collections
 import os
 
 from models.config import TransformerConfig
-from models.errors import UserError
+from models.errors import UserError, is_int
 from models.pretrained.family import Family
 from models.pretrained.peft_map import Module, module_universe, modules, selects
 
 CONFIG = "adapter_config.json"
 PREFIX = "base_model.model."
 LORA_TENSORS = (".lora_A.weight", ".lora_B.weight")
+ALL_LINEAR = "all-linear"
 
 # Fields read, with their defaults (PEFT's LoraConfig's).
 READ = {"peft_type": None, "r": 8, "lora_alpha": 8, "lora_dropout": 0.0, "use_rslora": False,
@@ -38,6 +39,9 @@ HARMLESS = {"task_type", "auto_mapping", "peft_version", "revision", "inference_
             "init_lora_weights", "fan_in_fan_out", "megatron_core", "loftq_config",
             "eva_config", "corda_config", "lora_ga_config", "qalora_group_size",
             "runtime_config", "ensure_weight_tying", "bias"}
+# Initialisations that also change the base's weights (the adapter then needs that changed
+# base, unless PEFT converted it when saving, which writes init_lora_weights true).
+BASE_CHANGING_INITS = ("pissa", "olora", "corda", "loftq", "lora_ga")
 
 
 def _is_off(value) -> bool:
@@ -63,18 +67,29 @@ def check_fields(hf: dict, where: str) -> dict:
     for key, what in OFF.items():
         if not _is_off(hf.get(key)):
             refuse(key, f"{what}; this project loads plain LoRA adapters")
+    init = hf.get("init_lora_weights")
+    if isinstance(init, str) and init.lower().startswith(BASE_CHANGING_INITS):
+        refuse("init_lora_weights", "an initialisation that changed the base's weights; "
+               "save it from PEFT with path_initial_model_for_weight_conversion")
     unknown = sorted(k for k in set(hf) - set(READ) - set(OFF) - HARMLESS
                      if not _is_off(hf[k]))
     if unknown:
         shown = ", ".join(f"{k}={hf[k]!r}" for k in unknown)
         raise UserError(f"{where}/{CONFIG} has field(s) this project does not know, so it "
                          f"cannot tell whether they change the computation: {shown}")
-    fields = {k: hf.get(k, d) if hf.get(k) is not None else d for k, d in READ.items()}
+    fields = {k: hf[k] if hf.get(k) is not None else d for k, d in READ.items()}
     for key in ("rank_pattern", "alpha_pattern"):
         if not isinstance(fields[key], dict):
             refuse(key, "a dict of module name patterns")
     if not isinstance(fields["use_rslora"], bool):
         refuse("use_rslora", "true or false")
+    if not is_int(fields["r"]) or fields["r"] < 1:
+        refuse("r", "a positive int")
+    alpha = fields["lora_alpha"]
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or alpha <= 0:
+        refuse("lora_alpha", "a number > 0")
+    if fields["target_modules"] == ALL_LINEAR:      # every linear layer but the head
+        fields["target_modules"] = None
     return fields
 
 
