@@ -164,6 +164,25 @@ def test_gpt2_query_and_value_share_c_attn_in_blocks(tmp_path, ckpt):
     assert written["rank_pattern"] == {"c_attn": 6} and written["alpha_pattern"] == {"c_attn": 12}
 
 
+def test_targets_no_name_suffix_selects_alone_are_one_regex(tmp_path, seq2seq_ckpt):
+    """BART's decoder self-attention queries share every name suffix with the encoder's but
+    the layer's path: target_modules is one regex that PEFT matches whole, and PEFT adapts
+    exactly the modules written (rank_pattern too: the MLP's fc1 at rank 2)."""
+    c = seq2seq_ckpt("bart")
+    cfg = models.load(c.path).config.replace(lora=LoraConfig(
+        rank=4, targets=("decoder.self_attention.query", "encoder.mlp.up"),
+        overrides=(("encoder.mlp.up", 2, 16.0),)))
+    out = str(tmp_path / "adapter")
+    models.save_adapter(out, cfg, random_adapters(cfg, seed=4))
+    with open(os.path.join(out, peft_files.CONFIG)) as f:
+        written = json.load(f)
+    assert written["target_modules"] == (r"(?:model\.decoder\.layers\.\d+\.self_attn\.q_proj"
+                                         r"|model\.encoder\.layers\.\d+\.fc1)")
+    assert written["rank_pattern"] == {"fc1": 2}
+    model = peft.PeftModel.from_pretrained(hf_seq2seq_load(c.path), out)
+    assert sorted(peft.get_peft_model_state_dict(model)) == sorted(_file_tensors(out))
+
+
 @pytest.mark.parametrize("name", ["bert-mlm", "roberta-classifier-3-layers-relu"])
 def test_encoder_only_adapters_load_in_peft_with_our_logits(name, tmp_path, encoder_ckpt,
                                                             highest_precision):
@@ -269,6 +288,17 @@ def test_round_trip_gives_the_same_tensors(name, scan, tmp_path, ckpt, seq2seq_c
     out = str(tmp_path / "adapter")
     models.save_adapter(out, cfg, adapters)          # the adapters alone
     _assert_round_trip(cfg, adapters, out, c.path, scan_layers=scan)
+
+
+def test_an_adapter_loads_onto_a_mesh(llama_adapter):
+    """With `mesh`, the adapters go onto their shards like the base: the same values."""
+    base, out = llama_adapter
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(1, 2, 2), models.axes.AXES)
+    whole = models.load(base, adapter=out, scan_layers=True)
+    placed = models.load(base, adapter=out, scan_layers=True, mesh=mesh)
+    b_LrF = placed.params["decoder"]["layers"]["mlp"]["gate"]["lora_b"]       # [L, r, F]
+    assert b_LrF.sharding.mesh == mesh and b_LrF.sharding.spec[-1] == "tensor"
+    chex.assert_trees_all_equal(jax.tree.map(np.asarray, placed.params), whole.params)
 
 
 def test_the_projects_own_type_saves_and_loads_adapters(tmp_path):
