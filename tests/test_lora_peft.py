@@ -396,10 +396,19 @@ def test_tensors_the_base_cannot_take_are_refused(edit, words, llama_adapter):
 
 def test_a_module_peft_would_not_select_or_another_rank_is_refused(llama_adapter, tmp_path):
     base, out = llama_adapter
-    again = shutil.copytree(out, tmp_path / "again")
+    again, third = (str(shutil.copytree(out, tmp_path / n)) for n in ("again", "third"))
     _refused(base, _edit_json(out, target_modules=["q_proj", "gate_proj", "down_proj"]),
              "v_proj", "target_modules")
-    _refused(base, _edit_json(str(again), rank_pattern={"q_proj": 3}), "rank 4", "rank 3")
+    _refused(base, _edit_json(again, rank_pattern={"q_proj": 3}), "rank 4", "rank 3")
+
+    def rank_3_in_layer_1(t):
+        t[Q.format(1, "A")], t[Q.format(1, "B")] = t[Q.format(1, "A")][:3], t[Q.format(1, "B")][
+            :, :3]
+    _edit_tensors(_edit_json(third, rank_pattern={"down_proj": 2,      # as written, and:
+                                                  "layers.1.self_attn.q_proj": 3}),
+                  rank_3_in_layer_1)
+    _refused(base, third, "model.layers.1.self_attn.q_proj (layer 1) rank 3",
+             "decoder.self_attention.query rank 4", "one rank and alpha per projection")
 
 
 def test_an_adapter_made_for_another_base_is_refused(tmp_path, ckpt, llama_adapter):

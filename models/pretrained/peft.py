@@ -29,7 +29,7 @@ from safetensors.numpy import save_file
 
 from models import atomic
 from models.config import TransformerConfig
-from models.errors import UserError
+from models.errors import UserError, is_int
 from models.lora import LoraConfig, alpha_for, scale, split
 from models.pretrained import peft_checks
 from models.pretrained.convert import ParamTree, leaf_at
@@ -53,8 +53,8 @@ CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
 PREFIX = "base_model.model."            # PEFT's wrappers around the transformers model
 A, B = ".lora_A.weight", ".lora_B.weight"
-# safetensors metadata: {module name pattern: ranks of its parts} for the fused modules we
-# write with a block of lora_B per part (PEFT keeps, and ignores, the metadata).
+# safetensors metadata: {module name pattern: [[rank, alpha] of each part]} for the fused
+# modules we write with a block of lora_B per part (PEFT ignores the metadata).
 BLOCKS = "zoo_fused_blocks"
 TASKS = {"decoder_only": "CAUSAL_LM", "encoder_decoder": "SEQ_2_SEQ_LM",
          "encoder_only": "FEATURE_EXTRACTION"}
@@ -202,7 +202,7 @@ def read(adapter_dir: str, family: Family, cfg: TransformerConfig, *, base_dir: 
     blocks = _read_blocks(meta, found, tensors, fields)
     shapes: dict[tuple, tuple[int, float]] = {}
     for module, names in found.items():
-        shapes.update(_site_shapes(module, names, tensors, fields, blocks.get(module.name)))
+        _site_shapes(shapes, module, names, tensors, fields, blocks.get(module.name))
     lora = _lora_config(shapes, fields)
     lora_cfg = cfg.replace(lora=lora)
     want = parameter_shapes(lora_cfg)
@@ -245,32 +245,41 @@ def _read_blocks(meta: dict, found: dict, tensors: dict, fields: dict) -> dict:
         listed = json.loads(meta.get(BLOCKS, "{}"))
     except json.JSONDecodeError:
         return {}
+    if not isinstance(listed, dict):
+        return {}
     out = {}
     for module, names in found.items():
-        blocks = _parse_blocks(listed.get(module.name) if isinstance(listed, dict) else None,
-                               len(module.parts))
-        if blocks is None:
-            continue
-        rank = sum(blocks.ranks)
-        module_scale = scale(rank, pattern_value(fields["alpha_pattern"], names[0][1],
-                                                 fields["lora_alpha"]),
-                             rslora=fields["use_rslora"])
-        if all(not r or (isinstance(a, (int, float)) and a > 0 and np.isclose(
-                scale(r, a, rslora=fields["use_rslora"]), module_scale, rtol=1e-6, atol=0))
-               for r, a in zip(blocks.ranks, blocks.alphas, strict=True)) and all(
-                tensors[PREFIX + n + B].shape[1] == rank
-                and off_blocks_zero(module, tensors[PREFIX + n + B], blocks) for _, n in names):
+        blocks = _parse_blocks(listed.get(module.name), len(module.parts))
+        if blocks is not None and _blocks_hold(module, names, blocks, tensors, fields):
             out[module.name] = blocks
     return out
 
 
 def _parse_blocks(entry, parts: int) -> FusedBlocks | None:
-    """[[rank, alpha], ...] of each part, or None where it is not that."""
-    if not isinstance(entry, list) or len(entry) != parts or not all(
-            isinstance(e, list) and len(e) == 2 and isinstance(e[0], int) and e[0] >= 0
-            for e in entry):
+    """[[rank, alpha], ...] of each part (alpha a number > 0 where rank > 0), or None
+    where it is not that."""
+    def ok(e):
+        return (isinstance(e, list) and len(e) == 2 and is_int(e[0]) and e[0] >= 0 and (
+            e[0] == 0 or (isinstance(e[1], (int, float)) and not isinstance(e[1], bool)
+                          and e[1] > 0)))
+
+    if not isinstance(entry, list) or len(entry) != parts or not all(map(ok, entry)):
         return None
     return FusedBlocks(tuple(e[0] for e in entry), tuple(e[1] for e in entry))
+
+
+def _blocks_hold(module: Module, names, blocks: FusedBlocks, tensors: dict,
+                 fields: dict) -> bool:
+    """Whether every copy of the module is `blocks`' form: its rank their sum, each part's
+    scale the module's, zeros outside the blocks."""
+    rank, rslora = sum(blocks.ranks), fields["use_rslora"]
+    alpha = pattern_value(fields["alpha_pattern"], names[0][1], fields["lora_alpha"])
+    same_scale = all(np.isclose(scale(r, a, rslora=rslora), scale(rank, alpha, rslora=rslora),
+                                rtol=1e-6, atol=0)
+                     for r, a in zip(blocks.ranks, blocks.alphas, strict=True) if r)
+    return same_scale and all(
+        tensors[PREFIX + n + B].shape[1] == rank
+        and off_blocks_zero(module, tensors[PREFIX + n + B], blocks) for _, n in names)
 
 
 def _check_shapes(module: Module, names, tensors: dict, fields: dict, where: str) -> None:
@@ -290,10 +299,9 @@ def _check_shapes(module: Module, names, tensors: dict, fields: dict, where: str
                              f"{CONFIG} gives {name} rank {rank}")
 
 
-def _site_shapes(module: Module, names, tensors: dict, fields: dict,
-                 blocks: FusedBlocks | None) -> dict:
-    """site -> (rank, alpha) of a module's parts, one for all its layers."""
-    out = {}
+def _site_shapes(out: dict, module: Module, names, tensors: dict, fields: dict,
+                 blocks: FusedBlocks | None) -> None:
+    """Adds site -> (rank, alpha) of a module's parts to `out`: one for all the layers."""
     for i, name in names:
         rank = tensors[PREFIX + name + A].shape[0]
         alpha = pattern_value(fields["alpha_pattern"], name, fields["lora_alpha"])
@@ -303,11 +311,10 @@ def _site_shapes(module: Module, names, tensors: dict, fields: dict,
                 continue
             if out.setdefault(part.site, (r, a)) != (r, a):
                 raise UserError(
-                    f"{CONFIG} gives {name} rank {r} and alpha {a}, but layer 0 of "
-                    f"{module.name} rank {out[part.site][0]} and alpha {out[part.site][1]} "
-                    f"(layer {i}): this project's adapters have one rank and alpha per "
-                    "projection")
-    return out
+                    f"{CONFIG} gives {name} (layer {i}) rank {r} and alpha {a}, but other "
+                    f"layers of {'.'.join(part.site)} rank {out[part.site][0]} and alpha "
+                    f"{out[part.site][1]}: this project's adapters have one rank and alpha "
+                    "per projection")
 
 
 def _lora_config(shapes: dict, fields: dict) -> LoraConfig:
