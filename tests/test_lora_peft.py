@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
 import models
@@ -347,10 +348,13 @@ def _edit_json(directory: str, **fields) -> str:
 
 
 def _edit_tensors(directory: str, edit) -> str:
+    """Edits the adapter's tensors in place, keeping the file's metadata."""
     path = os.path.join(directory, peft_files.WEIGHTS)
+    with safe_open(path, framework="numpy") as f:
+        metadata = f.metadata()
     tensors = load_file(path)
     edit(tensors)
-    save_file(tensors, path)
+    save_file(tensors, path, metadata=metadata)
     return directory
 
 
@@ -429,6 +433,19 @@ def test_an_adapter_made_for_another_base_is_refused(tmp_path, ckpt, llama_adapt
 def test_base_names_that_name_the_base_are_accepted(name, llama_adapter):
     base, out = llama_adapter
     assert models.load(base, adapter=_edit_json(out, base_model_name_or_path=name)).config.lora
+
+
+def test_an_adapter_made_on_the_base_model_alone_loads(tmp_path, ckpt):
+    """PEFT on `GPT2Model` (no head) names the modules without "transformer."."""
+    case = CASES["gpt2"]
+    c = _checkpoint(case, ckpt, None)
+    cfg, _, adapters = _adapted(case, c)
+    out = str(tmp_path / "adapter")
+    models.save_adapter(out, cfg, adapters)
+    _edit_tensors(out, lambda t: t.update(
+        {k.replace(".transformer.", ".", 1): t.pop(k) for k in list(t)}))
+    assert all(".transformer." not in k for k in _file_tensors(out))
+    _assert_round_trip(cfg, adapters, out, c.path)
 
 
 def test_all_linear_targets_and_harmless_fields_are_accepted(llama_adapter):
