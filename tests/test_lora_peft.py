@@ -448,6 +448,20 @@ def test_an_adapter_made_on_the_base_model_alone_loads(tmp_path, ckpt):
     _assert_round_trip(cfg, adapters, out, c.path)
 
 
+def test_an_adapter_directory_alone_loads_onto_the_base_it_names(llama_adapter, tmp_path):
+    base, out = llama_adapter
+    alone, given = models.load(out), models.load(base, adapter=out)
+    assert alone.config == given.config
+    chex.assert_trees_all_equal(alone.params, given.params)
+    with pytest.raises(UserError, match="is itself an adapter directory"):
+        models.load(out, adapter=out)
+    with pytest.raises(UserError, match="names no base"):
+        models.load(_edit_json(str(shutil.copytree(out, tmp_path / "a")),
+                               base_model_name_or_path=None))
+    with pytest.raises(UserError, match="'org/some-model', which is not a model directory"):
+        models.load(_edit_json(out, base_model_name_or_path="org/some-model"))
+
+
 def test_all_linear_targets_and_harmless_fields_are_accepted(llama_adapter):
     base, out = llama_adapter
     _edit_json(out, target_modules="all-linear", init_lora_weights="gaussian",

@@ -170,7 +170,9 @@ def load(path: str, *, adapter: str | None = None, merge: bool = False,
     safetensors only (no pickle, no code).
 
     Args:
-        path: the directory (as `save_pretrained` or `models.save` writes it).
+        path: the directory (as `save_pretrained` or `models.save` writes it); or a
+            directory of LoRA adapters alone, loaded onto the base directory that its
+            adapter_config.json names (`base_model_name_or_path`).
         adapter: a PEFT LoRA adapter directory for this base (as PEFT's `save_pretrained`
             or `models.save_adapter` writes it): the config gets its `lora`
             (`models.lora.LoraConfig`) and the params its adapters beside the kernels
@@ -189,6 +191,12 @@ def load(path: str, *, adapter: str | None = None, merge: bool = False,
         UserError: naming the field, value or tensor that cannot be loaded exactly.
         FileNotFoundError: naming what is missing.
     """
+    if os.path.isdir(path) and peft.is_adapter_dir(path):
+        if adapter is not None:
+            raise UserError(f"{path} is itself an adapter directory: give its base as the "
+                             f"path and one adapter (adapter={adapter!r} too)")
+        return load(peft.named_base(path), adapter=path, merge=merge, check_base_name=False,
+                    mesh=mesh, rules=rules, **runtime)
     family, cfg, hf = read_config(path, **runtime)
     if os.path.exists(os.path.join(path, MANIFEST)):
         wrong = atomic.check_manifest(path, MANIFEST)

@@ -178,6 +178,32 @@ def _config_json(family: Family, cfg: TransformerConfig, ranks: dict,
 
 # Reading.
 
+def named_base(adapter_dir: str) -> str:
+    """The base model directory an adapter directory names (its adapter_config.json's
+    `base_model_name_or_path`), for loading the adapter alone.
+
+    Raises:
+        UserError: it names none, or nothing that is a directory here (a hub name: load
+            that base yourself and give the adapter with it).
+    """
+    base = _read_config(adapter_dir).get("base_model_name_or_path")
+    if not base:
+        raise UserError(f"{adapter_dir} holds an adapter whose {CONFIG} names no base "
+                         "(base_model_name_or_path); load it onto its base: "
+                         f"models.load(BASE, adapter={adapter_dir!r})")
+    if not os.path.isdir(base):
+        raise UserError(f"{adapter_dir}/{CONFIG} names base_model_name_or_path={base!r}, "
+                         "which is not a model directory here; load it onto a copy of that "
+                         f"base: models.load(BASE, adapter={adapter_dir!r})")
+    return base
+
+
+def is_adapter_dir(path: str) -> bool:
+    """A directory of adapters alone: adapter_config.json and no config.json."""
+    return (os.path.isfile(os.path.join(path, CONFIG))
+            and not os.path.exists(os.path.join(path, "config.json")))
+
+
 def read(adapter_dir: str, family: Family, cfg: TransformerConfig, *, base_dir: str,
          base_hf: dict, check_base_name: bool = True) -> tuple[LoraConfig, dict]:
     """(the LoraConfig, the adapter tree) of a PEFT adapter directory for the base model
