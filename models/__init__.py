@@ -7,6 +7,8 @@
 
     pre = models.load("path/to/model_dir")          # a Hugging Face layout directory
     models.save("out_dir", pre.config, pre.params, pre.tokenizer)
+    pre = models.load("model_dir", adapter="adapter_dir")  # a PEFT LoRA adapter (config.lora)
+    models.save_adapter("adapter_dir", pre.config, pre.params)
 """
 
 from models import axes, errors, lora
@@ -28,7 +30,7 @@ from models.masks import (
 )
 from models.prefill import prefill_in_chunks
 from models.presets import get_config, list_configs
-from models.pretrained import GenerationDefaults, Pretrained, load, save
+from models.pretrained import GenerationDefaults, Pretrained, load, save, save_adapter
 from models.transformer import DecoderOnly, EncoderDecoder, build
 
 __all__ = [
@@ -40,5 +42,5 @@ __all__ = [
     "padding_mask", "positions_like", "prefill_in_chunks", "segment_mask", "length_mask",
     "window_mask",
     "GenerationDefaults", "Pretrained",
-    "load", "save", "use_compile_cache",
+    "load", "save", "save_adapter", "use_compile_cache",
 ]

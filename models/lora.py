@@ -146,8 +146,8 @@ class LoraConfig:
         return {**dataclasses.asdict(self), "targets": list(self.targets),
                 "overrides": [list(o) for o in self.overrides]}
 
-    def shape_of(self, site: Site) -> tuple[int, float] | None:
-        """(rank, scale) of the adapter at `site`, or None where no target ends it. The
+    def rank_alpha(self, site: Site) -> tuple[int, float] | None:
+        """(rank, alpha) of the adapter at `site`, or None where no target ends it. The
         most specific matching target (most parts) decides."""
         hits = sorted((t for t in self.targets if matches(t, site)),
                       key=lambda t: -len(_parse(t)))
@@ -157,7 +157,23 @@ class LoraConfig:
         for target, r, a in self.overrides:
             if target == hits[0]:
                 rank, alpha = r, a
-        return rank, alpha / (math.sqrt(rank) if self.rslora else rank)
+        return rank, alpha
+
+    def shape_of(self, site: Site) -> tuple[int, float] | None:
+        """(rank, scale) of the adapter at `site`, or None where no target ends it."""
+        found = self.rank_alpha(site)
+        return None if found is None else (found[0], scale(*found, rslora=self.rslora))
+
+
+def scale(rank: int, alpha: float, *, rslora: bool = False) -> float:
+    """The update's factor for an adapter of `rank` and `alpha`: alpha / r, or alpha /
+    sqrt(r) with `rslora`."""
+    return alpha / (math.sqrt(rank) if rslora else rank)
+
+
+def alpha_for(rank: int, scale_: float, *, rslora: bool = False) -> float:
+    """The alpha that gives an adapter of `rank` the factor `scale_` (`scale`'s inverse)."""
+    return scale_ * (math.sqrt(rank) if rslora else rank)
 
 
 def _setter(obj):

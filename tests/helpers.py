@@ -51,6 +51,18 @@ def fns(cfg: models.TransformerConfig) -> Fns:
     return Fns(cfg)
 
 
+def random_adapters(cfg: models.TransformerConfig, seed: int) -> dict:
+    """LoRA adapters of `cfg.lora` (`models.lora.split`'s second tree), every value random
+    (B too, not the zeros of `init`), without running `init`."""
+    tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)
+    args = (tokens, tokens) if cfg.is_encoder_decoder else (tokens,)
+    init = functools.partial(models.build(cfg).init, method="classify" if cfg.num_labels else None)
+    shapes = jax.eval_shape(init, jax.random.key(0), *args)["params"]
+    rng = np.random.default_rng(seed)
+    return jax.tree.map(lambda s: jnp.asarray(rng.normal(0.0, 0.15, s.shape), s.dtype),
+                        models.lora.split(shapes)[1])
+
+
 def random_tokens(seed: int, shape, vocab_size: int) -> jax.Array:
     """Ids in [3, V): never pad, eos or bos."""
     return jnp.asarray(np.random.default_rng(seed).integers(3, vocab_size, shape), jnp.int32)

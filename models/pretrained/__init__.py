@@ -4,6 +4,10 @@
     pre.model, pre.config, pre.params, pre.tokenizer, pre.generation
     models.save("out", pre.config, pre.params, pre.tokenizer)
 
+    pre = models.load("base", adapter="adapter")    # a PEFT LoRA adapter: config.lora set
+    pre = models.load("base", adapter="adapter", merge=True)     # folded into the weights
+    models.save_adapter("adapter", pre.config, pre.params, base_name_or_path="base")
+
 Each `model_type` is one small module here (its config map and weight map as tables, read
 in both directions), found through `FAMILIES`. A config that a Hugging Face class expresses
 is saved as that class (transformers loads it with the same logits); any other config is
@@ -51,8 +55,9 @@ import dataclasses
 import os
 
 import flax.linen as nn
+import jax
 
-from models import atomic, axes
+from models import atomic, axes, lora
 from models.config import TransformerConfig
 from models.errors import UserError
 from models.pretrained import (
@@ -63,6 +68,7 @@ from models.pretrained import (
     llama,
     marian,
     mistral,
+    peft,
     qwen2,
     qwen3,
     roberta,
@@ -159,14 +165,26 @@ def read_config(path: str, **runtime) -> tuple[Family, TransformerConfig, dict]:
     return family, (cfg.replace(**runtime) if runtime else cfg), hf
 
 
-def load(path: str, *, mesh=None, rules=None, allow_non_finite: bool = False,
+def load(path: str, *, adapter: str | None = None, merge: bool = False,
+         check_base_name: bool = True, mesh=None, rules=None, allow_non_finite: bool = False,
          **runtime) -> Pretrained:
     """Reads a model directory: config.json, safetensors weights (sharded or not, any
     float dtype, cast to `param_dtype`), the tokenizer files if any, and
-    generation_config.json if any. Reads JSON and safetensors only (no pickle, no code).
+    generation_config.json if any; and a LoRA adapter for it if asked. Reads JSON and
+    safetensors only (no pickle, no code).
 
     Args:
-        path: the directory (as `save_pretrained` or `models.save` writes it).
+        path: the directory (as `save_pretrained` or `models.save` writes it); or a
+            directory of LoRA adapters alone, loaded onto the base directory that its
+            adapter_config.json names (`base_model_name_or_path`).
+        adapter: a PEFT LoRA adapter directory for this base (as PEFT's `save_pretrained`
+            or `models.save_adapter` writes it): the config gets its `lora`
+            (`models.lora.LoraConfig`) and the params its adapters beside the kernels
+            (`models.lora.join`).
+        merge: fold the adapter into the kernels (`models.lora.merge`): the plain model,
+            `config.lora` None.
+        check_base_name: refuse an adapter whose `base_model_name_or_path` names another
+            base (see `models.pretrained.peft_checks.check_base`).
         mesh: a (data, fsdp, tensor) `jax.sharding.Mesh`: each array is put onto its
             shards as it is read (by its logical axes and `rules`, default
             `models.axes.DEFAULT_RULES`), so no device holds the whole model.
@@ -184,18 +202,35 @@ def load(path: str, *, mesh=None, rules=None, allow_non_finite: bool = False,
             so dropped from the config, as transformers runs it).
         FileNotFoundError: naming what is missing.
     """
+    if os.path.isdir(path) and peft.is_adapter_dir(path):
+        if adapter is not None:
+            raise UserError(f"{path} is itself an adapter directory: give its base as the "
+                             f"path and one adapter (adapter={adapter!r} too)")
+        return load(peft.named_base(path), adapter=path, merge=merge, check_base_name=False,
+                    mesh=mesh, rules=rules, allow_non_finite=allow_non_finite, **runtime)
     family, cfg, hf = read_config(path, **runtime)
     if os.path.exists(os.path.join(path, MANIFEST)):
         wrong = atomic.check_manifest(path, MANIFEST)
         if wrong:
             raise UserError(f"{path} has changed since it was saved: {wrong}")
+    if merge and adapter is None:
+        raise UserError("merge=True needs an adapter to merge (adapter=DIR)")
+    adapted, adapters = None, {}
+    if adapter is not None:
+        adapted, adapters = peft.read(adapter, family, cfg, base_dir=path, base_hf=hf,
+                                      check_base_name=check_base_name)
     shardings = None
     if mesh is not None:
-        shardings = axes.param_shardings(build(cfg), mesh, rules or axes.DEFAULT_RULES)
+        shardings = axes.param_shardings(build(cfg.replace(lora=adapted)), mesh,
+                                         rules or axes.DEFAULT_RULES)
+        adapters = jax.device_put(adapters, lora.split(shardings)[1])
     with Weights(path) as weights:
-        params = read_params(weights, family, cfg, shardings,
-                             allow_non_finite=allow_non_finite)
+        params = lora.join(read_params(weights, family, cfg, shardings,
+                                       allow_non_finite=allow_non_finite), adapters)
     cfg, generation = with_generation(path, hf, cfg)     # an encoder-decoder's start id
+    cfg = cfg.replace(lora=adapted)
+    if merge:
+        cfg, params = lora.merge(cfg, params)
     return Pretrained(model=build(cfg), config=cfg, params=params,
                       tokenizer=load_tokenizer(path, missing_ok=True),
                       generation=generation, model_type=family.model_type)
@@ -218,7 +253,16 @@ def save(path: str, config: TransformerConfig, params, tokenizer: Tokenizer | No
 
     Returns:
         The model_type written.
+
+    Raises:
+        UserError: `config.lora` set (fold the adapters in with `models.lora.merge`, or
+            save them alone with `models.save_adapter`).
     """
+    if config.lora is not None:
+        raise UserError("models.save writes a plain model, but config.lora is set: merge "
+                         "the adapters into the weights first (models.lora.merge(config, "
+                         "params)), or save them alone as a PEFT adapter "
+                         "(models.save_adapter)")
     family = _family_for(config, model_type)
     # A Hugging Face config's "dtype" is the weights' (ours keeps its compute dtype there).
     # A family whose class follows the config (BERT's masked-LM or classifier) names it.
@@ -233,6 +277,42 @@ def save(path: str, config: TransformerConfig, params, tokenizer: Tokenizer | No
             tokenizer.save(tmp)
         atomic.write_manifest(tmp, MANIFEST)
     return family.model_type
+
+
+def save_adapter(path: str, config: TransformerConfig, params, *,
+                 model_type: str | None = None, base_name_or_path: str = "") -> str:
+    """Writes the LoRA adapters of `params` (a joined tree or the adapters alone) for
+    `config.lora` as a PEFT adapter directory (adapter_config.json and
+    adapter_model.safetensors), whole or not at all: PEFT's `PeftModel.from_pretrained`
+    loads it onto the transformers model of the base, and `load(base, adapter=path)` onto
+    ours.
+
+    Args:
+        model_type: the base's type, whose module names the tensors take (default: the
+            type `save` would write the base as).
+        base_name_or_path: the base, as adapter_config.json's `base_model_name_or_path`
+            (which `load` checks).
+
+    Returns:
+        The model_type whose names were written.
+
+    Raises:
+        UserError: `config.lora` None, an adapter missing from `params`, or fused
+            projections adapted at different scales (see `models.pretrained.peft.write`).
+    """
+    family = _family_for(config.replace(lora=None), model_type)
+    peft.write(path, family, config, params, base_name_or_path=base_name_or_path)
+    return family.model_type
+
+
+def read_adapter(adapter: str, base: str, *, check_base_name: bool = True,
+                 **runtime) -> tuple[lora.LoraConfig, dict]:
+    """(the `LoraConfig`, the adapter tree) of a PEFT adapter directory for the base model
+    directory `base` (`runtime` as in `load`); `models.lora.join` the tree with the base's
+    parameters. `load(base, adapter=adapter)` is this plus the base."""
+    family, cfg, hf = read_config(base, **runtime)
+    return peft.read(adapter, family, cfg, base_dir=base, base_hf=hf,
+                     check_base_name=check_base_name)
 
 
 def _family_for(config: TransformerConfig, model_type: str | None) -> Family:
@@ -250,4 +330,4 @@ def _family_for(config: TransformerConfig, model_type: str | None) -> Family:
 
 
 __all__ = ["FAMILIES", "GenerationDefaults", "Pretrained", "generation_defaults", "load",
-           "read_config", "save"]
+           "read_adapter", "read_config", "save", "save_adapter"]

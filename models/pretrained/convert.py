@@ -98,7 +98,7 @@ def read_params(weights: Weights, family: Family, cfg: TransformerConfig,
                       + "; ".join(plan.notes), stacklevel=3)
     initial = initial_params(cfg, [p for _, theirs, ours in entries if set(theirs) <= plan.fresh
                                    for p in ours]) if plan.fresh else {}
-    tree = _Tree(cfg, shardings)
+    tree = ParamTree(cfg, shardings)
     non_finite = []                       # "key: n NaN, m Inf of size" of every such tensor
     for rule, theirs, ours in entries:
         if set(theirs) <= plan.fresh:
@@ -195,7 +195,7 @@ def _plan(weights: Weights, family: Family, cfg: TransformerConfig, entries) -> 
     return _Plan({k: keys[0] for k, keys in stored.items() if keys}, fresh, notes)
 
 
-class _Tree:
+class ParamTree:
     """The parameter tree being read: a whole leaf is placed at once, a layer's slice is
     held until every layer of its leaf is there. A leaf goes onto its sharding (each
     device gets only its part) or the default device."""
@@ -220,7 +220,7 @@ class _Tree:
             self._put(slot, np.stack([layers[i] for i in range(len(layers))]))
 
     def _put(self, slot: tuple[str, ...], array: np.ndarray) -> None:
-        where = None if self.shardings is None else _get(self.shardings, slot, "/".join(slot))
+        where = None if self.shardings is None else leaf_at(self.shardings, slot, "/".join(slot))
         _put(self.params, slot, jax.device_put(array, where))
 
 
@@ -281,7 +281,7 @@ def theirs_tensors(family: Family, cfg: TransformerConfig,
         arrays = []
         for path in ours:
             slot, index = our_slot(path, cfg)
-            leaf = _get(params, slot, path)
+            leaf = leaf_at(params, slot, path)
             arrays.append(np.asarray(leaf if index is None else leaf[index]))  # one layer
         yield from zip(theirs, rule.layout.to_theirs(arrays, cfg), strict=True)
 
@@ -298,7 +298,7 @@ def _put(tree: dict, slot: tuple[str, ...], value) -> None:
     tree[slot[-1]] = value
 
 
-def _get(tree, slot: tuple[str, ...], path: str):
+def leaf_at(tree, slot: tuple[str, ...], path: str):
     try:
         for key in slot:
             tree = tree[key]
