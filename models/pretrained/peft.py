@@ -228,7 +228,7 @@ def read(adapter_dir: str, family: Family, cfg: TransformerConfig, *, base_dir: 
     blocks = _read_blocks(meta, found, tensors, fields)
     shapes: dict[tuple, tuple[int, float]] = {}
     for module, names in found.items():
-        _site_shapes(shapes, module, names, tensors, fields, blocks.get(module.name))
+        _site_shapes(shapes, module, names, tensors, fields, blocks=blocks.get(module.name))
     lora = _lora_config(shapes, fields)
     lora_cfg = cfg.replace(lora=lora)
     want = parameter_shapes(lora_cfg)
@@ -325,7 +325,7 @@ def _check_shapes(module: Module, names, tensors: dict, fields: dict, where: str
                              f"{CONFIG} gives {name} rank {rank}")
 
 
-def _site_shapes(out: dict, module: Module, names, tensors: dict, fields: dict,
+def _site_shapes(out: dict, module: Module, names, tensors: dict, fields: dict, *,
                  blocks: FusedBlocks | None) -> None:
     """Adds site -> (rank, alpha) of a module's parts to `out`: one for all the layers."""
     for i, name in names:
