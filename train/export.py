@@ -53,7 +53,7 @@ def write_outputs(workdir: str, config: models.TransformerConfig, params,
     A plain model: `write_model` into `out` (default WORKDIR/model). An adapted one
     (`config.lora`): its adapters into `out` (default WORKDIR/adapter) in PEFT's layout,
     naming `base` (the `init_from` directory) as theirs; with `merged`, also the adapters
-    merged into the weights as WORKDIR/model.
+    merged into `base`'s weights as WORKDIR/model.
     """
     if config.lora is None:
         out = out or os.path.join(workdir, "model")
@@ -64,7 +64,11 @@ def write_outputs(workdir: str, config: models.TransformerConfig, params,
     models.save_adapter(out, config, params, model_type=model_type,
                         base_name_or_path=os.path.abspath(base) if base else "")
     if merged:
-        plain, merged_params = models.lora.merge(config, params)
+        # Merged into the directory's own weights (as the adapters apply to them), not
+        # into the run's copy of the base, which may be stored rounded (lora.base_dtype).
+        plain, merged_params = (
+            (config.replace(lora=None), models.load(base, adapter=out, merge=True).params)
+            if base else models.lora.merge(config, params))
         write_model(os.path.join(workdir, "model"), plain, merged_params, tokenizer,
                     model_type=model_type, generation=generation)
     return out
