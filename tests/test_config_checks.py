@@ -35,14 +35,17 @@ def _error(config) -> str:
 
 def test_every_key_of_the_base_config_has_a_rule():
     base = base_config().to_dict()
-    keys = set(base) | {f"scheduled_sampling.{k}" for k in base["scheduled_sampling"]}
+    keys = set(base) | {f"{part}.{k}" for part in ("scheduled_sampling", "lora")
+                        for k in base[part]}
     assert set(RULES) == keys
 
 
 @pytest.mark.parametrize("name", configs.names())
 def test_the_shipped_configs_pass(name, tmp_path):
     config = configs.get(name)
-    if name.startswith("finetune_"):  # its data files and model directory are the user's
+    if name == "finetune_lora":       # adapters of the user's model directory
+        assert _error(config).startswith("lora.rank=16 adapts a trained model: set init_from")
+    elif name.startswith("finetune_"):  # its data files and model directory are the user's
         assert _error(config) == ("data_files='' must name one or more files "
                                   f"(comma-separated) for dataset={config.dataset!r}")
     elif name == "draft":             # it reads the default run's model directory
