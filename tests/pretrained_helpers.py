@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import decode
 import models
 from tests import helpers
 
@@ -433,3 +434,24 @@ def encoder_ckpt(tmp_path_factory):
     """encoder_ckpt(name): the encoder-only case's checkpoint, built once."""
     root = str(tmp_path_factory.getbasetemp() / "hf_encoder_checkpoints")
     return lambda name: encoder_checkpoint(name, root)
+
+
+def assert_greedy_equals_generate(pre, c, *, filler: int, n_new: int = 10) -> None:
+    """Ours decodes `c`'s first two prompts (PROMPT_LENS tokens) in one right-padded batch,
+    the padding `filler`; transformers' `generate` decodes each alone, unpadded (its left
+    padding would count pad slots in a sliding window). Both stop at end token 2; ours
+    fills with pad 4 after it."""
+    prompts = np.where(np.arange(T)[None, :] < PROMPT_LENS[:, None], c.tokens, filler)[:, :8]
+    ours = decode.generate(pre.model, pre.params, prompts, PROMPT_LENS.astype(np.int32),
+                           max_new_tokens=n_new)
+    for b, n in enumerate(PROMPT_LENS):
+        with torch.no_grad():
+            theirs = c.model.generate(
+                torch.as_tensor(c.tokens[b:b + 1, :n], dtype=torch.long),
+                attention_mask=torch.ones((1, int(n)), dtype=torch.long),
+                max_new_tokens=n_new, do_sample=False, num_beams=1, eos_token_id=2,
+                pad_token_id=4)[0, n:].numpy()
+        length = int(ours.lengths[b])
+        np.testing.assert_array_equal(np.asarray(ours.tokens[b, :length]), theirs,
+                                      err_msg=f"row {b}")
+        assert np.all(np.asarray(ours.tokens[b, length:]) == 4)          # the config's pad

@@ -12,8 +12,8 @@ import pytest
 
 import decode.__main__ as decode_cli
 import models
-from tests.test_finetune import gpt2_dir  # noqa: F401  (a fixture: a tiny GPT-2 and a book)
-from tests.train_helpers import tiny_train_config, train_metric_rows
+from tests.test_finetune import _finetune_config, gpt2_dir  # noqa: F401  (gpt2_dir: a fixture)
+from tests.train_helpers import train_metric_rows
 from train import checkpoint, configs
 from train.trainer import train_and_evaluate
 
@@ -23,13 +23,8 @@ peft = pytest.importorskip("peft")
 
 
 def _lora_config(data_dir, gpt2_dir, steps, **lora):  # noqa: F811
-    model_dir, book = gpt2_dir
-    c = tiny_train_config(data_dir, init_from=model_dir, dataset="local_text",
-                          data_files=book, num_train_steps=steps, learning_rate=1e-2,
-                          lr_decay="constant", warmup_steps=1, label_smoothing=0.0,
-                          max_source_length=32, max_target_length=32, max_decode_length=32,
-                          eval_per_device_batch_size=8, checkpoint_every_steps=4)
-    c.model_overrides = type(c.model_overrides)()
+    c = _finetune_config(data_dir, gpt2_dir, steps)       # the same run, adapters on top
+    c.update(learning_rate=1e-2, checkpoint_every_steps=4)
     defaults = configs.get("finetune_lora").lora
     c.lora.update(defaults.to_dict())
     c.lora.update(rank=4, alpha=8.0, dropout=0.0, **lora)

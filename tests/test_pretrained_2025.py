@@ -23,15 +23,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import decode
 import models
 from models.pretrained import FAMILIES
 from tests import pretrained_helpers as ph
 from tests.helpers import fns
 from tests.pretrained_helpers import (
-    PROMPT_LENS,
     SPECIAL,
-    T,
     assert_same_params,
     assert_same_tensors,
     copy_dir,
@@ -133,22 +130,7 @@ def test_loaded_model_gives_transformers_logits_forward_prefill_and_steps(
 @pytest.mark.parametrize("name", CASES)
 def test_greedy_generate_on_a_ragged_batch_equals_transformers_generate(
         name, ckpt, highest_precision):
-    c = ckpt(name)
-    pre = models.load(c.path)
-    n_new = 10
-    prompts = np.where(np.arange(T)[None, :] < PROMPT_LENS[:, None], c.tokens, 3)[:, :8]
-    ours = decode.generate(pre.model, pre.params, prompts, PROMPT_LENS.astype(np.int32),
-                           max_new_tokens=n_new)
-    for b, n in enumerate(PROMPT_LENS):
-        with torch.no_grad():
-            theirs = c.model.generate(
-                torch.as_tensor(c.tokens[b:b + 1, :n], dtype=torch.long),
-                attention_mask=torch.ones((1, int(n)), dtype=torch.long),
-                max_new_tokens=n_new, do_sample=False, num_beams=1, eos_token_id=2,
-                pad_token_id=4)[0, n:].numpy()
-        length = int(ours.lengths[b])
-        np.testing.assert_array_equal(np.asarray(ours.tokens[b, :length]), theirs,
-                                      err_msg=f"row {b}")
+    ph.assert_greedy_equals_generate(models.load(ckpt(name).path), ckpt(name), filler=3)
 
 
 # ---------------------------------------------------------------------------------------------
