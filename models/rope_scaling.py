@@ -137,7 +137,14 @@ class LongRopeScaling:
     decides alone, so a row's logits never depend on the other rows (the same for a batch
     of one, or rows on the same side of `original_max_len`). Keys already cached keep the
     factors they were rotated with, as in transformers' cache. In a ragged prefill the
-    row's length is the width written (its padding slots included)."""
+    row's length is the width written (its padding slots included).
+
+    Phi3ForCausalLM's `generate` differs once: when a sequence first grows past
+    `original_max_len` it drops its cache and runs the whole sequence again, so every key
+    (of every layer) is then computed with the long factors. Here the cache is kept, as
+    transformers' own cached forward keeps it: greedy decoding that crosses
+    `original_max_len` can differ from Phi-3's `generate` after the crossing (prompts
+    already past it, or sequences that stay within it, decode the same)."""
 
     short_factor: tuple[float, ...]
     long_factor: tuple[float, ...]
