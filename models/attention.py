@@ -15,60 +15,21 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, Int
 
 from models.axes import LORA_STACKED_A_INIT, ZEROS, named, stacked_projection_init
 from models.cache import KVCache
-from models.config import Llama3RopeScaling, TransformerConfig
+from models.config import TransformerConfig
 from models.kernels import attend, dot_product_attention, merge
 from models.layers import make_norm
 from models.masks import MaskSpec
 from models.projection import Projection, adapted
 from models.relative import RelativeBias
+from models.rope import apply_rope, rope_frequencies, rope_tables
 
 __all__ = ["CrossAttention", "CrossKVProjection", "SelfAttention", "apply_rope",
            "dot_product_attention", "rope_frequencies"]
-
-
-def rope_frequencies(head_dim: int, theta: float,
-                     scaling: Llama3RopeScaling | None = None) -> np.ndarray:
-    """float32[H/2] angular frequencies of the rotary pairs: theta ** (-2i / H), optionally
-    rescaled as Llama 3.1 does (see `Llama3RopeScaling`).
-
-        wavelength 2 pi / f   > original / low_freq_factor   ->  f / factor
-                              < original / high_freq_factor  ->  f
-                              in between                     ->  (1 - s) f / factor + s f,
-                              s = (original / wavelength - low) / (high - low)
-    """
-    inv_freq_h = (1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
-    inv_freq_h = inv_freq_h.astype(np.float32)
-    if scaling is None:
-        return inv_freq_h
-    wavelength = 2 * np.pi / inv_freq_h
-    low, high = scaling.low_freq_factor, scaling.high_freq_factor
-    smooth = (scaling.original_max_len / wavelength - low) / (high - low)
-    interpolated = (1 - smooth) * inv_freq_h / scaling.factor + smooth * inv_freq_h
-    scaled = np.where(wavelength > scaling.original_max_len / low,
-                      inv_freq_h / scaling.factor, inv_freq_h)
-    medium = (wavelength >= scaling.original_max_len / high) & (
-        wavelength <= scaling.original_max_len / low)
-    return np.where(medium, interpolated, scaled).astype(np.float32)
-
-
-def apply_rope(x_BTNH: Float[Array, "B T N H"], positions_BT: Int[Array, "B T"],
-               inv_freq_h: Float[Array, " h"]) -> Float[Array, "B T N H"]:
-    """Rotary position embedding (rotate-half form), computed in float32.
-
-    Channel i of the first half and channel i of the second half form a pair rotated by
-    angle position * inv_freq_h[i] (see `rope_frequencies`).
-    """
-    angle_BTh = positions_BT.astype(jnp.float32)[:, :, None] * inv_freq_h[None, None, :]
-    sin_BT1h, cos_BT1h = jnp.sin(angle_BTh)[:, :, None, :], jnp.cos(angle_BTh)[:, :, None, :]
-    x1, x2 = jnp.split(x_BTNH.astype(jnp.float32), 2, axis=-1)
-    out = jnp.concatenate([x1 * cos_BT1h - x2 * sin_BT1h, x2 * cos_BT1h + x1 * sin_BT1h], axis=-1)
-    return out.astype(x_BTNH.dtype)
 
 
 def _dense_heads(config: TransformerConfig, heads: int, name: str) -> Projection:
@@ -165,9 +126,9 @@ class SelfAttention(nn.Module):
             q_BTNH = make_norm(cfg, "query_norm", axis="head_dim")(q_BTNH)
             k_BTKH = make_norm(cfg, "key_norm", axis="head_dim")(k_BTKH)
         if cfg.positions == "rope":
-            inv_freq_h = rope_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-            q_BTNH = apply_rope(q_BTNH, positions_BT, inv_freq_h)
-            k_BTKH = apply_rope(k_BTKH, positions_BT, inv_freq_h)
+            inv_freq, scale = rope_tables(cfg, positions_BT)
+            q_BTNH = apply_rope(q_BTNH, positions_BT, inv_freq, scale)
+            k_BTKH = apply_rope(k_BTKH, positions_BT, inv_freq, scale)
         if read_only:
             out_BTNH = _attend_new(self, q_BTNH, cache.read(layer), (k_BTKH, v_BTKH),
                                    positions_BT=positions_BT, spec=spec, bias=bias)

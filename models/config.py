@@ -27,6 +27,14 @@ import numpy as np
 
 from models.errors import UserError, check_positive_int, is_int
 from models.lora import LoraConfig, check_against
+from models.rope_scaling import (
+    DynamicRopeScaling,
+    LinearRopeScaling,
+    LongRopeScaling,
+    YarnRopeScaling,
+    scaling_from_dict,
+    scaling_to_dict,
+)
 
 Architecture = Literal["decoder_only", "encoder_decoder", "encoder_only"]
 PositionKind = Literal["sinusoidal", "sinusoidal_paper", "learned", "rope", "relative"]
@@ -62,6 +70,9 @@ class Llama3RopeScaling:
             raise UserError(
                 f"TransformerConfig.rope_scaling: high_freq_factor={self.high_freq_factor} "
                 f"must be above low_freq_factor={self.low_freq_factor}")
+
+RopeScaling = (Llama3RopeScaling | LinearRopeScaling | DynamicRopeScaling | YarnRopeScaling
+               | LongRopeScaling)
 
 _POSITIVE = ("vocab_size", "d_model", "num_heads", "num_kv_heads", "head_dim", "mlp_dim",
              "max_len", "num_layers", "num_encoder_layers", "num_decoder_layers",
@@ -101,7 +112,11 @@ class TransformerConfig:
             buckets (half for each direction in an encoder) and the distance at which the
             logarithmically growing buckets stop.
         rope_theta: the rotary base frequency.
-        rope_scaling: None, or a `Llama3RopeScaling` of the rotary frequencies.
+        rope_scaling: None, or a scaling of the rotary frequencies: `Llama3RopeScaling`,
+            or one of `models.rope_scaling` (linear, dynamic NTK, YaRN, LongRoPE); a dict
+            names its class under "kind" (none: Llama 3's).
+        partial_rotary_factor: the fraction of each head's H channels that RoPE rotates
+            (the first int(H * f), an even number; the rest pass unchanged): 1.0 rotates all.
         norm: "layernorm" or "rmsnorm"; norm_position: "pre" (x + f(norm(x)), with a final
             norm after the stack) or "post" (norm(x + f(x)), as in Vaswani et al.).
         norm_eps: epsilon of every norm.
@@ -184,7 +199,8 @@ class TransformerConfig:
     relative_buckets: int = 32
     relative_max_distance: int = 128
     rope_theta: float = 10_000.0
-    rope_scaling: Llama3RopeScaling | None = None
+    rope_scaling: RopeScaling | None = None
+    partial_rotary_factor: float = 1.0
     norm: NormKind = "layernorm"
     norm_position: NormPosition = "pre"
     norm_eps: float = 1e-6
@@ -224,12 +240,8 @@ class TransformerConfig:
             value = getattr(self, field.name)
             if field.name in ("dtype", "param_dtype"):
                 value = _float_dtype(field.name, value)
-            elif field.name == "rope_scaling" and isinstance(value, dict):
-                known = {f.name for f in dataclasses.fields(Llama3RopeScaling)}
-                if set(value) - known:
-                    raise UserError(f"TransformerConfig.rope_scaling has unknown keys "
-                                     f"{sorted(set(value) - known)}; known: {sorted(known)}")
-                value = Llama3RopeScaling(**value)
+            elif field.name == "rope_scaling":
+                value = _rope_scaling(value)
             elif field.name == "lora" and isinstance(value, dict):
                 value = LoraConfig.from_dict(value)
             elif field.name in _POSITIVE and value is not None:
@@ -307,6 +319,7 @@ class TransformerConfig:
         if self.rope_scaling is not None and self.positions != "rope":
             raise UserError(f"TransformerConfig.rope_scaling={self.rope_scaling} needs "
                              f"positions='rope', not {self.positions!r}")
+        self._validate_rope()
         if self.lora is not None:
             check_against(self.lora, self)
         if self.is_encoder_decoder and self.bos_id is None:
@@ -319,7 +332,34 @@ class TransformerConfig:
                     f"TransformerConfig.{name}={value!r} must be an int in "
                     f"[0, vocab_size={self.vocab_size})")
 
+    def _validate_rope(self):
+        f, s = self.partial_rotary_factor, self.rope_scaling
+        if f != 1.0 and self.positions != "rope":
+            raise UserError(f"TransformerConfig.partial_rotary_factor={f} needs "
+                             f"positions='rope', not {self.positions!r}")
+        if self.positions == "rope" and (not 0.0 < f <= 1.0 or self.rope_dim < 2
+                                         or self.rope_dim % 2):
+            raise UserError(f"TransformerConfig.partial_rotary_factor={f} must be in (0, 1] "
+                             f"and rotate an even number of channels (int(head_dim={self.head_dim}"
+                             f" * {f}) = {int(self.head_dim * f)})")
+        if isinstance(s, DynamicRopeScaling) and self.max_len > s.original_max_len:
+            raise UserError(
+                f"TransformerConfig.max_len={self.max_len} exceeds the dynamic RoPE scaling's "
+                f"original_max_len={s.original_max_len}: past it transformers rescales from "
+                "the longest sequence each module has seen over the whole batch (state kept "
+                "between calls), which no call here can compute; within it the frequencies "
+                "are unscaled")
+        if isinstance(s, LongRopeScaling) and len(s.short_factor) != self.rope_dim // 2:
+            raise UserError(f"TransformerConfig.rope_scaling: longrope has "
+                             f"{len(s.short_factor)} factors for {self.rope_dim // 2} rotary "
+                             "frequencies")
+
     # Derived quantities, so no caller recomputes them.
+    @property
+    def rope_dim(self) -> int:
+        """The channels of each head that RoPE rotates (the first ones)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
     @property
     def is_encoder_decoder(self) -> bool:
         return self.architecture == "encoder_decoder"
@@ -335,6 +375,8 @@ class TransformerConfig:
         out["dtype"], out["param_dtype"] = self.dtype.name, self.param_dtype.name
         if self.lora is not None:
             out["lora"] = self.lora.to_dict()
+        if self.rope_scaling is not None:
+            out["rope_scaling"] = scaling_to_dict(self.rope_scaling)
         return out
 
     @classmethod
@@ -395,6 +437,16 @@ def _typed(name: str, value, tp):
         return float(value)
     raise UserError(f"TransformerConfig.{name}={value!r} must be {tp.__name__}, "
                      f"not {type(value).__name__}")
+
+
+def _rope_scaling(value):
+    """None, one of the scaling classes, or one from its dict (`scaling_from_dict`)."""
+    if value is None or isinstance(value, typing.get_args(RopeScaling)):
+        return value
+    if isinstance(value, dict):
+        return scaling_from_dict(value, Llama3RopeScaling)
+    raise UserError(f"TransformerConfig.rope_scaling={value!r} must be a RoPE scaling or a "
+                     "dict of its fields")
 
 
 def _label_names(value) -> tuple[str, ...]:

@@ -71,6 +71,11 @@ _PRESETS: dict[str, dict] = {
         _LLAMA, vocab_size=256_000, d_model=2048, num_heads=8, num_kv_heads=1, head_dim=256,
         mlp_dim=16_384, num_layers=18, max_len=8192, activation="geglu",
         norm_scale_offset=1.0, scale_embeddings=True, tie_embeddings=True, norm_eps=1e-6),
+    # Phi-3-mini (Microsoft, 2024; the 4k context model): Llama-style, multi-head attention,
+    # a sliding window of 2047, an untied head; its checkpoints fuse q/k/v and gate/up.
+    "phi3-mini": dict(
+        _LLAMA, vocab_size=32_064, d_model=3072, num_heads=32, mlp_dim=8192, num_layers=32,
+        max_len=4096, sliding_window=2047, norm_eps=1e-5),
     # A small Llama-style model: RMSNorm, RoPE, SwiGLU, grouped-query attention, no biases.
     "llama-small": dict(
         _LLAMA, vocab_size=32_000, d_model=768, num_heads=12, num_kv_heads=4, mlp_dim=2048,

@@ -177,8 +177,9 @@ def test_a_bfloat16_checkpoint_loads_exactly(name, ckpt, tmp_path):
 REFUSED = [
     ("qwen3-gqa-head-dim", dict(attention_bias=True), ["attention_bias", "True"]),
     ("qwen3-gqa-head-dim", dict(hidden_act="gelu"), ["hidden_act", "gelu"]),
-    ("qwen3-gqa-head-dim", dict(rope_parameters={"rope_type": "yarn", "factor": 2.0,
-                                                 "rope_theta": 1e4}), ["rope_type", "yarn"]),
+    ("qwen3-gqa-head-dim", dict(rope_parameters={"rope_type": "proportional", "factor": 2.0,
+                                                 "rope_theta": 1e4}),
+     ["rope_type", "proportional"]),
     # Full and sliding layers in one stack: as transformers derives them, and as listed.
     ("qwen3-gqa-head-dim", dict(use_sliding_window=True, sliding_window=4, max_window_layers=1,
                                 layer_types=None), ["max_window_layers", "1", "one attention"]),
@@ -196,9 +197,9 @@ REFUSED = [
      ["hidden_activation", "silu", "v4 and v5"]),
     ("gemma-mqa-tied-head-dim", dict(use_bidirectional_attention=True),
      ["use_bidirectional_attention", "True"]),
-    ("gemma-mqa-tied-head-dim", dict(rope_parameters={"rope_type": "linear", "factor": 2.0,
+    ("gemma-mqa-tied-head-dim", dict(rope_parameters={"rope_type": "linear",
                                                       "rope_theta": 1e4}),
-     ["rope_type", "linear"]),
+     ["linear", "needs factor"]),
     ("gemma-mqa-tied-head-dim", dict(final_logit_softcapping=30.0),
      ["final_logit_softcapping"]),
 ]

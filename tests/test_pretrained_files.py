@@ -195,17 +195,20 @@ def _v4_rope(rope_scaling, rope_theta=10_000.0):
 
 
 REFUSED = {
-    "llama-yarn": ("llama-mha-untied-bias", _set(rope_parameters={
-        "rope_type": "yarn", "factor": 2.0, "rope_theta": 10_000.0,
-        "original_max_position_embeddings": 16}), ["rope_type", "yarn"]),
-    "llama-linear": ("llama-mha-untied-bias", _set(rope_parameters={
-        "rope_type": "linear", "factor": 2.0, "rope_theta": 10_000.0}),
-        ["rope_type", "linear"]),
-    "llama-v4-yarn": ("llama-mha-untied-bias", _v4_rope({"type": "yarn", "factor": 2.0}),
-                      ["rope_type", "yarn"]),
-    "llama-v4-dynamic": ("llama-mha-untied-bias",
-                         _v4_rope({"rope_type": "dynamic", "factor": 2.0}),
-                         ["rope_type", "dynamic"]),
+    "llama-yarn-without-factor": ("llama-mha-untied-bias", _set(rope_parameters={
+        "rope_type": "yarn", "rope_theta": 10_000.0, "original_max_position_embeddings": 16}),
+        ["rope_type", "yarn", "needs factor"]),
+    "llama-proportional": ("llama-mha-untied-bias", _set(rope_parameters={
+        "rope_type": "proportional", "factor": 2.0, "rope_theta": 10_000.0}),
+        ["rope_type", "proportional"]),
+    "llama-v4-su": ("llama-mha-untied-bias", _v4_rope({"type": "su", "factor": 2.0}),
+                    ["rope_type", "su"]),
+    "llama-v4-longrope-factor-count": ("llama-mha-untied-bias", _v4_rope(
+        {"rope_type": "longrope", "short_factor": [1.0], "long_factor": [2.0]}),
+        ["longrope", "1 factors for 4"]),
+    "llama-yarn-unknown-key": ("llama-mha-untied-bias", _set(rope_parameters={
+        "rope_type": "yarn", "factor": 2.0, "rope_theta": 10_000.0, "beta_medium": 3}),
+        ["beta_medium", "yarn"]),
     "llama-gelu": ("llama-mha-untied-bias", _set(hidden_act="gelu"), ["hidden_act", "gelu"]),
     "llama-attention-bias-only": ("llama-mha-untied-bias",
                                   _set(attention_bias=True, mlp_bias=False),
