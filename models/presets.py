@@ -71,6 +71,16 @@ _PRESETS: dict[str, dict] = {
         _LLAMA, vocab_size=256_000, d_model=2048, num_heads=8, num_kv_heads=1, head_dim=256,
         mlp_dim=16_384, num_layers=18, max_len=8192, activation="geglu",
         norm_scale_offset=1.0, scale_embeddings=True, tie_embeddings=True, norm_eps=1e-6),
+    # Gemma 2 2B (Google, 2024): Gemma's parts plus sliding-window (4096) and full layers
+    # alternating, attention logits soft-capped at 50 and scaled by 256 ** -0.5, output
+    # logits soft-capped at 30, norms after attention and the MLP too.
+    "gemma2-2b": dict(
+        _LLAMA, vocab_size=256_000, d_model=2304, num_heads=8, num_kv_heads=4, head_dim=256,
+        mlp_dim=9216, num_layers=26, max_len=8192, activation="geglu",
+        norm_scale_offset=1.0, scale_embeddings=True, tie_embeddings=True, norm_eps=1e-6,
+        sliding_window=4096, layer_types=("sliding", "full") * 13,
+        attn_logit_softcapping=50.0, final_logit_softcapping=30.0, sublayer_output_norm=True,
+        query_pre_attn_scalar=256.0),
     # A small Llama-style model: RMSNorm, RoPE, SwiGLU, grouped-query attention, no biases.
     "llama-small": dict(
         _LLAMA, vocab_size=32_000, d_model=768, num_heads=12, num_kv_heads=4, mlp_dim=2048,

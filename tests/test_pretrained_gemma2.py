@@ -15,18 +15,26 @@ transformers' logits and models.save back to its tensors.
 
 from __future__ import annotations
 
+import copy
+import functools
+import math
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import decode
 import models
 from models.kernels import attend
 from models.masks import MaskSpec, positions_like
+from models.pretrained import FAMILIES
 from tests import pretrained_helpers as ph
 from tests.helpers import fns, random_tokens, tiny
 
 highest_precision = ph.highest_precision          # the shared fixture
+torch, transformers = ph.torch, ph.transformers
 ATOL = 1e-5
 
 # ---------------------------------------------------------------------------------------------
@@ -161,3 +169,212 @@ def test_inconsistent_variant_fields_are_refused_by_name(fields, words):
         _kinds_config(**fields)
     for word in words:
         assert word in str(info.value), (word, str(info.value))
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. The families: tiny random transformers models (windows of 3 and 4 over 10 tokens).
+
+_SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_attention_heads=4,
+              max_position_embeddings=32, rms_norm_eps=1e-5, **ph.SPECIAL)
+
+# name -> (model_type, transformers config class, its fields, what our config must say).
+CASES = {
+    # Gemma2Config's own pattern (sliding, full, sliding), soft-caps small enough to bite.
+    "gemma2-alternating-window-3-caps": ("gemma2", "Gemma2Config", dict(
+        _SMALL, num_hidden_layers=3, num_key_value_heads=2, head_dim=8, sliding_window=3,
+        query_pre_attn_scalar=12, attn_logit_softcapping=1.0, final_logit_softcapping=2.0,
+        tie_word_embeddings=True), dict(
+        layer_types=("sliding", "full", "sliding"), sliding_window=3,
+        query_pre_attn_scalar=12.0, attn_logit_softcapping=1.0, final_logit_softcapping=2.0,
+        sublayer_output_norm=True, norm_scale_offset=1.0, activation="geglu",
+        scale_embeddings=True, num_kv_heads=2, head_dim=8, tie_embeddings=True, qk_norm=False)),
+    "gemma2-listed-kinds-untied-no-caps": ("gemma2", "Gemma2Config", dict(
+        _SMALL, vocab_size=70, num_hidden_layers=2, num_key_value_heads=1, head_dim=16,
+        sliding_window=4, layer_types=["full_attention", "sliding_attention"],
+        attn_logit_softcapping=None, final_logit_softcapping=None, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1_000.0}), dict(
+        layer_types=("full", "sliding"), attn_logit_softcapping=None,
+        final_logit_softcapping=None, tie_embeddings=False, rope_theta=1_000.0,
+        query_pre_attn_scalar=256.0)),
+}
+
+
+class Checkpoint:
+    """One tiny transformers model, saved: `path`, `model`, `tokens`, `logits`, `state`."""
+
+    def __init__(self, name: str, root: str, seed: int):
+        self.model_type, class_name, fields, self.expect = CASES[name]
+        hf_cfg = getattr(transformers, class_name)(**copy.deepcopy(fields),
+                                                   attn_implementation="eager")
+        torch.manual_seed(seed)
+        self.model = ph.randomize(transformers.AutoModelForCausalLM.from_config(hf_cfg), seed)
+        self.path = os.path.join(root, name)
+        self.model.save_pretrained(self.path, safe_serialization=True)
+        self.tokens = ph.random_tokens(hf_cfg.vocab_size, seed)
+        self.logits = ph.hf_logits(self.model, self.tokens)
+        self.state = ph.state_of(self.model)
+
+
+@functools.cache
+def _checkpoint(name: str, root: str) -> Checkpoint:
+    return Checkpoint(name, root, seed=400 + list(CASES).index(name))
+
+
+@pytest.fixture(scope="session")
+def ckpt(tmp_path_factory):
+    root = str(tmp_path_factory.getbasetemp() / "hf_checkpoints_gemma2")
+    return lambda name: _checkpoint(name, root)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_loaded_model_gives_transformers_logits_forward_prefill_and_steps(
+        name, ckpt, highest_precision):
+    c = ckpt(name)
+    pre = models.load(c.path)
+    assert pre.model_type == c.model_type
+    for field, value in c.expect.items():
+        assert getattr(pre.config, field) == value, field
+    assert (pre.config.pad_id, pre.config.bos_id, pre.config.eos_id) == (4, 1, 2)
+    f = fns(pre.config)
+    np.testing.assert_allclose(f.forward(pre.params, jnp.asarray(c.tokens)), c.logits,
+                               atol=ATOL, rtol=0)
+    ph.assert_ragged_prefill_then_steps(f, pre.params, c, atol=ATOL)
+    scanned = models.load(c.path, scan_layers=True)
+    fs = fns(scanned.config)
+    np.testing.assert_allclose(fs.forward(scanned.params, c.tokens), c.logits, atol=ATOL,
+                               rtol=0)
+    ph.assert_ragged_prefill_then_steps(fs, scanned.params, c, atol=ATOL)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_greedy_generate_on_a_ragged_batch_equals_transformers_generate(
+        name, ckpt, highest_precision):
+    c = ckpt(name)
+    pre = models.load(c.path)
+    n_new = 10
+    lens = ph.PROMPT_LENS
+    prompts = np.where(np.arange(ph.T)[None, :] < lens[:, None], c.tokens, 3)[:, :8]
+    ours = decode.generate(pre.model, pre.params, prompts, lens.astype(np.int32),
+                           max_new_tokens=n_new)
+    for b, n in enumerate(lens):
+        with torch.no_grad():
+            theirs = c.model.generate(
+                torch.as_tensor(c.tokens[b:b + 1, :n], dtype=torch.long),
+                attention_mask=torch.ones((1, int(n)), dtype=torch.long),
+                max_new_tokens=n_new, do_sample=False, num_beams=1, eos_token_id=2,
+                pad_token_id=4)[0, n:].numpy()
+        length = int(ours.lengths[b])
+        np.testing.assert_array_equal(np.asarray(ours.tokens[b, :length]), theirs,
+                                      err_msg=f"row {b}")
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_load_then_save_gives_the_tensors_transformers_wrote_bit_for_bit(name, ckpt, tmp_path):
+    c = ckpt(name)
+    pre = models.load(c.path)
+    out = str(tmp_path / "again")
+    assert models.save(out, pre.config, pre.params) == c.model_type
+    again = ph.hf_load(out)
+    assert type(again) is type(c.model)
+    ph.assert_same_tensors(c.state, again)
+    np.testing.assert_array_equal(ph.hf_logits(again, c.tokens), c.logits)
+    assert models.load(out).config == pre.config
+    ph.assert_same_params(models.load(out).params, pre.params)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_a_bfloat16_checkpoint_loads_exactly(name, ckpt, tmp_path):
+    c = ckpt(name)
+    bf16 = copy.deepcopy(c.model).to(torch.bfloat16)
+    bf16.save_pretrained(tmp_path / "bf16", safe_serialization=True)
+    as_f32 = models.load(str(tmp_path / "bf16"))
+    as_bf16 = models.load(str(tmp_path / "bf16"), param_dtype="bfloat16")
+    assert {x.dtype for x in jax.tree.leaves(as_bf16.params)} == {jnp.dtype(jnp.bfloat16)}
+    ph.assert_same_params(as_bf16.params,
+                          jax.tree.map(lambda x: x.astype(jnp.bfloat16), as_f32.params))
+    models.save(str(tmp_path / "again"), as_bf16.config, as_bf16.params)
+    again = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "again"))
+    ph.assert_same_tensors(ph.state_of(bf16), again)
+
+
+REFUSED = [
+    ("gemma2-alternating-window-3-caps", dict(use_bidirectional_attention=True),
+     ["use_bidirectional_attention", "True"]),
+    ("gemma2-alternating-window-3-caps", dict(attention_bias=True), ["attention_bias"]),
+    ("gemma2-alternating-window-3-caps", dict(hidden_activation="relu"),
+     ["hidden_activation", "relu"]),
+    ("gemma2-alternating-window-3-caps", dict(hidden_act="silu"), ["hidden_act", "silu"]),
+    ("gemma2-alternating-window-3-caps", dict(sliding_window=None), ["sliding_window"]),
+    ("gemma2-alternating-window-3-caps", dict(layer_types=["full_attention"] * 2),
+     ["layer_types", "3 layers"]),
+    ("gemma2-alternating-window-3-caps", dict(layer_types=["chunked_attention"] * 3),
+     ["layer_types", "chunked_attention"]),
+    ("gemma2-alternating-window-3-caps", dict(rope_parameters={
+        "rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4}), ["rope_type", "yarn"]),
+    ("gemma2-alternating-window-3-caps", dict(attn_logit_softcapping=-1.0),
+     ["attn_logit_softcapping=-1.0"]),
+]
+
+
+@pytest.mark.parametrize("name,fields,words", REFUSED,
+                         ids=[f"{n}-{next(iter(f))}" for n, f, _ in REFUSED])
+def test_a_config_value_that_cannot_be_computed_is_refused_by_name(name, fields, words, ckpt,
+                                                                   tmp_path):
+    path = ph.edit_config(ph.copy_dir(ckpt(name).path, tmp_path / "m"),
+                          ph.set_fields(**fields))
+    ph.assert_refused_by_name(path, words)
+
+
+def test_gemma2_variants_are_saved_only_as_a_type_that_has_them():
+    plain = models.get_config("gemma-2b", num_layers=2, vocab_size=64, d_model=32,
+                              head_dim=8, num_heads=4, mlp_dim=48)
+    for change in (dict(sublayer_output_norm=True), dict(attn_logit_softcapping=5.0),
+                   dict(layer_types=("full", "full")), dict(query_pre_attn_scalar=8.0)):
+        with pytest.raises(ValueError, match=next(iter(change))):
+            FAMILIES["gemma"].config_to_hf(plain.replace(**change))
+    with pytest.raises(ValueError, match="sublayer_output_norm=False"):
+        FAMILIES["gemma2"].config_to_hf(plain.replace(layer_types=("full", "full"),
+                                                      query_pre_attn_scalar=8.0))
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. Presets at the published sizes have transformers' parameter count.
+
+# The published config.json files (google/gemma-2-2b, google/gemma-3-1b-it on the hub).
+PUBLISHED = {
+    "gemma2-2b": ("Gemma2Config", {
+        "architectures": ["Gemma2ForCausalLM"], "attention_bias": False,
+        "attention_dropout": 0.0, "attn_logit_softcapping": 50.0, "bos_token_id": 2,
+        "cache_implementation": "hybrid", "eos_token_id": 1, "final_logit_softcapping": 30.0,
+        "head_dim": 256, "hidden_act": "gelu_pytorch_tanh",
+        "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 2304,
+        "initializer_range": 0.02, "intermediate_size": 9216, "max_position_embeddings": 8192,
+        "model_type": "gemma2", "num_attention_heads": 8, "num_hidden_layers": 26,
+        "num_key_value_heads": 4, "pad_token_id": 0, "query_pre_attn_scalar": 256,
+        "rms_norm_eps": 1e-06, "rope_theta": 10000.0, "sliding_window": 4096,
+        "torch_dtype": "float32", "transformers_version": "4.42.4", "use_cache": True,
+        "vocab_size": 256000}),
+}
+
+
+def _our_count(cfg: models.TransformerConfig) -> int:
+    tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)
+    shapes = jax.eval_shape(models.build(cfg).init, jax.random.key(0), tokens)["params"]
+    return sum(math.prod(x.shape) for x in jax.tree.leaves(shapes))
+
+
+def _their_count(class_name: str, fields: dict) -> int:
+    hf = {k: v for k, v in fields.items() if k not in ("architectures", "model_type")}
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(
+            getattr(transformers, class_name)(**hf))
+    return sum(p.numel() for p in model.parameters())          # tied tensors once
+
+
+@pytest.mark.parametrize("preset", PUBLISHED)
+def test_a_preset_at_the_published_size_has_transformers_parameter_count(preset):
+    class_name, published = PUBLISHED[preset]
+    cfg = models.get_config(preset)
+    ids = dict(pad_id=cfg.pad_id, eos_id=cfg.eos_id, bos_id=cfg.bos_id)
+    assert FAMILIES[published["model_type"]].config_from_hf(published).replace(**ids) == cfg
+    assert _our_count(cfg) == _their_count(class_name, published)
