@@ -81,6 +81,16 @@ _PRESETS: dict[str, dict] = {
         sliding_window=4096, layer_types=("sliding", "full") * 13,
         attn_logit_softcapping=50.0, final_logit_softcapping=30.0, sublayer_output_norm=True,
         query_pre_attn_scalar=256.0),
+    # Gemma 3 1B (Google, 2025): Gemma 2's layers with q/k norms, five sliding layers (512,
+    # RoPE base 10,000) to each full one (RoPE base 1,000,000), no soft-capping.
+    "gemma3-1b": dict(
+        _LLAMA, vocab_size=262_144, d_model=1152, num_heads=4, num_kv_heads=1, head_dim=256,
+        mlp_dim=6912, num_layers=26, max_len=32_768, activation="geglu",
+        norm_scale_offset=1.0, scale_embeddings=True, tie_embeddings=True, norm_eps=1e-6,
+        qk_norm=True, sliding_window=512,
+        layer_types=tuple("full" if (i + 1) % 6 == 0 else "sliding" for i in range(26)),
+        rope_theta=1_000_000.0, rope_local_theta=10_000.0, sublayer_output_norm=True,
+        query_pre_attn_scalar=256.0),
     # A small Llama-style model: RMSNorm, RoPE, SwiGLU, grouped-query attention, no biases.
     "llama-small": dict(
         _LLAMA, vocab_size=32_000, d_model=768, num_heads=12, num_kv_heads=4, mlp_dim=2048,

@@ -196,6 +196,23 @@ CASES = {
         layer_types=("full", "sliding"), attn_logit_softcapping=None,
         final_logit_softcapping=None, tie_embeddings=False, rope_theta=1_000.0,
         query_pre_attn_scalar=256.0)),
+    # Gemma3TextConfig from v4-style fields: a pattern of 2 (sliding, full, sliding), the
+    # sliding layers' RoPE base apart.
+    "gemma3-pattern-2-local-base": ("gemma3_text", "Gemma3TextConfig", dict(
+        _SMALL, num_hidden_layers=3, num_key_value_heads=2, head_dim=8, sliding_window=3,
+        sliding_window_pattern=2, rope_theta=10_000.0, rope_local_base_freq=100.0,
+        query_pre_attn_scalar=12, tie_word_embeddings=True), dict(
+        layer_types=("sliding", "full", "sliding"), qk_norm=True, rope_theta=10_000.0,
+        rope_local_theta=100.0, rope_scaling=None, attn_logit_softcapping=None,
+        final_logit_softcapping=None, sublayer_output_norm=True, sliding_window=3)),
+    "gemma3-listed-kinds-cap-untied": ("gemma3_text", "Gemma3TextConfig", dict(
+        _SMALL, vocab_size=70, num_hidden_layers=2, num_key_value_heads=1, head_dim=16,
+        sliding_window=4, layer_types=["full_attention", "sliding_attention"],
+        final_logit_softcapping=2.0, tie_word_embeddings=False,
+        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 500.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 50.0}}),
+        dict(layer_types=("full", "sliding"), rope_theta=500.0, rope_local_theta=50.0,
+             attn_logit_softcapping=None, final_logit_softcapping=2.0, tie_embeddings=False)),
 }
 
 
@@ -313,6 +330,24 @@ REFUSED = [
         "rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4}), ["rope_type", "yarn"]),
     ("gemma2-alternating-window-3-caps", dict(attn_logit_softcapping=-1.0),
      ["attn_logit_softcapping=-1.0"]),
+    ("gemma3-pattern-2-local-base", dict(rope_parameters={
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),
+     ["rope_type", "linear"]),
+    ("gemma3-pattern-2-local-base", dict(rope_parameters={
+        "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                              "high_freq_factor": 4.0, "rope_theta": 1e4}}),
+     ["rope_parameters", "unscaled"]),
+    ("gemma3-pattern-2-local-base", dict(rope_parameters={"rope_type": "default",
+                                                          "rope_theta": 1e4}),
+     ["rope_parameters", "full_attention"]),
+    ("gemma3-pattern-2-local-base", dict(attn_logit_softcapping=50.0),
+     ["attn_logit_softcapping", "50.0", "does not apply"]),
+    ("gemma3-pattern-2-local-base", dict(use_bidirectional_attention=True),
+     ["use_bidirectional_attention"]),
+    ("gemma3-pattern-2-local-base", dict(hidden_activation="gelu_exact"),
+     ["hidden_activation", "gelu_exact"]),
 ]
 
 
@@ -354,6 +389,19 @@ PUBLISHED = {
         "rms_norm_eps": 1e-06, "rope_theta": 10000.0, "sliding_window": 4096,
         "torch_dtype": "float32", "transformers_version": "4.42.4", "use_cache": True,
         "vocab_size": 256000}),
+    "gemma3-1b": ("Gemma3TextConfig", {
+        "architectures": ["Gemma3ForCausalLM"], "attention_bias": False,
+        "attention_dropout": 0.0, "attn_logit_softcapping": None, "bos_token_id": 2,
+        "cache_implementation": "hybrid", "eos_token_id": [1, 106],
+        "final_logit_softcapping": None, "head_dim": 256,
+        "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 1152,
+        "initializer_range": 0.02, "intermediate_size": 6912,
+        "max_position_embeddings": 32768, "model_type": "gemma3_text",
+        "num_attention_heads": 4, "num_hidden_layers": 26, "num_key_value_heads": 1,
+        "pad_token_id": 0, "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06,
+        "rope_local_base_freq": 10000, "rope_scaling": None, "rope_theta": 1000000,
+        "sliding_window": 512, "sliding_window_pattern": 6, "torch_dtype": "bfloat16",
+        "transformers_version": "4.50.0.dev0", "use_cache": True, "vocab_size": 262144}),
 }
 
 

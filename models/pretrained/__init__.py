@@ -60,6 +60,7 @@ from models.pretrained import (
     bert,
     gemma,
     gemma2,
+    gemma3,
     gpt2,
     llama,
     marian,
@@ -89,12 +90,14 @@ from models.transformer import build
 
 FAMILIES: dict[str, Family] = {
     f.model_type: f for f in (gpt2.FAMILY, llama.FAMILY, mistral.FAMILY, qwen2.FAMILY,
-                              qwen3.FAMILY, gemma.FAMILY, gemma2.FAMILY, bart.FAMILY, marian.FAMILY,
+                              qwen3.FAMILY, gemma.FAMILY, gemma2.FAMILY, gemma3.FAMILY,
+                              bart.FAMILY, marian.FAMILY,
                               t5.FAMILY, t5.MT5_FAMILY, bert.FAMILY, roberta.FAMILY,
                               zoo.FAMILY)}
 # Tried in this order when saving a config without a model_type; the first that expresses
 # it wins (the project's own type expresses everything).
-SAVE_ORDER = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "bart",
+SAVE_ORDER = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2",
+              "gemma3_text", "bart",
               "marian", "t5", "bert", "roberta", zoo.MODEL_TYPE)
 # Written last by `save`; `load` checks the files against it when it is there.
 MANIFEST = "zoo_integrity.json"
