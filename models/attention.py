@@ -56,14 +56,18 @@ def _attend(module: nn.Module, q, k, v, spec: MaskSpec, *, bias=None, determinis
     with_probs = module.is_mutable_collection("intermediates")
     out_BTNH, probs_BNTS, _ = attend(
         q, k, v, spec, bias, impl=cfg.attention_impl, scale=_scale(cfg, q),
-        dropout_rate=rate, dropout_rng=rng, with_probs=with_probs, block=cfg.attention_block)
+        dropout_rate=rate, dropout_rng=rng, with_probs=with_probs, block=cfg.attention_block,
+        softcap=cfg.attn_logit_softcapping)
     if probs_BNTS is not None:
         module.sow("intermediates", "attention_weights", probs_BNTS)
     return checkpoint_name(out_BTNH, "attention_out")
 
 
 def _scale(cfg: TransformerConfig, q) -> float:
-    return q.shape[-1] ** -0.5 if cfg.scale_attention else 1.0
+    if not cfg.scale_attention:
+        return 1.0
+    return (q.shape[-1] if cfg.query_pre_attn_scalar is None
+            else cfg.query_pre_attn_scalar) ** -0.5
 
 
 def _attend_new(module: nn.Module, q, cached, new, *, positions_BT, spec: MaskSpec, bias):
@@ -76,11 +80,14 @@ def _attend_new(module: nn.Module, q, cached, new, *, positions_BT, spec: MaskSp
     with_probs = module.is_mutable_collection("intermediates")
     out_c, probs_c, lse_c = attend(
         q, *cached, spec, bias, impl=cfg.attention_impl, scale=_scale(cfg, q),
-        with_probs=with_probs, with_lse=True, block=cfg.attention_block)
-    own_spec = MaskSpec(positions_BT, positions_BT, causal=True)
+        with_probs=with_probs, with_lse=True, block=cfg.attention_block,
+        softcap=cfg.attn_logit_softcapping)
+    own_spec = MaskSpec(positions_BT, positions_BT, causal=True, window=spec.window,
+                        window_on=spec.window_on)
     own_bias = None if bias is None else bias.replace(k_pos=positions_BT)
     out_n, probs_n, lse_n = attend(q, *new, own_spec, own_bias, impl="xla", scale=_scale(cfg, q),
-                                   with_probs=with_probs, with_lse=True)
+                                   with_probs=with_probs, with_lse=True,
+                                   softcap=cfg.attn_logit_softcapping)
     out_BTNH, lse_BTN = merge((out_c, lse_c), (out_n, lse_n))
     if with_probs:
         def rescaled(probs_BNTS, lse_part):
@@ -88,6 +95,31 @@ def _attend_new(module: nn.Module, q, cached, new, *, positions_BT, spec: MaskSp
         module.sow("intermediates", "attention_weights", jnp.concatenate(
             [rescaled(probs_c, lse_c), rescaled(probs_n, lse_n)], axis=-1))
     return checkpoint_name(out_BTNH, "attention_out")
+
+
+def layer_kind(cfg: TransformerConfig, spec: MaskSpec, sliding, positions_BT):
+    """One self-attention layer's mask description and rotary tables ((inv_freq, factor)
+    of `models.rope.rope_tables`; None without rope) for its kind: `sliding` None (every
+    layer alike), or whether it slides (a Python bool, or a traced one in a scanned stack,
+    which selects without branching).
+
+        sliding True   -> spec windowed by sliding_window; rope_local_theta's frequencies,
+                          unscaled (rope_theta's and rope_scaling's without it)
+        sliding False  -> spec without a window; rope_theta and rope_scaling's
+    """
+    full = rope_tables(cfg, positions_BT) if cfg.positions == "rope" else None
+    if sliding is None:
+        return spec, full
+    local = full
+    if full is not None and cfg.rope_local_theta is not None:
+        local = (jnp.asarray(rope_frequencies(cfg.rope_dim, cfg.rope_local_theta)), 1.0)
+    if isinstance(sliding, bool):
+        return (spec.replace(window=cfg.sliding_window if sliding else None),
+                local if sliding else full)
+    spec = spec.replace(window=cfg.sliding_window, window_on=sliding)
+    if full is None:
+        return spec, None
+    return spec, (jnp.where(sliding, local[0], full[0]), jnp.where(sliding, local[1], full[1]))
 
 
 class SelfAttention(nn.Module):
@@ -101,6 +133,8 @@ class SelfAttention(nn.Module):
     `bias` (relative positions, a `RelativeBias`) is added to the logits. With
     `config.qk_norm` the queries and keys are normalised over H (scales `query_norm`,
     `key_norm`) before rotary positions, so the cache holds normalised, rotated keys.
+    `sliding` is this layer's kind under `config.layer_types` (None without them): a
+    Python bool in a looped stack, a traced bool in a scanned one (`layer_kind`).
     """
 
     config: TransformerConfig
@@ -117,8 +151,10 @@ class SelfAttention(nn.Module):
         deterministic: bool,
         bias: RelativeBias | None = None,
         read_only: bool = False,
+        sliding=None,
     ) -> tuple[Float[Array, "B T D"], KVCache | tuple | None]:
         cfg, det = self.config, deterministic
+        spec, rope = layer_kind(cfg, spec, sliding, positions_BT)
         q_BTNH = _dense_heads(cfg, cfg.num_heads, "query")(x_BTD, det)
         k_BTKH = _dense_heads(cfg, cfg.num_kv_heads, "key")(x_BTD, det)
         v_BTKH = _dense_heads(cfg, cfg.num_kv_heads, "value")(x_BTD, det)
@@ -126,9 +162,8 @@ class SelfAttention(nn.Module):
             q_BTNH = make_norm(cfg, "query_norm", axis="head_dim")(q_BTNH)
             k_BTKH = make_norm(cfg, "key_norm", axis="head_dim")(k_BTKH)
         if cfg.positions == "rope":
-            inv_freq, scale = rope_tables(cfg, positions_BT)
-            q_BTNH = apply_rope(q_BTNH, positions_BT, inv_freq, scale)
-            k_BTKH = apply_rope(k_BTKH, positions_BT, inv_freq, scale)
+            q_BTNH = apply_rope(q_BTNH, positions_BT, *rope)
+            k_BTKH = apply_rope(k_BTKH, positions_BT, *rope)
         if read_only:
             out_BTNH = _attend_new(self, q_BTNH, cache.read(layer), (k_BTKH, v_BTKH),
                                    positions_BT=positions_BT, spec=spec, bias=bias)

@@ -62,37 +62,46 @@ class LayerInputs:
     read_only: bool = flax.struct.field(pytree_node=False, default=False)
 
 
-def _self_attention_sublayer(cfg, x_BTD, inputs: LayerInputs, cache, layer):
+def _out_norm(cfg, name: str):
+    """The norm of a sublayer's output (`sublayer_output_norm`), or None."""
+    return make_norm(cfg, f"{name}_output_norm") if cfg.sublayer_output_norm else None
+
+
+def _self_attention_sublayer(cfg, x_BTD, inputs: LayerInputs, cache, layer, sliding=None):
     """The residual self-attention sublayer; returns (x_BTD, cache), or with
-    `inputs.read_only` (x_BTD, cache, the layer's new (k_BTKH, v_BTKH))."""
+    `inputs.read_only` (x_BTD, cache, the layer's new (k_BTKH, v_BTKH)). `sliding`: the
+    layer's kind (`SelfAttention`)."""
     attn = SelfAttention(cfg, name="self_attention")
     x_BTD, out = residual(
         cfg, x_BTD,
         lambda y: attn(y, spec=inputs.self_spec, positions_BT=inputs.positions, cache=cache,
                        layer=layer, deterministic=inputs.deterministic, bias=inputs.self_bias,
-                       read_only=inputs.read_only),
-        make_norm(cfg, "self_attention_norm"), inputs.deterministic)
+                       read_only=inputs.read_only, sliding=sliding),
+        make_norm(cfg, "self_attention_norm"), inputs.deterministic,
+        out_norm=_out_norm(cfg, "self_attention"))
     return (x_BTD, cache, out) if inputs.read_only else (x_BTD, out, None)
 
 
 def _mlp_sublayer(cfg, x_BTD, inputs: LayerInputs):
     mlp = MLP(cfg, name="mlp")
     x_BTD, _ = residual(cfg, x_BTD, lambda y: (mlp(y, inputs.deterministic), None),
-                        make_norm(cfg, "mlp_norm"), inputs.deterministic)
+                        make_norm(cfg, "mlp_norm"), inputs.deterministic,
+                        out_norm=_out_norm(cfg, "mlp"))
     return x_BTD
 
 
 class SelfAttentionLayer(nn.Module):
     """Self-attention then MLP: an encoder layer (bidirectional mask) or a decoder-only
-    layer (causal mask, optionally with a cache)."""
+    layer (causal mask, optionally with a cache). `sliding` is the layer's kind under
+    `config.layer_types` (see `LayerStack`), else None."""
 
     config: TransformerConfig
 
     @nn.compact
-    def __call__(self, carry, inputs: LayerInputs):
+    def __call__(self, carry, inputs: LayerInputs, sliding=None):
         x_BTD, cache, layer = carry
         x_BTD, cache, new_kv = _self_attention_sublayer(self.config, x_BTD, inputs, cache,
-                                                        layer)
+                                                        layer, sliding)
         x_BTD = _mlp_sublayer(self.config, x_BTD, inputs)
         return (x_BTD, cache, layer + 1), new_kv
 
@@ -113,7 +122,8 @@ class DecoderLayer(nn.Module):
         x_BTD, _ = residual(
             cfg, x_BTD,
             lambda y: (cross(y, k_BSKH, v_BSKH, spec=inputs.cross_spec, deterministic=det), None),
-            make_norm(cfg, "cross_attention_norm"), det)
+            make_norm(cfg, "cross_attention_norm"), det,
+            out_norm=_out_norm(cfg, "cross_attention"))
         x_BTD = _mlp_sublayer(cfg, x_BTD, inputs)
         return (x_BTD, cache, layer + 1), new_kv
 
@@ -129,6 +139,10 @@ class LayerStack(nn.Module):
     cache unchanged. With relative positions the stack
     describes the position bias once ("relative_bias", bidirectional unless `causal`) and
     every layer adds it.
+
+    With `config.layer_types` each layer learns its kind (sliding or full): looped, as a
+    static Python bool; scanned, as a bool scanned over the layers (one element a layer),
+    so one compiled layer serves both kinds.
     """
 
     config: TransformerConfig
@@ -145,24 +159,29 @@ class LayerStack(nn.Module):
                                         name="relative_bias")(inputs.positions, keys)
             inputs = inputs.replace(self_bias=bias)
         layer_type = self.layer_type
+        kinds = cfg.layer_is_sliding() if cfg.layer_types else None
         if cfg.remat:
             layer_type = nn.remat(layer_type, prevent_cse=not cfg.scan_layers,
-                                  policy=REMAT_POLICIES[cfg.remat_policy])
+                                  policy=REMAT_POLICIES[cfg.remat_policy],
+                                  static_argnums=() if cfg.scan_layers or not kinds else (3,))
         if cfg.scan_layers:
             scanned = nn.scan(
                 layer_type,
                 variable_axes={"params": 0, "intermediates": 0},
                 split_rngs={"params": True, "dropout": True},
-                in_axes=nn.broadcast,
+                in_axes=nn.broadcast if kinds is None else (nn.broadcast, 0),
                 length=self.num_layers,
                 metadata_params={nn.PARTITION_NAME: "layers"},
             )
             carry = (x_BTD, cache, jnp.zeros((), jnp.int32))
-            (x_BTD, cache, _), new_kv = scanned(cfg, name="layers")(carry, inputs)
+            per_layer_args = () if kinds is None else (jnp.asarray(kinds, bool),)
+            (x_BTD, cache, _), new_kv = scanned(cfg, name="layers")(carry, inputs,
+                                                                    *per_layer_args)
         else:
             carry, per_layer = (x_BTD, cache, 0), []
             for i in range(self.num_layers):
-                carry, layer_kv = layer_type(cfg, name=f"layer_{i}")(carry, inputs)
+                kind = () if kinds is None else (kinds[i],)
+                carry, layer_kv = layer_type(cfg, name=f"layer_{i}")(carry, inputs, *kind)
                 per_layer.append(layer_kv)
             x_BTD, cache, _ = carry
             new_kv = (None if per_layer[0] is None

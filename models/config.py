@@ -117,6 +117,8 @@ class TransformerConfig:
             names its class under "kind" (none: Llama 3's).
         partial_rotary_factor: the fraction of each head's H channels that RoPE rotates
             (the first int(H * f), an even number; the rest pass unchanged): 1.0 rotates all.
+        rope_local_theta: None, or the rotary base of the "sliding" layers of `layer_types`
+            (unscaled), beside `rope_theta` and `rope_scaling` in the "full" ones (Gemma 3).
         norm: "layernorm" or "rmsnorm"; norm_position: "pre" (x + f(norm(x)), with a final
             norm after the stack) or "post" (norm(x + f(x)), as in Vaswani et al.).
         norm_eps: epsilon of every norm.
@@ -137,6 +139,20 @@ class TransformerConfig:
         sliding_window: None, or W: a query sees only the W most recent positions, itself
             included (key position > query position - W), in the forward pass, prefill and
             every cached step alike (Mistral). The cache stays `max_len` slots.
+        layer_types: () for one kind of layer throughout (windowed when `sliding_window`
+            is set), or one kind per decoder-only layer: "full" (every earlier key) or
+            "sliding" (the `sliding_window` most recent). Under `scan_layers` each layer's
+            kind is a scanned input, not a branch. Gemma 2 alternates sliding and full;
+            Gemma 3 has five sliding layers to each full one.
+        attn_logit_softcapping: None, or c: attention logits (after their scale, before any
+            bias and the mask) become c * tanh(logits / c) (Gemma 2), in every attention
+            implementation ("cudnn" refuses it).
+        final_logit_softcapping: None, or c: the output logits become c * tanh(logits / c).
+        sublayer_output_norm: a norm (of the config's kind) on the output of every
+            sublayer before the residual add, x + norm_out(f(norm(x))), pre-norm only
+            (Gemma 2 and 3's post-attention and post-feedforward norms).
+        query_pre_attn_scalar: None, or s: attention logits are scaled by s ** -0.5
+            instead of H ** -0.5 (Gemma 2 and 3); only with `scale_attention`.
         num_token_types: encoder-only: rows of the token-type (segment A/B) embedding added
             to the input; 0 for none.
         num_labels: encoder-only: 0 gives the masked-LM head, C > 0 a classifier of C
@@ -201,6 +217,7 @@ class TransformerConfig:
     rope_theta: float = 10_000.0
     rope_scaling: RopeScaling | None = None
     partial_rotary_factor: float = 1.0
+    rope_local_theta: float | None = None
     norm: NormKind = "layernorm"
     norm_position: NormPosition = "pre"
     norm_eps: float = 1e-6
@@ -211,6 +228,11 @@ class TransformerConfig:
     qkv_bias: bool = False
     qk_norm: bool = False
     sliding_window: int | None = None
+    layer_types: tuple[str, ...] = ()
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    sublayer_output_norm: bool = False
+    query_pre_attn_scalar: float | None = None
     num_token_types: int = 0
     num_labels: int = 0
     label_names: tuple[str, ...] = ()
@@ -248,6 +270,8 @@ class TransformerConfig:
                 value = check_positive_int(value, f"TransformerConfig.{field.name}")
             elif field.name == "label_names":
                 value = _label_names(value)
+            elif field.name == "layer_types":
+                value = _layer_types(value)
             else:
                 value = _typed(field.name, value, _field_types()[field.name])
             object.__setattr__(self, field.name, value)
@@ -320,6 +344,7 @@ class TransformerConfig:
             raise UserError(f"TransformerConfig.rope_scaling={self.rope_scaling} needs "
                              f"positions='rope', not {self.positions!r}")
         self._validate_rope()
+        self._validate_attention_variants()
         if self.lora is not None:
             check_against(self.lora, self)
         if self.is_encoder_decoder and self.bos_id is None:
@@ -353,6 +378,44 @@ class TransformerConfig:
             raise UserError(f"TransformerConfig.rope_scaling: longrope has "
                              f"{len(s.short_factor)} factors for {self.rope_dim // 2} rotary "
                              "frequencies")
+
+    def _validate_attention_variants(self):
+        """Per-layer kinds, soft-capping, output norms, the query scale."""
+        if self.layer_types:
+            if self.architecture != "decoder_only":
+                raise UserError(f"TransformerConfig.layer_types={self.layer_types} needs "
+                                f"architecture='decoder_only', not {self.architecture!r}")
+            if len(self.layer_types) != self.num_layers:
+                raise UserError(f"TransformerConfig.layer_types has {len(self.layer_types)} "
+                                f"kinds for num_layers={self.num_layers}")
+            if "sliding" in self.layer_types and self.sliding_window is None:
+                raise UserError("TransformerConfig.layer_types has 'sliding' layers but "
+                                "sliding_window=None")
+        for name in ("rope_local_theta", "attn_logit_softcapping", "final_logit_softcapping",
+                     "query_pre_attn_scalar"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise UserError(f"TransformerConfig.{name}={value} must be > 0 (or None)")
+        if self.rope_local_theta is not None and self.positions != "rope":
+            raise UserError(f"TransformerConfig.rope_local_theta={self.rope_local_theta} "
+                            f"needs positions='rope', not {self.positions!r}")
+        if self.final_logit_softcapping is not None and self.architecture == "encoder_only":
+            raise UserError("TransformerConfig.final_logit_softcapping caps a decoder's "
+                            "logits; an encoder_only model's heads have none")
+        if self.sublayer_output_norm and self.norm_position != "pre":
+            raise UserError("TransformerConfig.sublayer_output_norm=True needs "
+                            f"norm_position='pre', not {self.norm_position!r}")
+        if self.query_pre_attn_scalar is not None and not self.scale_attention:
+            raise UserError(f"TransformerConfig.query_pre_attn_scalar="
+                            f"{self.query_pre_attn_scalar} scales the attention, and needs "
+                            "scale_attention=True")
+
+    def layer_is_sliding(self) -> tuple[bool, ...]:
+        """Whether each layer of the decoder-only stack slides (`layer_types`, or one kind
+        for every layer from `sliding_window`)."""
+        if self.layer_types:
+            return tuple(kind == "sliding" for kind in self.layer_types)
+        return (self.sliding_window is not None,) * self.num_layers
 
     # Derived quantities, so no caller recomputes them.
     @property
@@ -460,6 +523,21 @@ def _label_names(value) -> tuple[str, ...]:
     repeated = sorted({n for n in value if list(value).count(n) > 1})
     if repeated:
         raise UserError(f"TransformerConfig.label_names names {repeated} more than once")
+    return tuple(value)
+
+
+LAYER_TYPES = ("full", "sliding")
+
+
+def _layer_types(value) -> tuple[str, ...]:
+    """A tuple of "full" / "sliding" (a list or tuple given), or a UserError."""
+    if isinstance(value, str) or not isinstance(value, (list, tuple)):
+        raise UserError(f"TransformerConfig.layer_types={value!r} must be a list of "
+                        f"{LAYER_TYPES}")
+    for kind in value:
+        if kind not in LAYER_TYPES:
+            raise UserError(f"TransformerConfig.layer_types has {kind!r}; each kind must be "
+                            f"one of {LAYER_TYPES}")
     return tuple(value)
 
 

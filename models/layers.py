@@ -179,8 +179,10 @@ def residual(
     sublayer: Callable,
     norm: nn.Module,
     deterministic: bool,
+    out_norm: nn.Module | None = None,
 ):
-    """One residual sublayer, pre-norm `x + f(norm(x))` or post-norm `norm(x + f(x))`.
+    """One residual sublayer, pre-norm `x + f(norm(x))` or post-norm `norm(x + f(x))`;
+    with `out_norm` (pre-norm, `config.sublayer_output_norm`) `x + out_norm(f(norm(x)))`.
 
     `sublayer` returns (y, aux); aux (for example an updated cache) is passed through.
     Under a mesh (`models.axes.sharded_activations`) the stream is split over the batch.
@@ -189,6 +191,8 @@ def residual(
     x_BTD = constrain(x_BTD, "batch", None, None)      # a no-op without a mesh
     if config.norm_position == "pre":
         y_BTD, aux = sublayer(norm(x_BTD))
+        if out_norm is not None:
+            y_BTD = out_norm(y_BTD)
         return x_BTD + drop(y_BTD, deterministic=deterministic), aux
     y_BTD, aux = sublayer(x_BTD)
     return norm(x_BTD + drop(y_BTD, deterministic=deterministic)), aux

@@ -132,6 +132,9 @@ class MaskSpec:
         visible: bool[B, T or 1, S] the keys each query may read, or None: a table of its
             own, given only where no rule above expresses it (beams, whose keys lie in the
             regions their ancestry table names; one row of S per query row).
+        window_on: None, or a traced bool scalar: the window rule holds only where it is
+            True (one layer's kind in a scanned stack of sliding and full layers, where
+            `window` cannot change per layer).
     """
 
     q_index: Int[Array, "B T"] | None = None
@@ -144,6 +147,7 @@ class MaskSpec:
     window: int | None = flax.struct.field(pytree_node=False, default=None)
     aligned: bool = flax.struct.field(pytree_node=False, default=False)
     visible: Bool[Array, "B T S"] | None = None
+    window_on: Bool[Array, ""] | None = None
 
     @property
     def is_empty(self) -> bool:
@@ -205,7 +209,10 @@ def _visible(spec: MaskSpec, *arrays):
     if spec.causal:
         rules.append(causal_mask(q_index, k_index))
     if spec.window is not None:
-        rules.append(window_mask(q_index, k_index, spec.window))
+        in_window = window_mask(q_index, k_index, spec.window)
+        if spec.window_on is not None:
+            in_window = in_window | ~spec.window_on
+        rules.append(in_window)
     if q_segment is not None:
         rules.append(segment_mask(q_segment, k_segment))
     if q_valid is not None or k_valid is not None:

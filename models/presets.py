@@ -76,6 +76,26 @@ _PRESETS: dict[str, dict] = {
     "phi3-mini": dict(
         _LLAMA, vocab_size=32_064, d_model=3072, num_heads=32, mlp_dim=8192, num_layers=32,
         max_len=4096, sliding_window=2047, norm_eps=1e-5),
+    # Gemma 2 2B (Google, 2024): Gemma's parts plus sliding-window (4096) and full layers
+    # alternating, attention logits soft-capped at 50 and scaled by 256 ** -0.5, output
+    # logits soft-capped at 30, norms after attention and the MLP too.
+    "gemma2-2b": dict(
+        _LLAMA, vocab_size=256_000, d_model=2304, num_heads=8, num_kv_heads=4, head_dim=256,
+        mlp_dim=9216, num_layers=26, max_len=8192, activation="geglu",
+        norm_scale_offset=1.0, scale_embeddings=True, tie_embeddings=True, norm_eps=1e-6,
+        sliding_window=4096, layer_types=("sliding", "full") * 13,
+        attn_logit_softcapping=50.0, final_logit_softcapping=30.0, sublayer_output_norm=True,
+        query_pre_attn_scalar=256.0),
+    # Gemma 3 1B (Google, 2025): Gemma 2's layers with q/k norms, five sliding layers (512,
+    # RoPE base 10,000) to each full one (RoPE base 1,000,000), no soft-capping.
+    "gemma3-1b": dict(
+        _LLAMA, vocab_size=262_144, d_model=1152, num_heads=4, num_kv_heads=1, head_dim=256,
+        mlp_dim=6912, num_layers=26, max_len=32_768, activation="geglu",
+        norm_scale_offset=1.0, scale_embeddings=True, tie_embeddings=True, norm_eps=1e-6,
+        qk_norm=True, sliding_window=512,
+        layer_types=tuple("full" if (i + 1) % 6 == 0 else "sliding" for i in range(26)),
+        rope_theta=1_000_000.0, rope_local_theta=10_000.0, sublayer_output_norm=True,
+        query_pre_attn_scalar=256.0),
     # A small Llama-style model: RMSNorm, RoPE, SwiGLU, grouped-query attention, no biases.
     "llama-small": dict(
         _LLAMA, vocab_size=32_000, d_model=768, num_heads=12, num_kv_heads=4, mlp_dim=2048,

@@ -64,7 +64,8 @@ class _CachedDecoder(nn.Module):
 
     def _logits(self, x_BTD) -> Float[Array, "B T V"]:
         """float32 logits of the last hidden states: optionally scaled by D ** -0.5, then
-        the tied embedding or the head, then optionally the logits bias."""
+        the tied embedding or the head, then optionally the logits bias, then optionally
+        soft-capped (c * tanh(logits / c), `final_logit_softcapping`)."""
         cfg = self.config
         if cfg.scale_head_input:
             x_BTD = x_BTD * jnp.asarray(cfg.d_model ** -0.5, x_BTD.dtype)
@@ -75,6 +76,9 @@ class _CachedDecoder(nn.Module):
         logits = logits.astype(jnp.float32)
         if cfg.logits_bias:
             logits = logits + self.logits_bias.astype(jnp.float32)[None, None, :]
+        if cfg.final_logit_softcapping is not None:
+            cap = cfg.final_logit_softcapping
+            logits = jnp.tanh(logits / cap) * cap
         return logits
 
     def _make_head(self):

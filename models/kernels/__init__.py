@@ -38,7 +38,7 @@ CHUNKED_FROM = 1024 * 1024
 
 
 def choose(impl: str, q_BTNH, k_BSKH, spec: MaskSpec, bias=None, *, dropout_rate: float = 0.0,
-           with_probs: bool = False) -> str:
+           with_probs: bool = False, softcap: float | None = None) -> str:
     """The implementation `attend` runs for `impl` ("auto" resolved).
 
     Raises:
@@ -51,7 +51,8 @@ def choose(impl: str, q_BTNH, k_BSKH, spec: MaskSpec, bias=None, *, dropout_rate
     if impl == "auto":
         if with_probs:
             return "xla"
-        if cudnn.unsupported(q_BTNH, k_BSKH, spec, bias, dropout_rate=dropout_rate) is None:
+        if cudnn.unsupported(q_BTNH, k_BSKH, spec, bias, dropout_rate=dropout_rate,
+                                softcap=softcap) is None:
             return "cudnn"
         return "chunked" if T > 1 and T * S >= CHUNKED_FROM else "xla"
     if with_probs and impl != "xla":
@@ -59,7 +60,8 @@ def choose(impl: str, q_BTNH, k_BSKH, spec: MaskSpec, bias=None, *, dropout_rate
                         "probabilities that were asked for (mutable 'intermediates'); only "
                         "'xla' does")
     if impl == "cudnn":
-        why = cudnn.unsupported(q_BTNH, k_BSKH, spec, bias, dropout_rate=dropout_rate)
+        why = cudnn.unsupported(q_BTNH, k_BSKH, spec, bias, dropout_rate=dropout_rate,
+                                softcap=softcap)
         if why is not None:
             raise UserError(f"attention_impl='cudnn' cannot compute this attention: {why}; "
                             "use 'chunked' or 'xla'")
@@ -68,22 +70,26 @@ def choose(impl: str, q_BTNH, k_BSKH, spec: MaskSpec, bias=None, *, dropout_rate
 
 def attend(q_BTNH, k_BSKH, v_BSKH, spec: MaskSpec, bias=None, *, impl: str = "auto",
            scale: float, dropout_rate: float = 0.0, dropout_rng=None,
-           with_probs: bool = False, with_lse: bool = False, block: int = 512):
+           with_probs: bool = False, with_lse: bool = False, block: int = 512,
+           softcap: float | None = None):
     """Attention by the implementation `choose` picks: (out_BTNH in v's dtype,
     probs_BNTS float32 from `xla` when `with_probs`, else None, and with `with_lse` the
     log-sum-exp of each query's visible logits lse_BTN, else None; see `merge`). Shapes as
-    `dot_product_attention`; `block` is chunked attention's query and key block size."""
+    `dot_product_attention`; `block` is chunked attention's query and key block size;
+    `softcap` None, or c: the scaled logits become c * tanh(logits / c) before bias and mask
+    (cudnn refuses it)."""
     chosen = choose(impl, q_BTNH, k_BSKH, spec, bias, dropout_rate=dropout_rate,
-                    with_probs=with_probs)
+                    with_probs=with_probs, softcap=softcap)
     if chosen == "xla":
         out, probs, *lse = xla_attention(q_BTNH, k_BSKH, v_BSKH, spec, bias, scale=scale,
                                          dropout_rate=dropout_rate, dropout_rng=dropout_rng,
-                                         with_lse=with_lse)
+                                         with_lse=with_lse, softcap=softcap)
         return out, probs if with_probs else None, lse[0] if with_lse else None
     if chosen == "chunked":
         out = chunked_attention(q_BTNH, k_BSKH, v_BSKH, spec, bias, scale=scale,
                                 dropout_rate=dropout_rate, dropout_rng=dropout_rng,
-                                q_block=block, k_block=block, with_lse=with_lse)
+                                q_block=block, k_block=block, with_lse=with_lse,
+                                softcap=softcap)
         return (out[0], None, out[1]) if with_lse else (out, None, None)
     if with_lse:
         raise UserError("attention_impl='cudnn' cannot merge a decoding step's cache with "

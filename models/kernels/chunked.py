@@ -52,7 +52,8 @@ K_BLOCK = 512
 
 def chunked_attention(q_BTNH, k_BSKH, v_BSKH, spec: MaskSpec, bias=None, *,
                       scale: float, dropout_rate: float = 0.0, dropout_rng=None,
-                      q_block: int = Q_BLOCK, k_block: int = K_BLOCK, with_lse: bool = False):
+                      q_block: int = Q_BLOCK, k_block: int = K_BLOCK, with_lse: bool = False,
+                      softcap: float | None = None):
     """softmax(scale q k^T + bias, masked) v without a [T, S] array in either pass.
 
     Args:
@@ -68,6 +69,8 @@ def chunked_attention(q_BTNH, k_BSKH, v_BSKH, spec: MaskSpec, bias=None, *,
         q_block, k_block: block sizes (smaller sequences are one block).
         with_lse: also return each query's log-sum-exp of its visible logits, lse_BTN
             (float32, -inf for a query that sees nothing), differentiable like `out`.
+        softcap: None, or c: each block's scaled logits become c * tanh(logits / c) before
+            the bias and the mask (the backward pass multiplies dS by 1 - tanh^2).
 
     Returns:
         out_BTNH in the dtype of v (and lse_BTN). A query that sees no key gives zeros.
@@ -84,7 +87,8 @@ def chunked_attention(q_BTNH, k_BSKH, v_BSKH, spec: MaskSpec, bias=None, *,
         q = q * jnp.asarray(scale, q.dtype)
     q, spec, bias = _pad_queries(q, spec, bias, nq * bq - Q)
     k, v, spec, bias = _pad_keys(k_BSKH, v_BSKH, spec, bias, nk * bk - S)
-    plan = _Plan(bq=bq, bk=bk, nq=nq, nk=nk, dropout_rate=float(dropout_rate))
+    plan = _Plan(bq=bq, bk=bk, nq=nq, nk=nk, dropout_rate=float(dropout_rate),
+                 softcap=None if softcap is None else float(softcap))
     key_data = None
     if plan.dropout_rate > 0.0:
         key_data = (jax.random.key_data(dropout_rng)
@@ -112,13 +116,14 @@ class _Operands:
 
 
 class _Plan(NamedTuple):
-    """The block sizes and counts, and the dropout rate (static)."""
+    """The block sizes and counts, the dropout rate and the logit soft-cap (static)."""
 
     bq: int
     bk: int
     nq: int
     nk: int
     dropout_rate: float
+    softcap: float | None = None
 
 
 def _keep_scale(plan: _Plan, key_data, i, j, shape):
@@ -198,20 +203,25 @@ def _unfold(x, G: int):
 
 
 def _block(plan: _Plan, spec: MaskSpec, bias, q_i, k_j, *, i, j):
-    """One block's float32 logits [Bk, K, G, bq, bk] (bias added, hidden keys at
-    MASKED_LOGIT) and its mask [Bk, 1, 1, bq, bk] (None: nothing hidden), from the block's
+    """One block's float32 logits [Bk, K, G, bq, bk] (soft-capped, bias added, hidden keys
+    at MASKED_LOGIT), its mask [Bk, 1, 1, bq, bk] (None: nothing hidden) and the slope of
+    the soft-cap, d capped / d logits = 1 - tanh^2 (None without one), from the block's
     queries q_i [Bk, K, G * bq, H] and keys k_j [Bk, K, bk, H]."""
     Bk, K, M, _ = q_i.shape
     G, bq = M // plan.bq, plan.bq
     q_slice, k_slice = (i * plan.bq, plan.bq), (j * plan.bk, plan.bk)
     s = _unfold(jnp.einsum("BKMH,BKkH->BKMk", q_i, k_j, preferred_element_type=jnp.float32), G)
+    slope = None
+    if plan.softcap is not None:
+        tanh = jnp.tanh(s / plan.softcap)
+        s, slope = tanh * plan.softcap, 1.0 - tanh * tanh
     if bias is not None:
         s = s + bias.block(q_slice, k_slice).reshape(Bk, K, G, bq, plan.bk)
     mask = spec.block(q_slice, k_slice)
     if mask is None:
-        return s, None
+        return s, None, slope
     mask = jnp.broadcast_to(mask, (Bk, bq, plan.bk))[:, None, None]
-    return jnp.where(mask, s, MASKED_LOGIT), mask
+    return jnp.where(mask, s, MASKED_LOGIT), mask, slope
 
 
 def _visible(plan: _Plan, spec: MaskSpec, i, j):
@@ -246,7 +256,7 @@ def _forward(plan: _Plan, ops: _Operands):
         def step(carry, j):
             def update(carry):
                 m, total, acc = carry
-                s, mask = _block(plan, spec, bias, q_i, k_blocks[j], i=i, j=j)
+                s, mask, _ = _block(plan, spec, bias, q_i, k_blocks[j], i=i, j=j)
                 m_new = jnp.maximum(m, s.max(-1))
                 p = jnp.exp(s - m_new[..., None])
                 if mask is not None:
@@ -319,7 +329,7 @@ def _attention_bwd(plan, residuals, cotangents):
             def update(inner):
                 dk_j, dv_j, dq, d_bias = inner
                 q_i, do_i = q_blocks[i], do_blocks[i]
-                s, mask = _block(plan, spec, bias, q_i, k_j, i=i, j=j)
+                s, mask, slope = _block(plan, spec, bias, q_i, k_j, i=i, j=j)
                 p = jnp.exp(s - lse_blocks[:, :, :, i][..., None])
                 if mask is not None:
                     p = jnp.where(mask, p, 0.0)
@@ -332,7 +342,7 @@ def _attention_bwd(plan, residuals, cotangents):
                 dv_j = dv_j + jnp.einsum("BKMk,BKMH->BKkH", _fold(p_kept).astype(do_i.dtype),
                                          do_i, preferred_element_type=jnp.float32)
                 ds = p * (dp - d_rows[:, :, :, i][..., None])
-                ds_m = _fold(ds)
+                ds_m = _fold(ds if slope is None else ds * slope)   # through the soft-cap
                 dq_i = jnp.einsum("BKMk,BKkH->BKMH", ds_m.astype(k_j.dtype), k_j,
                                   preferred_element_type=jnp.float32)
                 dk_j = dk_j + jnp.einsum("BKMk,BKMH->BKkH", ds_m.astype(q_i.dtype), q_i,

@@ -5,8 +5,9 @@ teacher-forced sequence (query i sees keys <= i), a sliding window over it, and 
 padding given as lengths. `unsupported` names what it cannot take, and `attend` refuses
 that by name rather than change what is computed: packed segment ids, T5's relative bias
 (a [T, S] table), attention dropout, queries at cached positions (prefill and decoding
-steps, whose causal mask is offset), keys shared by several query rows (beams), and
-float32 (the kernels run float16 and bfloat16).
+steps, whose causal mask is offset), keys shared by several query rows (beams), logit
+soft-capping, a window switched per layer inside a scan, and float32 (the kernels run
+float16 and bfloat16).
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import jax.numpy as jnp
 from models.masks import MaskSpec
 
 
-def unsupported(q_BTNH, k_BSKH, spec: MaskSpec, bias, *, dropout_rate: float) -> str | None:
+def unsupported(q_BTNH, k_BSKH, spec: MaskSpec, bias, *, dropout_rate: float,
+                softcap: float | None = None) -> str | None:
     """Why cuDNN cannot compute this attention exactly (None: it can)."""
     if jax.default_backend() != "gpu":
         return f"it needs a GPU (the backend is {jax.default_backend()})"
@@ -31,6 +33,10 @@ def unsupported(q_BTNH, k_BSKH, spec: MaskSpec, bias, *, dropout_rate: float) ->
         return f"it applies no attention dropout (attention_dropout_rate={dropout_rate})"
     if k_BSKH.shape[0] != q_BTNH.shape[0]:
         return "its keys cannot be shared by several query rows (beams)"
+    if spec.window_on is not None:
+        return "its window cannot be switched per layer inside a scanned stack (layer_types)"
+    if softcap is not None:
+        return f"it applies no logit soft-capping (attn_logit_softcapping={softcap})"
     if (spec.causal or spec.window is not None) and not spec.aligned:
         return "its causal mask cannot be offset (queries at cached positions)"
     return None

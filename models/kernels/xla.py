@@ -27,6 +27,7 @@ def dot_product_attention(
     dropout_rate: float = 0.0,
     dropout_rng: jax.Array | None = None,
     with_lse: bool = False,
+    softcap: float | None = None,
 ) -> tuple[Float[Array, "B T N H"], Float[Array, "B N T S"]]:
     """softmax(scale * q k^T + bias, masked) v, with the softmax in float32.
 
@@ -45,6 +46,8 @@ def dot_product_attention(
         with_lse: also return the log-sum-exp of each query's visible logits, lse_BTN
             (float32; -inf for a query that sees nothing), to merge this attention with
             another over other keys.
+        softcap: None, or c: the scaled logits become c * tanh(logits / c) (in float32),
+            before the bias and the mask (Gemma 2's attention soft-capping).
 
     Returns:
         out_BTNH in the dtype of v, and probs_BNTS (float32) for inspection (and lse_BTN).
@@ -76,6 +79,8 @@ def dot_product_attention(
     logits_BKMS = jnp.einsum("BKMH,BKSH->BKMS", q_BKMH, k_BSKH.transpose(0, 2, 1, 3),
                              preferred_element_type=jnp.float32)
     logits_BKGQS = logits_BKMS.reshape(Bk, K, G, Q, S)
+    if softcap is not None:
+        logits_BKGQS = jnp.tanh(logits_BKGQS / softcap) * softcap
     if bias_BNTS is not None:
         bias_BWKGTS = jnp.broadcast_to(bias_BNTS, (B, N, T, S)).reshape(Bk, W, K, G, T, S)
         bias_BKGQS = bias_BWKGTS.transpose(0, 2, 3, 1, 4, 5).reshape(Bk, K, G, W * T, S)
@@ -114,7 +119,8 @@ def _weighted(probs_BKGQS, v_BSKH, shape, dropout_rate, dropout_rng):
 
 
 def xla_attention(q_BTNH, k_BSKH, v_BSKH, spec: MaskSpec, bias=None, *, scale: float,
-                  dropout_rate: float = 0.0, dropout_rng=None, with_lse: bool = False):
+                  dropout_rate: float = 0.0, dropout_rng=None, with_lse: bool = False,
+                  softcap: float | None = None):
     """`dot_product_attention` of a mask description (`MaskSpec`) and a bias description
     (None, or a `models.relative.RelativeBias`), both materialised here."""
     B, Bk = q_BTNH.shape[0], k_BSKH.shape[0]
@@ -128,4 +134,5 @@ def xla_attention(q_BTNH, k_BSKH, v_BSKH, spec: MaskSpec, bias=None, *, scale: f
         q_BTNH, k_BSKH, v_BSKH, None if mask is None else jnp.broadcast_to(
             mask, (B, q_BTNH.shape[1], k_BSKH.shape[1])),
         bias_BNTS=None if bias is None else bias.materialize(), scale=scale,
-        dropout_rate=dropout_rate, dropout_rng=dropout_rng, with_lse=with_lse)
+        dropout_rate=dropout_rate, dropout_rng=dropout_rng, with_lse=with_lse,
+        softcap=softcap)

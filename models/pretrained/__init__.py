@@ -64,6 +64,8 @@ from models.pretrained import (
     bart,
     bert,
     gemma,
+    gemma2,
+    gemma3,
     gpt2,
     llama,
     marian,
@@ -95,13 +97,14 @@ from models.transformer import build
 
 FAMILIES: dict[str, Family] = {
     f.model_type: f for f in (gpt2.FAMILY, llama.FAMILY, mistral.FAMILY, qwen2.FAMILY,
-                              qwen3.FAMILY, gemma.FAMILY, phi3.FAMILY, bart.FAMILY, marian.FAMILY,
+                              qwen3.FAMILY, gemma.FAMILY, gemma2.FAMILY, gemma3.FAMILY,
+                              phi3.FAMILY, bart.FAMILY, marian.FAMILY,
                               t5.FAMILY, t5.MT5_FAMILY, bert.FAMILY, roberta.FAMILY,
                               zoo.FAMILY)}
 # Tried in this order when saving a config without a model_type; the first that expresses
 # it wins (the project's own type expresses everything).
-SAVE_ORDER = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "bart", "marian",
-              "t5", "bert", "roberta", zoo.MODEL_TYPE)
+SAVE_ORDER = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2",
+              "gemma3_text", "phi3", "bart", "marian", "t5", "bert", "roberta", zoo.MODEL_TYPE)
 # Written last by `save`; `load` checks the files against it when it is there.
 MANIFEST = "zoo_integrity.json"
 # Fields a loaded config may be given: how to run it, not what it computes.

@@ -163,7 +163,10 @@ class ConfigReader:
 # to these values.
 PLAIN = {"position_offset": 0, "embedding_norm": False, "scale_attention": True,
          "scale_head_input": False, "logits_bias": False, "mlp_dropout_rate": 0.0,
-         "qk_norm": False, "norm_scale_offset": 0.0}
+         "qk_norm": False, "norm_scale_offset": 0.0, "layer_types": (),
+         "rope_local_theta": None, "attn_logit_softcapping": None,
+         "final_logit_softcapping": None, "sublayer_output_norm": False,
+         "query_pre_attn_scalar": None}
 
 
 def require(cfg: TransformerConfig, model_type: str, **fields) -> None:
