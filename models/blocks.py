@@ -67,7 +67,7 @@ def _out_norm(cfg, name: str):
     return make_norm(cfg, f"{name}_output_norm") if cfg.sublayer_output_norm else None
 
 
-def _self_attention_sublayer(cfg, x_BTD, inputs: LayerInputs, cache, layer, sliding=None):
+def _self_attention_sublayer(cfg, x_BTD, inputs: LayerInputs, cache, layer, *, sliding=None):
     """The residual self-attention sublayer; returns (x_BTD, cache), or with
     `inputs.read_only` (x_BTD, cache, the layer's new (k_BTKH, v_BTKH)). `sliding`: the
     layer's kind (`SelfAttention`)."""
@@ -77,7 +77,7 @@ def _self_attention_sublayer(cfg, x_BTD, inputs: LayerInputs, cache, layer, slid
         lambda y: attn(y, spec=inputs.self_spec, positions_BT=inputs.positions, cache=cache,
                        layer=layer, deterministic=inputs.deterministic, bias=inputs.self_bias,
                        read_only=inputs.read_only, sliding=sliding),
-        make_norm(cfg, "self_attention_norm"), inputs.deterministic,
+        make_norm(cfg, "self_attention_norm"), deterministic=inputs.deterministic,
         out_norm=_out_norm(cfg, "self_attention"))
     return (x_BTD, cache, out) if inputs.read_only else (x_BTD, out, None)
 
@@ -85,7 +85,7 @@ def _self_attention_sublayer(cfg, x_BTD, inputs: LayerInputs, cache, layer, slid
 def _mlp_sublayer(cfg, x_BTD, inputs: LayerInputs):
     mlp = MLP(cfg, name="mlp")
     x_BTD, _ = residual(cfg, x_BTD, lambda y: (mlp(y, inputs.deterministic), None),
-                        make_norm(cfg, "mlp_norm"), inputs.deterministic,
+                        make_norm(cfg, "mlp_norm"), deterministic=inputs.deterministic,
                         out_norm=_out_norm(cfg, "mlp"))
     return x_BTD
 
@@ -101,7 +101,7 @@ class SelfAttentionLayer(nn.Module):
     def __call__(self, carry, inputs: LayerInputs, sliding=None):
         x_BTD, cache, layer = carry
         x_BTD, cache, new_kv = _self_attention_sublayer(self.config, x_BTD, inputs, cache,
-                                                        layer, sliding)
+                                                        layer, sliding=sliding)
         x_BTD = _mlp_sublayer(self.config, x_BTD, inputs)
         return (x_BTD, cache, layer + 1), new_kv
 
@@ -122,7 +122,7 @@ class DecoderLayer(nn.Module):
         x_BTD, _ = residual(
             cfg, x_BTD,
             lambda y: (cross(y, k_BSKH, v_BSKH, spec=inputs.cross_spec, deterministic=det), None),
-            make_norm(cfg, "cross_attention_norm"), det,
+            make_norm(cfg, "cross_attention_norm"), deterministic=det,
             out_norm=_out_norm(cfg, "cross_attention"))
         x_BTD = _mlp_sublayer(cfg, x_BTD, inputs)
         return (x_BTD, cache, layer + 1), new_kv

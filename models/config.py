@@ -25,8 +25,9 @@ from typing import Any, Literal
 import jax.numpy as jnp
 import numpy as np
 
+from models.config_checks import validate
 from models.errors import UserError, check_positive_int, is_int
-from models.lora import LoraConfig, check_against
+from models.lora import LoraConfig
 from models.rope_scaling import (
     DynamicRopeScaling,
     LinearRopeScaling,
@@ -283,132 +284,7 @@ class TransformerConfig:
                     f"TransformerConfig.d_model={self.d_model} is not divisible by "
                     f"num_heads={self.num_heads} (set head_dim to decouple them)")
             object.__setattr__(self, "head_dim", self.d_model // self.num_heads)
-        self._validate()
-
-    def _validate(self):
-        if self.num_heads % self.num_kv_heads:
-            raise UserError(
-                f"TransformerConfig.num_heads={self.num_heads} is not divisible by "
-                f"num_kv_heads={self.num_kv_heads}")
-        if self.positions == "rope" and self.head_dim % 2:
-            raise UserError(
-                f"TransformerConfig.head_dim={self.head_dim} must be even for rope positions")
-        if self.remat_policy != "full" and not self.remat:
-            raise UserError(f"TransformerConfig.remat_policy={self.remat_policy!r} chooses "
-                            "what remat keeps, and needs remat=True")
-        if self.rope_theta <= 0:
-            raise UserError(f"TransformerConfig.rope_theta={self.rope_theta} must be > 0")
-        if not self.norm_eps > 0:
-            raise UserError(f"TransformerConfig.norm_eps={self.norm_eps} must be > 0")
-        for name in ("dropout_rate", "attention_dropout_rate", "mlp_dropout_rate"):
-            rate = getattr(self, name)
-            if not 0.0 <= rate < 1.0:
-                raise UserError(f"TransformerConfig.{name}={rate} must be in [0, 1)")
-        for name in ("num_token_types", "num_labels"):
-            if getattr(self, name) < 0:
-                raise UserError(f"TransformerConfig.{name}={getattr(self, name)} must be >= 0")
-            if getattr(self, name) and self.architecture != "encoder_only":
-                raise UserError(f"TransformerConfig.{name}={getattr(self, name)} needs "
-                                 f"architecture='encoder_only', not {self.architecture!r}")
-        if self.label_names and len(self.label_names) != self.num_labels:
-            raise UserError(f"TransformerConfig.label_names has {len(self.label_names)} "
-                             f"names {list(self.label_names)[:8]}, but num_labels="
-                             f"{self.num_labels}")
-        if self.position_offset < 0:
-            raise UserError(
-                f"TransformerConfig.position_offset={self.position_offset} must be >= 0")
-        if self.position_offset and self.positions != "learned":
-            raise UserError(f"TransformerConfig.position_offset={self.position_offset} needs "
-                             f"positions='learned', not {self.positions!r}")
-        fewest = 2 if self.architecture == "decoder_only" else 4
-        if self.positions == "relative" and self.relative_buckets < fewest:
-            # An encoder halves the buckets per direction, and each half keeps half its
-            # buckets for exact distances: at least 1 of each.
-            raise UserError(
-                f"TransformerConfig.relative_buckets={self.relative_buckets} is too few "
-                f"(at least {fewest} with a bidirectional stack)")
-        if self.positions == "relative" and (
-                self.relative_max_distance <= self.relative_buckets // 2):
-            raise UserError(
-                f"TransformerConfig.relative_max_distance={self.relative_max_distance} must "
-                f"exceed relative_buckets // 2 = {self.relative_buckets // 2} (the exact "
-                "buckets end there; the logarithmic ones reach up to the max distance)")
-        if self.norm_scale_offset and self.norm != "rmsnorm":
-            raise UserError(f"TransformerConfig.norm_scale_offset={self.norm_scale_offset} "
-                            f"needs norm='rmsnorm', not {self.norm!r}")
-        if self.qk_norm and self.is_encoder_decoder:
-            raise UserError("TransformerConfig.qk_norm=True normalises self-attention's "
-                            "queries and keys; an encoder-decoder's cross-attention has no "
-                            "such norms")
-        if self.rope_scaling is not None and self.positions != "rope":
-            raise UserError(f"TransformerConfig.rope_scaling={self.rope_scaling} needs "
-                             f"positions='rope', not {self.positions!r}")
-        self._validate_rope()
-        self._validate_attention_variants()
-        if self.lora is not None:
-            check_against(self.lora, self)
-        if self.is_encoder_decoder and self.bos_id is None:
-            raise UserError("TransformerConfig.bos_id=None: an encoder-decoder needs the "
-                             "decoder's start token")
-        for name in ("pad_id", "eos_id", "bos_id"):
-            value = getattr(self, name)
-            if value is not None and not 0 <= value < self.vocab_size:
-                raise UserError(
-                    f"TransformerConfig.{name}={value!r} must be an int in "
-                    f"[0, vocab_size={self.vocab_size})")
-
-    def _validate_rope(self):
-        f, s = self.partial_rotary_factor, self.rope_scaling
-        if f != 1.0 and self.positions != "rope":
-            raise UserError(f"TransformerConfig.partial_rotary_factor={f} needs "
-                             f"positions='rope', not {self.positions!r}")
-        if self.positions == "rope" and (not 0.0 < f <= 1.0 or self.rope_dim < 2
-                                         or self.rope_dim % 2):
-            raise UserError(f"TransformerConfig.partial_rotary_factor={f} must be in (0, 1] "
-                             f"and rotate an even number of channels (int(head_dim={self.head_dim}"
-                             f" * {f}) = {int(self.head_dim * f)})")
-        if isinstance(s, DynamicRopeScaling) and self.max_len > s.original_max_len:
-            raise UserError(
-                f"TransformerConfig.max_len={self.max_len} exceeds the dynamic RoPE scaling's "
-                f"original_max_len={s.original_max_len}: past it transformers rescales from "
-                "the longest sequence each module has seen over the whole batch (state kept "
-                "between calls), which no call here can compute; within it the frequencies "
-                "are unscaled")
-        if isinstance(s, LongRopeScaling) and len(s.short_factor) != self.rope_dim // 2:
-            raise UserError(f"TransformerConfig.rope_scaling: longrope has "
-                             f"{len(s.short_factor)} factors for {self.rope_dim // 2} rotary "
-                             "frequencies")
-
-    def _validate_attention_variants(self):
-        """Per-layer kinds, soft-capping, output norms, the query scale."""
-        if self.layer_types:
-            if self.architecture != "decoder_only":
-                raise UserError(f"TransformerConfig.layer_types={self.layer_types} needs "
-                                f"architecture='decoder_only', not {self.architecture!r}")
-            if len(self.layer_types) != self.num_layers:
-                raise UserError(f"TransformerConfig.layer_types has {len(self.layer_types)} "
-                                f"kinds for num_layers={self.num_layers}")
-            if "sliding" in self.layer_types and self.sliding_window is None:
-                raise UserError("TransformerConfig.layer_types has 'sliding' layers but "
-                                "sliding_window=None")
-        for name in ("rope_local_theta", "attn_logit_softcapping", "final_logit_softcapping",
-                     "query_pre_attn_scalar"):
-            value = getattr(self, name)
-            if value is not None and not value > 0:
-                raise UserError(f"TransformerConfig.{name}={value} must be > 0 (or None)")
-        if self.rope_local_theta is not None and self.positions != "rope":
-            raise UserError(f"TransformerConfig.rope_local_theta={self.rope_local_theta} "
-                            f"needs positions='rope', not {self.positions!r}")
-        if self.final_logit_softcapping is not None and self.architecture == "encoder_only":
-            raise UserError("TransformerConfig.final_logit_softcapping caps a decoder's "
-                            "logits; an encoder_only model's heads have none")
-        if self.sublayer_output_norm and self.norm_position != "pre":
-            raise UserError("TransformerConfig.sublayer_output_norm=True needs "
-                            f"norm_position='pre', not {self.norm_position!r}")
-        if self.query_pre_attn_scalar is not None and not self.scale_attention:
-            raise UserError(f"TransformerConfig.query_pre_attn_scalar="
-                            f"{self.query_pre_attn_scalar} scales the attention, and needs "
-                            "scale_attention=True")
+        validate(self)
 
     def layer_is_sliding(self) -> tuple[bool, ...]:
         """Whether each layer of the decoder-only stack slides (`layer_types`, or one kind

@@ -178,6 +178,7 @@ def residual(
     x_BTD: Float[Array, "B T D"],
     sublayer: Callable,
     norm: nn.Module,
+    *,
     deterministic: bool,
     out_norm: nn.Module | None = None,
 ):

@@ -76,7 +76,7 @@ def read_rope(r: ConfigReader, max_len: int, *, partial: bool = False,
     top = r.take(ORIGINAL, original)
     scaling = None
     if kind in KINDS:
-        scaling = _scaling(r, kind, params, given, max_len, top)
+        scaling = _scaling(r, kind, params, given, max_len=max_len, top=top)
     elif kind != "default":
         r.refuse("rope_type", kind, f"supported: 'default', {', '.join(map(repr, KINDS))}")
     if params:
@@ -85,7 +85,7 @@ def read_rope(r: ConfigReader, max_len: int, *, partial: bool = False,
             "partial_rotary_factor": float(factor)}
 
 
-def _scaling(r: ConfigReader, kind: str, params: dict, given: dict, max_len: int, top):
+def _scaling(r: ConfigReader, kind: str, params: dict, given: dict, *, max_len: int, top):
     cls, keys, required = KINDS[kind]
     missing = sorted(required - {k for k in params if params[k] is not None})
     if missing:

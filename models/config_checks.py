@@ -1,0 +1,136 @@
+"""The checks across a `models.TransformerConfig`'s fields: every combination a model
+cannot compute is refused here, naming the fields and their values (each field's own type
+and range are checked in `models.config` as it is set)."""
+
+from __future__ import annotations
+
+from models.errors import UserError
+from models.lora import check_against
+from models.rope_scaling import DynamicRopeScaling, LongRopeScaling
+
+
+def validate(cfg) -> None:
+    """Refuses a `TransformerConfig` whose fields contradict each other."""
+    if cfg.num_heads % cfg.num_kv_heads:
+        raise UserError(
+            f"TransformerConfig.num_heads={cfg.num_heads} is not divisible by "
+            f"num_kv_heads={cfg.num_kv_heads}")
+    if cfg.positions == "rope" and cfg.head_dim % 2:
+        raise UserError(
+            f"TransformerConfig.head_dim={cfg.head_dim} must be even for rope positions")
+    if cfg.remat_policy != "full" and not cfg.remat:
+        raise UserError(f"TransformerConfig.remat_policy={cfg.remat_policy!r} chooses "
+                        "what remat keeps, and needs remat=True")
+    if cfg.rope_theta <= 0:
+        raise UserError(f"TransformerConfig.rope_theta={cfg.rope_theta} must be > 0")
+    if not cfg.norm_eps > 0:
+        raise UserError(f"TransformerConfig.norm_eps={cfg.norm_eps} must be > 0")
+    for name in ("dropout_rate", "attention_dropout_rate", "mlp_dropout_rate"):
+        rate = getattr(cfg, name)
+        if not 0.0 <= rate < 1.0:
+            raise UserError(f"TransformerConfig.{name}={rate} must be in [0, 1)")
+    for name in ("num_token_types", "num_labels"):
+        if getattr(cfg, name) < 0:
+            raise UserError(f"TransformerConfig.{name}={getattr(cfg, name)} must be >= 0")
+        if getattr(cfg, name) and cfg.architecture != "encoder_only":
+            raise UserError(f"TransformerConfig.{name}={getattr(cfg, name)} needs "
+                             f"architecture='encoder_only', not {cfg.architecture!r}")
+    if cfg.label_names and len(cfg.label_names) != cfg.num_labels:
+        raise UserError(f"TransformerConfig.label_names has {len(cfg.label_names)} "
+                         f"names {list(cfg.label_names)[:8]}, but num_labels="
+                         f"{cfg.num_labels}")
+    if cfg.position_offset < 0:
+        raise UserError(
+            f"TransformerConfig.position_offset={cfg.position_offset} must be >= 0")
+    if cfg.position_offset and cfg.positions != "learned":
+        raise UserError(f"TransformerConfig.position_offset={cfg.position_offset} needs "
+                         f"positions='learned', not {cfg.positions!r}")
+    fewest = 2 if cfg.architecture == "decoder_only" else 4
+    if cfg.positions == "relative" and cfg.relative_buckets < fewest:
+        # An encoder halves the buckets per direction, and each half keeps half its
+        # buckets for exact distances: at least 1 of each.
+        raise UserError(
+            f"TransformerConfig.relative_buckets={cfg.relative_buckets} is too few "
+            f"(at least {fewest} with a bidirectional stack)")
+    if cfg.positions == "relative" and (
+            cfg.relative_max_distance <= cfg.relative_buckets // 2):
+        raise UserError(
+            f"TransformerConfig.relative_max_distance={cfg.relative_max_distance} must "
+            f"exceed relative_buckets // 2 = {cfg.relative_buckets // 2} (the exact "
+            "buckets end there; the logarithmic ones reach up to the max distance)")
+    if cfg.norm_scale_offset and cfg.norm != "rmsnorm":
+        raise UserError(f"TransformerConfig.norm_scale_offset={cfg.norm_scale_offset} "
+                        f"needs norm='rmsnorm', not {cfg.norm!r}")
+    if cfg.qk_norm and cfg.is_encoder_decoder:
+        raise UserError("TransformerConfig.qk_norm=True normalises cfg-attention's "
+                        "queries and keys; an encoder-decoder's cross-attention has no "
+                        "such norms")
+    if cfg.rope_scaling is not None and cfg.positions != "rope":
+        raise UserError(f"TransformerConfig.rope_scaling={cfg.rope_scaling} needs "
+                         f"positions='rope', not {cfg.positions!r}")
+    _check_rope(cfg)
+    _check_attention_variants(cfg)
+    if cfg.lora is not None:
+        check_against(cfg.lora, cfg)
+    if cfg.is_encoder_decoder and cfg.bos_id is None:
+        raise UserError("TransformerConfig.bos_id=None: an encoder-decoder needs the "
+                         "decoder's start token")
+    for name in ("pad_id", "eos_id", "bos_id"):
+        value = getattr(cfg, name)
+        if value is not None and not 0 <= value < cfg.vocab_size:
+            raise UserError(
+                f"TransformerConfig.{name}={value!r} must be an int in "
+                f"[0, vocab_size={cfg.vocab_size})")
+
+def _check_rope(cfg) -> None:
+    f, s = cfg.partial_rotary_factor, cfg.rope_scaling
+    if f != 1.0 and cfg.positions != "rope":
+        raise UserError(f"TransformerConfig.partial_rotary_factor={f} needs "
+                         f"positions='rope', not {cfg.positions!r}")
+    if cfg.positions == "rope" and (not 0.0 < f <= 1.0 or cfg.rope_dim < 2
+                                     or cfg.rope_dim % 2):
+        raise UserError(f"TransformerConfig.partial_rotary_factor={f} must be in (0, 1] "
+                         f"and rotate an even number of channels (int(head_dim={cfg.head_dim}"
+                         f" * {f}) = {int(cfg.head_dim * f)})")
+    if isinstance(s, DynamicRopeScaling) and cfg.max_len > s.original_max_len:
+        raise UserError(
+            f"TransformerConfig.max_len={cfg.max_len} exceeds the dynamic RoPE scaling's "
+            f"original_max_len={s.original_max_len}: past it transformers rescales from "
+            "the longest sequence each module has seen over the whole batch (state kept "
+            "between calls), which no call here can compute; within it the frequencies "
+            "are unscaled")
+    if isinstance(s, LongRopeScaling) and len(s.short_factor) != cfg.rope_dim // 2:
+        raise UserError(f"TransformerConfig.rope_scaling: longrope has "
+                         f"{len(s.short_factor)} factors for {cfg.rope_dim // 2} rotary "
+                         "frequencies")
+
+def _check_attention_variants(cfg) -> None:
+    """Per-layer kinds, soft-capping, output norms, the query scale."""
+    if cfg.layer_types:
+        if cfg.architecture != "decoder_only":
+            raise UserError(f"TransformerConfig.layer_types={cfg.layer_types} needs "
+                            f"architecture='decoder_only', not {cfg.architecture!r}")
+        if len(cfg.layer_types) != cfg.num_layers:
+            raise UserError(f"TransformerConfig.layer_types has {len(cfg.layer_types)} "
+                            f"kinds for num_layers={cfg.num_layers}")
+        if "sliding" in cfg.layer_types and cfg.sliding_window is None:
+            raise UserError("TransformerConfig.layer_types has 'sliding' layers but "
+                            "sliding_window=None")
+    for name in ("rope_local_theta", "attn_logit_softcapping", "final_logit_softcapping",
+                 "query_pre_attn_scalar"):
+        value = getattr(cfg, name)
+        if value is not None and not value > 0:
+            raise UserError(f"TransformerConfig.{name}={value} must be > 0 (or None)")
+    if cfg.rope_local_theta is not None and cfg.positions != "rope":
+        raise UserError(f"TransformerConfig.rope_local_theta={cfg.rope_local_theta} "
+                        f"needs positions='rope', not {cfg.positions!r}")
+    if cfg.final_logit_softcapping is not None and cfg.architecture == "encoder_only":
+        raise UserError("TransformerConfig.final_logit_softcapping caps a decoder's "
+                        "logits; an encoder_only model's heads have none")
+    if cfg.sublayer_output_norm and cfg.norm_position != "pre":
+        raise UserError("TransformerConfig.sublayer_output_norm=True needs "
+                        f"norm_position='pre', not {cfg.norm_position!r}")
+    if cfg.query_pre_attn_scalar is not None and not cfg.scale_attention:
+        raise UserError(f"TransformerConfig.query_pre_attn_scalar="
+                        f"{cfg.query_pre_attn_scalar} scales the attention, and needs "
+                        "scale_attention=True")
