@@ -136,7 +136,8 @@ def test_every_parameter_of_every_preset_names_each_of_its_axes():
             cfg = base.replace(scan_layers=scan, d_model=64, mlp_dim=64, vocab_size=64,
                                num_heads=4, num_kv_heads=min(base.num_kv_heads, 4),
                                head_dim=16, num_layers=2, num_encoder_layers=2,
-                               num_decoder_layers=2)
+                               num_decoder_layers=2,
+                               layer_types=base.layer_types[-2:])   # a full layer last
             model = models.build(cfg)
             args, method = axes.init_args(cfg)
             boxed = axes.boxed_params(model, *args, method=method)
