@@ -13,6 +13,7 @@ import ml_collections
 import numpy as np
 import pytest
 
+import decode
 import models
 from tests.helpers import tiny
 from tests.train_helpers import straight_run, tiny_train_config, train_metric_rows
@@ -198,6 +199,11 @@ def test_the_run_config_refuses_what_sequence_training_cannot_train():
                                          r"sequence-level training: translation needs an "
                                          r"encoder-decoder \(sequence level\)\)$"):
         check_config(c)
+    c = _sequence_config()
+    c.scheduled_sampling.enabled = True
+    with pytest.raises(ValueError, match=r"^scheduled_sampling.enabled=True is next-token "
+                                         r"prediction's option; sequence.objective='mrt'"):
+        check_config(c)
     c = _sequence_config(max_new_tokens=200)     # the preset grows to hold the candidates
     assert RunConfig.from_config(c).needed_max_len == 201
 
@@ -286,6 +292,13 @@ def test_candidates_are_drawn_per_global_row_whatever_the_split():
                  row_keys(jax.random.key(6), jnp.arange(4)), drawing=drawing)
     assert not np.array_equal(whole[0], other[0])          # another step key, other draws
     assert whole[0].shape == (4, 3, 6) and np.all((whole[1] >= 1) & (whole[1] <= 6))
+    # Beam search: each source's K best beams, as beam_search gives them for it alone.
+    beams = draw(model, state.params, b["inputs"], lengths, row_keys(key, jnp.arange(4)),
+                 drawing=Drawing(candidates=3, sampling="beam", max_new_tokens=6))
+    alone = decode.beam_search(model, state.params, b["inputs"][1:2], lengths[1:2],
+                               beam_size=3, max_new_tokens=6)
+    np.testing.assert_array_equal(beams[0][1], alone.tokens[0])
+    np.testing.assert_array_equal(beams[1][1], alone.lengths[0])
 
 
 @pytest.mark.slow
@@ -303,6 +316,27 @@ def test_pmap_and_shard_map_over_4_devices_equal_one_device(objective):
     assert 0.0 <= one_logs[0]["reward"] <= 1.0 and 0.0 <= one_logs[0]["risk"] <= 1.0
     if objective == "scst":
         assert 0.0 <= one_logs[0]["greedy_reward"] <= 1.0
+
+
+@pytest.mark.slow
+def test_a_reward_that_is_not_finite_stops_the_step_naming_it(tmp_path, monkeypatch):
+    """Inside the jitted step the host's UserError reaches the caller inside JAX's runtime
+    error, its message whole: the reward's name, the value and the candidate."""
+    (tmp_path / "nan_reward.py").write_text(
+        "def f(h, r):\n    return 1.0 if h == r else float('nan')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(Exception, match=r"sequence.reward='nan_reward:f' gave nan for the "
+                                        r"candidate '[0-9 ]*' \(reference '[0-9 ]+'\): a "
+                                        r"reward must be a finite number"):
+        _run("pmap", 1, [_batch(0, 8)], reward="nan_reward:f")
+    # The failed callback's error is also kept for JAX's effects barrier: take it here,
+    # not at the end of the test process.
+    for _ in range(4):
+        try:
+            jax.effects_barrier()
+            break
+        except Exception as e:  # noqa: BLE001 (JAX's runtime error)
+            assert "nan_reward:f" in str(e)
 
 
 # --- runs -------------------------------------------------------------------------------
@@ -325,13 +359,20 @@ def _finetune_config(data_dir: str, model_dir: str) -> ml_collections.ConfigDict
     return c
 
 
+@pytest.fixture(scope="module")
+def mrt_run(data_dir, tmp_path_factory):
+    """`finetune_sequence` (mrt, the reference among the candidates) for 4 steps on 4
+    devices (pmap) from 6 teacher-forced steps of `copy`: (config, workdir, summary)."""
+    base, _ = straight_run(data_dir)
+    config = _finetune_config(data_dir, os.path.join(base, "model"))
+    workdir = str(tmp_path_factory.mktemp("mrt"))
+    return config, workdir, train_and_evaluate(config, workdir)
+
+
 @pytest.mark.slow
 def test_a_teacher_forced_run_continues_with_mrt_logs_its_reward_and_resumes_exactly(
-        data_dir, tmp_path):
-    base, _ = straight_run(data_dir)                    # 6 teacher-forced steps of `copy`
-    config = _finetune_config(data_dir, os.path.join(base, "model"))
-    whole = str(tmp_path / "whole")
-    summary = train_and_evaluate(config, whole)
+        mrt_run, tmp_path):
+    config, whole, summary = mrt_run
     assert summary["step"] == 4 and not summary["preempted"]
     rows = train_metric_rows(whole)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
@@ -351,3 +392,19 @@ def test_a_teacher_forced_run_continues_with_mrt_logs_its_reward_and_resumes_exa
     chex.assert_trees_all_equal(checkpoint.restore_model(resumed).params,
                                 checkpoint.restore_model(whole).params)
     assert train_metric_rows(resumed) == rows
+
+
+@pytest.mark.slow
+def test_the_sharded_mesh_trains_what_pmap_does(mrt_run, tmp_path):
+    """FSDP over the 4 devices (jit over the global batch, the rewards' callback given the
+    whole batch) draws and scores the candidates pmap's devices do."""
+    config, whole, _ = mrt_run
+    sharded = ml_collections.ConfigDict(config.to_dict())
+    sharded.update(parallel="sharded", num_eval_decode=0)
+    train_and_evaluate(sharded, str(tmp_path))
+    for got, want in zip(train_metric_rows(str(tmp_path)), train_metric_rows(whole),
+                         strict=True):
+        for k in ("reward", "risk", "loss"):
+            assert got[k] == pytest.approx(want[k], rel=1e-4, abs=1e-6), (got["step"], k)
+    chex.assert_trees_all_close(checkpoint.restore_model(str(tmp_path)).params,
+                                checkpoint.restore_model(whole).params, atol=1e-4)

@@ -75,6 +75,16 @@ class SequenceLevel(Objective):
     rewards: HostRewards
 
     @classmethod
+    def check_settings(cls, settings, model_config, *, model_name: str) -> None:
+        """Refuses scheduled sampling: the candidates are the model's own outputs already."""
+        del model_config, model_name
+        if settings.scheduled_sampling.enabled:
+            raise UserError(f"scheduled_sampling.enabled=True is next-token prediction's "
+                            f"option; sequence.objective={settings.sequence.objective!r} "
+                            "trains on the model's own candidates already (set one of the "
+                            "two)")
+
+    @classmethod
     def build(cls, model_config, tokenizer, settings, *, model_name: str,
               decodes: bool = False) -> SequenceLevel:
         seq: SequenceSettings = settings.sequence
