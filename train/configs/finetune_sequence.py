@@ -20,11 +20,19 @@ Training rows hold one example each (packing off). Logged each `log_every_steps`
 candidates' mean `reward` and the `risk`; evaluations decode and score BLEU as
 finetune_translation's do. The fine-tuned model is exported to WORKDIR/model.
 
-What to expect: the reward rises over the first hundred steps on a model that already
-translates (a model that does not, draws no candidate worth raising: start from a
-teacher-forced run). Sampling K candidates of up to `max_new_tokens` tokens and scoring
-them on the host makes a step several times a teacher-forced one; tests/
-test_sequence_objectives.py runs a few steps of this config after a 6-step `copy` run.
+What to expect, measured on 2 CPU cores shared with other jobs: `reverse` trained
+teacher-forced for 300 steps (`--config reverse --config.num_train_steps=300`: 53 s,
+validation loss 1.095, accuracy 0.693, exact match 0.19), then this config from its export
+with --config.dataset=reverse --config.max_source_length=24 --config.max_target_length=24
+--config.max_decode_length=24 --config.sequence.max_new_tokens=24
+--config.sequence.candidates=4 --config.per_device_batch_size=16
+--config.learning_rate=1e-4 --config.num_train_steps=100: the logged reward (chrF / 100 of
+the samples) rose from 0.39 (step 10) to 0.77 (step 100), the risk fell from 0.61 to 0.26;
+validation loss 0.122, accuracy 0.980 at step 100; 101 s of training (about 1 s a step,
+against 0.18 s for a teacher-forced step of 32 rows). (BLEU, this config's metric, is 0 on
+`reverse`, whose outputs are single words: pass --config.metric=exact_match there.)
+tests/test_sequence_objectives.py runs a few steps of this config after a 6-step `copy`
+run.
 """
 
 from train.configs._base import base_config

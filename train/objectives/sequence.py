@@ -159,7 +159,7 @@ class SequenceLevel(Objective):
         real_B = ref_lengths > 0
         tokens, lengths = draw(model, params, sources, source_lengths, task["row_keys"],
                                drawing=self.drawing)
-        B, K, N = tokens.shape
+        B, K, N = tokens.shape          # K drawn candidates per source
         width = max(N, task["targets"].shape[1])
         tokens = pad_width(tokens, width)
         if s.objective == "mrt" and s.include_gold:     # the reference first
@@ -180,22 +180,20 @@ class SequenceLevel(Objective):
         logp = candidate_logprobs(model, params, batch, tokens, lengths,
                                   bos_id=self.token.bos_id, dropout_rng=dropout_rng,
                                   train=True)
-        K = tokens.shape[1]
         real = real_B.astype(jnp.float32)
         if s.objective == "mrt":
+            drawn = rewards[:, C - K:]                  # behind the reference, if there
             keep = first_occurrences(tokens, lengths) & real_B[:, None]
             seq_B = expected_risk(logp, 1.0 - rewards, keep, alpha=s.alpha)
-            extra = {}
+            extra = {"risk": jnp.sum(seq_B * real)}
         else:
-            keep = jnp.broadcast_to(real_B[:, None], (B, K))
-            sample_rewards, baseline = rewards[:, :K], rewards[:, K]
-            seq_B = self_critical(logp, sample_rewards, baseline, keep)
-            extra = {"greedy_reward": jnp.sum(baseline * real),
+            drawn, baseline = rewards[:, :K], rewards[:, K]
+            seq_B = self_critical(logp, drawn, baseline, jnp.broadcast_to(real_B[:, None],
+                                                                          (B, K)))
+            extra = {"risk": jnp.sum((1.0 - jnp.mean(drawn, axis=-1)) * real),
+                     "greedy_reward": jnp.sum(baseline * real),
                      "greedy_reward_count": jnp.sum(real)}
-            rewards = sample_rewards
-        kept = keep.astype(jnp.float32)
-        risk_B = (seq_B if s.objective == "mrt" else
-                  jnp.sum((1.0 - rewards) * kept, -1) / jnp.maximum(jnp.sum(kept, -1), 1.0))
-        extra.update({"reward": jnp.sum(rewards[:, :K] * kept), "reward_count": jnp.sum(kept),
-                      "risk": jnp.sum(risk_B * real), "risk_count": jnp.sum(real)})
+        # The logged reward: the mean of the drawn candidates (the reference left out).
+        extra.update({"reward": jnp.sum(drawn * real[:, None]),
+                      "reward_count": jnp.sum(real) * K, "risk_count": jnp.sum(real)})
         return seq_B, extra
