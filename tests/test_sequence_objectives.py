@@ -199,6 +199,13 @@ def test_the_run_config_refuses_what_sequence_training_cannot_train():
                                          r"sequence-level training: translation needs an "
                                          r"encoder-decoder \(sequence level\)\)$"):
         check_config(c)
+    c = _sequence_config(sampling="beam")
+    c.parallel = "shard_map"
+    with pytest.raises(ValueError, match=r"^sequence.sampling='beam' runs beam search inside "
+                                         r"the train step, which parallel='shard_map' cannot"):
+        check_config(c)
+    c.parallel = "pmap"
+    check_config(c)
     c = _sequence_config()
     c.scheduled_sampling.enabled = True
     with pytest.raises(ValueError, match=r"^scheduled_sampling.enabled=True is next-token "
@@ -273,6 +280,27 @@ def _run(kind, devices, batches, **sequence):
         s, m = step(s, jax.tree.map(lambda x: x.reshape(devices, -1, W), b))
         logged.append(summarise(metrics(m)))
     return dp.host_state(s).params, logged
+
+
+@pytest.mark.slow
+def test_generate_runs_inside_shard_map_and_gives_one_devices_tokens():
+    """decode.loop's carry varies over the mapped axis as the rows do (what candidates
+    drawn inside a shard_map train step need)."""
+    from jax.sharding import Mesh, PartitionSpec as P
+    model = models.build(tiny("encoder_decoder", max_len=W, num_encoder_layers=1,
+                              num_decoder_layers=1))
+    params = model.init(jax.random.key(0), jnp.zeros((1, W), jnp.int32),
+                        jnp.zeros((1, W), jnp.int32))["params"]
+    b = _batch(1, 8)
+    lengths = b["inputs_segmentation"].sum(-1).astype(np.int32)
+
+    def greedy(src, n):
+        return decode.generate(model, params, src, n, max_new_tokens=5).tokens
+
+    mesh = Mesh(np.asarray(jax.devices()), ("batch",))
+    mapped = jax.jit(jax.shard_map(greedy, mesh=mesh, in_specs=(P("batch"), P("batch")),
+                                   out_specs=P("batch")))
+    np.testing.assert_array_equal(mapped(b["inputs"], lengths), greedy(b["inputs"], lengths))
 
 
 @pytest.mark.slow

@@ -118,6 +118,11 @@ class RunConfig:
             raise fail("packing", True, f"must be False for sequence.objective="
                        f"{self.objective.sequence.objective!r}: each row's source draws "
                        "candidates against its one reference")
+        if (self.objective.sequence.enabled and self.objective.sequence.sampling == "beam"
+                and self.parallel.parallel == "shard_map"):
+            raise fail("sequence.sampling", "beam", "runs beam search inside the train step, "
+                       "which parallel='shard_map' cannot trace (its loop's carry does not "
+                       "vary over the devices); use parallel='pmap' or 'sharded'")
         if not model.init_from:     # a directory's own config was read by ModelSettings
             self._check_preset()
 
