@@ -83,11 +83,40 @@ def maybe_step(step_fn: StepFn | SplitStep, skip, tokens_B, cache, logits_BV):
         return jax.tree.unflatten(jax.tree.structure(shapes), out)
 
     new_logits, update = lax.cond(
-        skip, lambda: (logits_BV.astype(shapes[0].dtype),
-                       jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes[1])),
+        skip, lambda: (logits_BV.astype(shapes[0].dtype), _zeros_like(shapes[1])),
         read)
     active_B = jnp.broadcast_to(~skip, tokens_B.shape)
     return new_logits, step_fn.commit(cache, update, active_B)
+
+
+def _varying_axes(x) -> frozenset:
+    """The mapped axes (inside `shard_map`) over which `x` (an array or a shape) varies."""
+    kind = getattr(x, "manual_axis_type", None) or getattr(jax.typeof(x), "manual_axis_type",
+                                                           None)
+    return frozenset(getattr(kind, "varying", ()) or ())
+
+
+def _vary(x, axes: frozenset):
+    missing = tuple(sorted(axes - _varying_axes(x)))
+    return lax.pcast(x, missing, to="varying") if missing else x
+
+
+def _zeros_like(shapes):
+    """Zeros of `shapes` (`jax.ShapeDtypeStruct`s), each varying over the mapped axes its
+    shape names: inside `shard_map` a cond's branches must agree on that, and a read of
+    rows that differ per device varies."""
+    return jax.tree.map(lambda a: _vary(jnp.zeros(a.shape, a.dtype), _varying_axes(a)),
+                        shapes)
+
+
+def varying_alike(tree):
+    """`tree` with every array varying over the mapped axes any of them varies over (none
+    outside `shard_map`): a loop's carry starts as its body leaves it, when rows that
+    differ per device (decoding inside a shard_map train step) meet zeros made in the loop.
+    """
+    leaves = jax.tree.leaves(tree)
+    axes = frozenset().union(*(_varying_axes(x) for x in leaves))
+    return jax.tree.map(lambda x: _vary(x, axes), tree) if axes else tree
 
 
 @flax.struct.dataclass
@@ -201,6 +230,7 @@ def decode_loop(
             seen=seen,
             history=None if s.history is None else ngrams.append(s.history, token_B, ~s.done))
 
+    state = varying_alike(state)
     if while_loop:
         return lax.while_loop(lambda s: (s.step < N) & ~jnp.all(s.done), body, state)
     state, _ = lax.scan(lambda s, _: (body(s), None), state, None, length=N)

@@ -35,7 +35,7 @@ def _error(config) -> str:
 
 def test_every_key_of_the_base_config_has_a_rule():
     base = base_config().to_dict()
-    keys = set(base) | {f"{part}.{k}" for part in ("scheduled_sampling", "lora")
+    keys = set(base) | {f"{part}.{k}" for part in ("scheduled_sampling", "lora", "sequence")
                         for k in base[part]}
     assert set(RULES) == keys
 
@@ -99,6 +99,14 @@ CASES = [
     ("scheduled_sampling.max_rate", 1.5, "must be a number in [0, 1]"),
     ("scheduled_sampling.ramp_steps", 0, "must be an int >= 1"),
     ("scheduled_sampling.k", 0.0, "must be a number > 0"),
+    ("sequence.objective", "rl", "must be one of 'none', 'mrt', 'scst'"),
+    ("sequence.candidates", 0, "must be an int >= 1"),
+    ("sequence.alpha", 0.0, "must be a number > 0"),
+    ("sequence.reward", "rouge", "must be 'bleu', 'chrf' or 'module:function'"),
+    ("sequence.sampling", "nucleus", "must be one of 'sample', 'beam'"),
+    ("sequence.max_new_tokens", 0, "must be an int >= 1"),
+    ("sequence.loss_weight", 2.0, "must be a number in [0, 1]"),
+    ("sequence", "mrt", "must be a dict of objective, candidates"),
     ("packing", "no", "must be a bool"),
     ("reverse_translation", 1, "must be a bool"),
     ("distributed", "true", "must be a bool"),

@@ -37,9 +37,9 @@ def _flat(d: dict, prefix: str = "") -> dict:
 def test_the_defaults_build_and_base_config_is_made_of_the_parts_fields():
     run = RunConfig()
     base = base_config().to_dict()
-    # Every key has a rule, and no other (scheduled_sampling and lora: the dict and each of
-    # its keys).
-    assert set(_flat(base)) | {"scheduled_sampling", "lora"} == set(RULES)
+    # Every key has a rule, and no other (scheduled_sampling, lora and sequence: the dict
+    # and each of its keys).
+    assert set(_flat(base)) | {"scheduled_sampling", "lora", "sequence"} == set(RULES)
     for name, part in PARTS.items():
         made = getattr(run, name)
         for field in dataclasses.fields(part):

@@ -92,13 +92,16 @@ class RunConfig:
     @property
     def needed_max_len(self) -> int:
         """The positions the run's longest sequence needs: the rows, and a decoded output
-        behind its start token."""
+        (or a sequence-level candidate) behind its start token."""
+        sequence = self.objective.sequence
+        candidate = sequence.max_new_tokens + 1 if sequence.enabled else 0
         return max(self.data.max_source_length, self.data.max_target_length,
-                   self.evaluation.max_decode_length + 1)
+                   self.evaluation.max_decode_length + 1, candidate)
 
     def check(self) -> None:
-        """The rules between parts: the tokenizer's size, and a model (the preset with its
-        overrides) that builds and has an objective for the dataset's kind.
+        """The rules between parts: the tokenizer's size, one example per row for
+        sequence-level training, and a model (the preset with its overrides) that builds
+        and has an objective for the dataset's kind.
 
         Raises:
             UserError: naming the key, its value and the rule.
@@ -111,6 +114,15 @@ class RunConfig:
                        f"must be >= {MIN_SENTENCEPIECE_VOCAB} for tokenizer='sentencepiece' "
                        "(256 byte-fallback pieces and the specials); use tokenizer='byte' "
                        "for fewer ids")
+        if self.objective.sequence.enabled and data.packing:
+            raise fail("packing", True, f"must be False for sequence.objective="
+                       f"{self.objective.sequence.objective!r}: each row's source draws "
+                       "candidates against its one reference")
+        if (self.objective.sequence.enabled and self.objective.sequence.sampling == "beam"
+                and self.parallel.parallel == "shard_map"):
+            raise fail("sequence.sampling", "beam", "runs beam search inside the train step, "
+                       "which parallel='shard_map' cannot trace (its loop's carry does not "
+                       "vary over the devices); use parallel='pmap' or 'sharded'")
         if not model.init_from:     # a directory's own config was read by ModelSettings
             self._check_preset()
 
@@ -133,7 +145,8 @@ class RunConfig:
                        ": ") from None
         try:
             entry = registry.entry_for(cfg, data.kind, model_name=model.model,
-                                       dataset_name=data.dataset)
+                                       dataset_name=data.dataset,
+                                       sequence_level=self.objective.sequence.enabled)
         except ValueError as e:
             raise fail("model", model.model, f"({e})") from None
         entry.objective.check_settings(self.objective, cfg, model_name=model.model)

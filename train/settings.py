@@ -39,10 +39,11 @@ from train.config_checks import (
 )
 from train.masking import Masking
 from train.objectives.scheduled_sampling import ScheduledSampling
+from train.objectives.sequence_settings import SequenceSettings
 
 __all__ = ["BatchSettings", "CheckpointSettings", "DataSettings", "EvalSettings",
            "HostSettings", "LoopSettings", "LoraSettings", "ModelSettings", "ObjectiveSettings",
-           "OptimizerSettings", "ParallelSettings", "ScheduledSampling"]
+           "OptimizerSettings", "ParallelSettings", "ScheduledSampling", "SequenceSettings"]
 
 SPLITS = ("train", "validation", "test")
 SPM_MODEL_TYPES = ("unigram", "bpe", "char", "word")
@@ -258,7 +259,9 @@ class ObjectiveSettings(Part):
     """What the objectives read (`train.objectives`): the loss's label smoothing and
     z-loss; masked LM's corruption (of the real, non-special tokens, `mlm_rate` are chosen;
     of those `mlm_mask_fraction` become the mask token, `mlm_random_fraction` a random one,
-    the rest stay: BERT's 15% and 80/10/10); next-token prediction's scheduled sampling."""
+    the rest stay: BERT's 15% and 80/10/10); next-token prediction's scheduled sampling;
+    sequence-level training (`sequence.*`: minimum risk training or self-critical
+    REINFORCE, `train.objectives.sequence`)."""
 
     label_smoothing: float = setting(0.1, number("in [0, 1)", lambda v: 0 <= v < 1))
     z_loss: float = setting(0.0, number(">= 0", lambda v: v >= 0))
@@ -269,6 +272,9 @@ class ObjectiveSettings(Part):
                                          number("in [0, 1]", lambda v: 0 <= v <= 1))
     scheduled_sampling: ScheduledSampling = subpart(
         ScheduledSampling, "a dict of enabled, schedule, max_rate, ramp_steps, k")
+    sequence: SequenceSettings = subpart(
+        SequenceSettings, "a dict of objective, candidates, alpha, reward, include_gold, "
+        "sampling, temperature, top_k, max_new_tokens, loss_weight")
 
     def check(self) -> None:
         total = self.mlm_mask_fraction + self.mlm_random_fraction

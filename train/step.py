@@ -115,7 +115,8 @@ def eval_step(params, batch, *, model, objective: Objective, axis: str | None = 
 def summarise(sums: dict, label_names: tuple[str, ...] = ()) -> dict:
     """Host-side means from summed metrics: loss, accuracy, perplexity per target token
     (per masked token in masked LM, per example in classification, with each class's F1
-    named by `label_names`)."""
+    named by `label_names`), and each mean an objective sums as `NAME` and `NAME_count`
+    (sequence-level training's `reward`, `risk`)."""
     weight = max(float(sums["weight"]), 1.0)
     out = {"loss": float(sums["loss"]) / weight, "nll": float(sums["nll"]) / weight,
            "accuracy": float(sums["correct"]) / weight, "tokens": float(sums["weight"])}
@@ -127,6 +128,9 @@ def summarise(sums: dict, label_names: tuple[str, ...] = ()) -> dict:
     for key in ("grad_norm", "learning_rate"):
         if key in sums:
             out[key] = float(sums[key])
+    for key in sums:        # an objective's means: a sum NAME beside its count NAME_count
+        if f"{key}_count" in sums:
+            out[key] = float(sums[key]) / max(float(sums[f"{key}_count"]), 1.0)
     return out
 
 

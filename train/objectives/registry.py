@@ -10,6 +10,8 @@ architecture with a dataset's kind.
     decoder_only      text             next token
     encoder_only      text             masked LM (a model without a classifier head)
     encoder_only      classification   classification (a masked-LM model gets a head)
+    with sequence.objective "mrt" or "scst":
+    encoder_decoder   translation      sequence level (`train.objectives.sequence`)
 
 An impossible pair is refused naming both. A new objective is a module of its own (a
 subclass of `train.objectives.base.Objective`) and one line in `ENTRIES`. Dataset kinds are
@@ -26,6 +28,7 @@ from train.objectives.base import Objective
 from train.objectives.classification import Classification
 from train.objectives.masked_lm import MaskedLM
 from train.objectives.next_token import NextToken
+from train.objectives.sequence import SequenceLevel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +43,8 @@ class Entry:
             either (None).
         model_text: how the refusal message names the models of this entry.
         options: keyword arguments of `objective.build`.
+        sequence_level: the entry of runs with `sequence.objective` set (sequence-level
+            training), instead of those without.
     """
 
     architecture: str
@@ -48,10 +53,11 @@ class Entry:
     classifier: bool | None = None
     model_text: str = ""
     options: tuple[tuple[str, Any], ...] = ()
+    sequence_level: bool = False
 
-    def fits(self, model_config, data_kind: str) -> bool:
+    def fits(self, model_config, data_kind: str, sequence_level: bool = False) -> bool:
         return (model_config.architecture == self.architecture
-                and data_kind == self.data_kind
+                and data_kind == self.data_kind and sequence_level == self.sequence_level
                 and self.classifier in (None, bool(model_config.num_labels)))
 
     def build(self, model_config, tokenizer, settings, *, model_name: str) -> Objective:
@@ -67,32 +73,41 @@ ENTRIES: tuple[Entry, ...] = (
           model_text="an encoder-only one"),
     Entry("encoder_only", "classification", Classification,
           model_text="an encoder-only one"),
+    Entry("encoder_decoder", "translation", SequenceLevel, model_text="an encoder-decoder",
+          options=(("decodes", True),), sequence_level=True),
 )
 
 
-def _fits_text() -> str:
+def _fits_text(sequence_level: bool = False) -> str:
     """What each data kind needs, from `ENTRIES`: "translation needs an encoder-decoder
     (next token); text needs a decoder-only model (next token) or ..."."""
     kinds: dict[str, list[str]] = {}
     for e in ENTRIES:
+        if e.sequence_level != sequence_level:
+            continue
         kinds.setdefault(e.data_kind, []).append(f"{e.model_text} ({e.objective.name})")
     return "; ".join(f"{kind} needs {' or '.join(needs)}" for kind, needs in kinds.items())
 
 
-def entry_for(model_config, data_kind: str, *, model_name: str, dataset_name: str) -> Entry:
-    """The entry that trains a model of `model_config` on data of `data_kind`.
+def entry_for(model_config, data_kind: str, *, model_name: str, dataset_name: str,
+              sequence_level: bool = False) -> Entry:
+    """The entry that trains a model of `model_config` on data of `data_kind` (with
+    `sequence_level`: the sequence-level one).
 
     Raises:
         UserError: no entry does, naming the model and the dataset with what each is.
     """
     for entry in ENTRIES:
-        if entry.fits(model_config, data_kind):
+        if entry.fits(model_config, data_kind, sequence_level):
             return entry
     what = model_config.architecture
     if what == "encoder_only" and model_config.num_labels:
         what = f"an encoder-only classifier, num_labels={model_config.num_labels}"
+    needs = _fits_text(sequence_level)
+    if sequence_level:
+        needs = f"sequence-level training: {needs}"
     raise UserError(f"model {model_name!r} ({what}) does not fit dataset {dataset_name!r} "
-                    f"({data_kind}): {_fits_text()}")
+                    f"({data_kind}): {needs}")
 
 
 def fit(model_config, dataset, tokenizer, settings, *, model_name: str):
@@ -108,7 +123,7 @@ def fit(model_config, dataset, tokenizer, settings, *, model_name: str):
         UserError: the model does not fit the data, or lacks what the objective needs.
     """
     entry = entry_for(model_config, dataset.kind, model_name=model_name,
-                      dataset_name=dataset.name)
+                      dataset_name=dataset.name, sequence_level=settings.sequence.enabled)
     cfg = entry.objective.adapt_model(model_config, tuple(dataset.label_names),
                                       model_name=model_name, dataset_name=dataset.name)
     entry.objective.check_settings(settings, cfg, model_name=model_name)
