@@ -21,6 +21,28 @@ class UserError(ValueError):
     named with its value and the limit it breaks."""
 
 
+# UserErrors raised in host callbacks (`jax.pure_callback`) inside compiled computations,
+# which reach the caller wrapped in JAX's runtime error.
+_FROM_HOST: list[UserError] = []
+
+
+def raise_from_host(error: UserError):
+    """Raises `error` from a host callback, keeping it for `from_host`: a command line that
+    catches JAX's runtime error around it reports it as the user's mistake."""
+    _FROM_HOST.append(error)
+    raise error
+
+
+def from_host(error: BaseException) -> UserError | None:
+    """The UserError a host callback raised (`raise_from_host`) when `error` is the error
+    JAX raised around it (its message holds the callback's); None otherwise."""
+    if isinstance(error, UserError) or not _FROM_HOST:
+        return None
+    last = _FROM_HOST[-1]
+    _FROM_HOST.clear()
+    return last if str(last) in str(error) else None
+
+
 def is_int(value) -> bool:
     """An integral number: a Python int or a numpy integer scalar, never a bool."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)

@@ -16,6 +16,7 @@ import time
 
 import chex
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -270,6 +271,34 @@ def test_cli_a_bug_inside_the_run_is_an_internal_error_with_its_traceback_exit_1
         "error: internal error (a bug in jax-transformer-zoo or a library it uses): "
         "ValueError: operands could not be broadcast together")
     workdir_lib.claim(str(workdir)).release()
+
+
+def test_a_user_error_from_a_host_callback_inside_a_step_is_one_line_and_exit_2(capfd):
+    """A reward function's bad value found in `jax.pure_callback` reaches the caller inside
+    JAX's runtime error; the command line still reports the user's message alone."""
+    from models.errors import UserError, raise_from_host
+    from train import cli_errors
+
+    def host(x):
+        raise_from_host(UserError(f"sequence.reward='f' gave nan for {int(x)}"))
+
+    @jax.jit
+    def step(x):
+        return jax.pure_callback(host, jax.ShapeDtypeStruct((), jnp.float32), x)
+
+    try:
+        step(jnp.int32(3)).block_until_ready()
+        raise AssertionError("the callback's error did not reach the caller")
+    except UserError:
+        raise
+    except Exception as e:                                  # noqa: BLE001 (JAX's own type)
+        assert cli_errors.report(e) == 2
+    assert capfd.readouterr().err.strip().splitlines()[-1:] == [
+        "error: sequence.reward='f' gave nan for 3"]
+    try:
+        jax.effects_barrier()
+    except Exception:                                       # noqa: BLE001
+        pass
 
 
 def test_export_cli_errors_follow_the_same_rule(tmp_path, capfd, monkeypatch):

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.errors import UserError
+from models.errors import UserError, raise_from_host
 
 KEY = "sequence.reward"
 
@@ -117,8 +117,11 @@ class HostRewards:
         hyps = self.texts(cand_tokens_MW, cand_lengths_M)
         refs = self.texts(ref_tokens_BT, ref_lengths_B)
         per_source = len(hyps) // max(len(refs), 1)
-        return score(self.fn, hyps, [refs[m // per_source] for m in range(len(hyps))],
-                     name=self.name)
+        try:
+            return score(self.fn, hyps, [refs[m // per_source] for m in range(len(hyps))],
+                         name=self.name)
+        except UserError as e:          # inside the step: the command line reports it
+            raise_from_host(e)
 
 
 def on_device(rewards: HostRewards, cand_tokens_MW, cand_lengths_M, ref_tokens_BT,
