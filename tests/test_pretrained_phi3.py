@@ -178,6 +178,22 @@ def test_a_bfloat16_checkpoint_loads_exactly(ckpt, tmp_path):
     assert_same_tensors(state_of(bf16), again)
 
 
+def test_sharded_checkpoints_split_and_fuse_across_shards(ckpt, tmp_path):
+    """Shards of 8 kB put a layer's fused qkv_proj and gate_up_proj in files apart from
+    its other tensors: they load as one file does, and ours save so transformers reads them."""
+    c = ckpt("phi3-gqa-tied-window-4-partial")
+    c.model.save_pretrained(tmp_path / "hf_shards", max_shard_size="8KB")
+    shards = [n for n in os.listdir(tmp_path / "hf_shards") if n.endswith(".safetensors")]
+    assert len(shards) > 2
+    whole, sharded = models.load(c.path), models.load(str(tmp_path / "hf_shards"))
+    assert sharded.config == whole.config
+    assert_same_params(sharded.params, whole.params)
+    models.save(str(tmp_path / "ours"), whole.config, whole.params, model_type="phi3",
+                max_shard_bytes=8_000)
+    assert len([n for n in os.listdir(tmp_path / "ours") if n.endswith(".safetensors")]) > 2
+    assert_same_tensors(c.state, hf_load(str(tmp_path / "ours")))
+
+
 REFUSED = [
     ("phi3-mha-untied", dict(hidden_act="gelu"), ["hidden_act", "gelu"]),
     ("phi3-mha-untied", dict(resid_pdrop=0.1), ["resid_pdrop", "0.1"]),
