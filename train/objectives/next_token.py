@@ -119,7 +119,8 @@ class NextToken(Objective):
     def evaluate(self, run, state, *, final: bool) -> tuple[dict, dict | None]:
         """Decoded scores: greedy (and beam search, on up to 100 examples) on
         `num_eval_decode` validation examples, with `show_examples` triples printed; at the
-        end greedy on `num_test_decode` test examples. Nothing without `decodes`."""
+        end greedy and beam search (`beam_*`) on `num_test_decode` test examples. Nothing
+        without `decodes`."""
         settings, data, ds = run.config.evaluation, run.config.data, run.dataset
         validating = self.decodes and settings.num_eval_decode
         testing = (final and self.decodes and settings.num_test_decode
@@ -146,6 +147,11 @@ class NextToken(Objective):
                 for s, r, h in triples[:settings.show_examples]:
                     print(f"  source:     {s}\n  reference:  {r}\n  hypothesis: {h}",
                           flush=True)
-        test = decoded(data.test_split, settings.num_test_decode, False)[0] if testing else None
+        test = None
+        if testing:
+            test = decoded(data.test_split, settings.num_test_decode, False)[0]
+            if evaluate.decode_request(settings, run.choice, beam=True).strategy == "beam":
+                beam, _ = decoded(data.test_split, settings.num_test_decode, True)
+                test.update({f"beam_{k}": v for k, v in beam.items()})
         return val, test
 
