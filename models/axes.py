@@ -23,6 +23,7 @@ The names used:
     positions   learned position rows      types      token-type rows
     buckets     relative-position buckets  labels     classifier outputs
     lora        a low-rank adapter's rank (`models.lora`)
+    expert      a mixture-of-experts layer's experts (`models.moe`)
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from models.errors import UserError
 
 # The logical axis names parameters use (see the module docstring).
 NAMES = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "layers", "positions",
-         "types", "buckets", "labels", "lora")
+         "types", "buckets", "labels", "lora", "expert")
 
 
 def _traced_once(init):
@@ -133,6 +134,7 @@ DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("buckets", None),
     ("labels", None),
     ("lora", None),
+    ("expert", None),
 )
 
 
