@@ -64,7 +64,7 @@ def _swiglu(gate, up):
     return jax.nn.silu(gate) * up
 
 
-def ragged_experts(x_ND, weights_Nk, experts_Nk, gate_EDF, up_EDF, down_EFD, *,
+def ragged_experts(x_ND, weights_Nk, experts_Nk, *, gate_EDF, up_EDF, down_EFD,
                    dropout=lambda h: h):
     """Each of the N * k (token, expert) pairs computed by its expert: pairs sorted by
     expert, `jax.lax.ragged_dot` over groups of (tokens per expert), then unsorted, weighted
@@ -83,7 +83,7 @@ def ragged_experts(x_ND, weights_Nk, experts_Nk, gate_EDF, up_EDF, down_EFD, *,
     return y_ND.astype(x_ND.dtype)
 
 
-def dense_experts(x_ND, weights_Nk, experts_Nk, gate_EDF, up_EDF, down_EFD, *,
+def dense_experts(x_ND, weights_Nk, experts_Nk, *, gate_EDF, up_EDF, down_EFD,
                   dropout=lambda h: h):
     """Every expert on every token, weighted by the routing: the same [N, D] as
     `ragged_experts` (a token's unchosen experts weigh 0)."""
@@ -112,7 +112,8 @@ class MoeMLP(nn.Module):
         d, e, f = cfg.d_model, cfg.num_experts, cfg.expert_width
         stacked = stacked_projection_init(1, (2,), (0,))
         router_DE = self.param("router_kernel", named(stacked_projection_init(0, (1,), ()),
-                                                      "embed", None), (d, e), cfg.param_dtype)
+                                                      "embed", "expert"), (d, e),
+                               cfg.param_dtype)
         gate_EDF, up_EDF = (self.param(name, named(stacked, "expert", "embed", "mlp"),
                                        (e, d, f), cfg.param_dtype)
                             for name in ("gate_kernel", "up_kernel"))
@@ -128,7 +129,7 @@ class MoeMLP(nn.Module):
                                        renormalize=cfg.router_renormalize)
         drop = nn.Dropout(cfg.mlp_dropout_rate)
         y_ND = DISPATCH[cfg.moe_dispatch](
-            x_ND, weights_Nk, experts_Nk, *(w.astype(cfg.dtype)
-                                            for w in (gate_EDF, up_EDF, down_EFD)),
+            x_ND, weights_Nk, experts_Nk, gate_EDF=gate_EDF.astype(cfg.dtype),
+            up_EDF=up_EDF.astype(cfg.dtype), down_EFD=down_EFD.astype(cfg.dtype),
             dropout=lambda h: drop(h, deterministic=deterministic))
         return y_ND.reshape(b, t, d)
