@@ -42,6 +42,7 @@ from tests.pretrained_helpers import (
     torch,
     transformers,
 )
+from tests.test_pretrained_2025 import _our_count, _their_count
 
 highest_precision = ph.highest_precision
 ATOL = 1e-5
@@ -219,3 +220,43 @@ def test_a_moe_config_is_saved_only_as_a_type_that_has_experts():
         FAMILIES["mixtral"].config_to_hf(plain)
     with pytest.raises(ValueError, match="num_experts=0"):
         FAMILIES["qwen3_moe"].config_to_hf(plain.replace(qk_norm=True))
+
+
+# The published config.json files (mistralai/Mixtral-8x7B-v0.1, Qwen/Qwen3-30B-A3B).
+PUBLISHED = {
+    "mixtral-8x7b": ("MixtralConfig", {
+        "architectures": ["MixtralForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 1,
+        "eos_token_id": 2, "hidden_act": "silu", "hidden_size": 4096,
+        "initializer_range": 0.02, "intermediate_size": 14336,
+        "max_position_embeddings": 32768, "model_type": "mixtral", "num_attention_heads": 32,
+        "num_experts_per_tok": 2, "num_hidden_layers": 32, "num_key_value_heads": 8,
+        "num_local_experts": 8, "output_router_logits": False, "rms_norm_eps": 1e-05,
+        "rope_theta": 1000000.0, "router_aux_loss_coef": 0.02, "sliding_window": None,
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "transformers_version": "4.36.0.dev0", "use_cache": True, "vocab_size": 32000},
+        46_702_792_704),
+    "qwen3-30b-a3b": ("Qwen3MoeConfig", {
+        "architectures": ["Qwen3MoeForCausalLM"], "attention_bias": False,
+        "attention_dropout": 0.0, "bos_token_id": 151643, "decoder_sparse_step": 1,
+        "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu", "hidden_size": 2048,
+        "initializer_range": 0.02, "intermediate_size": 6144,
+        "max_position_embeddings": 40960, "max_window_layers": 48, "mlp_only_layers": [],
+        "model_type": "qwen3_moe", "moe_intermediate_size": 768, "norm_topk_prob": True,
+        "num_attention_heads": 32, "num_experts": 128, "num_experts_per_tok": 8,
+        "num_hidden_layers": 48, "num_key_value_heads": 4, "output_router_logits": False,
+        "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000.0,
+        "router_aux_loss_coef": 0.001, "sliding_window": None, "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16", "transformers_version": "4.51.0", "use_cache": True,
+        "use_sliding_window": False, "vocab_size": 151936}, 30_532_122_624),
+}
+
+
+@pytest.mark.parametrize("preset", PUBLISHED)
+def test_a_moe_preset_at_the_published_size_has_transformers_parameter_count(preset):
+    class_name, published, count = PUBLISHED[preset]
+    cfg = models.get_config(preset)
+    ids = dict(pad_id=cfg.pad_id, eos_id=cfg.eos_id, bos_id=cfg.bos_id)
+    assert FAMILIES[published["model_type"]].config_from_hf(published).replace(**ids) == cfg
+    theirs = _their_count(class_name, published)
+    assert _our_count(cfg) == theirs
+    assert theirs == count
