@@ -11,6 +11,7 @@ formula; and the train step's gradient includes both terms.
 
 from __future__ import annotations
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -245,3 +246,52 @@ def test_lora_on_attention_trains_beside_the_experts():
     params = f.init(0)
     assert "lora_a" in str(jax.tree_util.tree_structure(params))
     assert f.forward(params, random_tokens(2, (1, 4), cfg.vocab_size)).shape == (1, 4, 61)
+
+
+@pytest.mark.slow
+def test_three_steps_with_experts_over_the_expert_axis_equal_one_device():
+    """A (1, 2, 1) mesh with expert 2 on the 4 simulated devices: the experts' weights and
+    their adam moments split over expert (and embed over fsdp), the batch over fsdp ×
+    expert; three steps give the parameters of three on one device, router terms on."""
+    from jax.sharding import PartitionSpec as P
+
+    from tests import test_sharding as ts
+    from train import sharding
+    cfg = CFG.replace(max_len=ts.W, num_heads=4, router_aux_loss_coef=0.1,
+                      router_z_loss_coef=0.01)
+    steps, tx, make_state = ts._problem(cfg)
+    mesh = sharding.make_mesh((1, 2, 1), expert=2)
+    assert dict(mesh.shape) == {"data": 1, "fsdp": 2, "tensor": 1, "expert": 2}
+    sh = sharding.for_model(steps, tx, mesh=mesh,
+                            rules=sharding.check_rules(sharding.DEFAULT_RULES))
+    state = sh.init_state(make_state)
+    gate = state.params["decoder"]["layer_0"]["mlp"]["gate_kernel"]            # [E, D, F]
+    assert gate.sharding.spec == P("expert", "fsdp", None)
+    assert gate.addressable_data(0).shape == (E // 2, D // 2, F)
+    mu = state.opt_state[1][0].mu["decoder"]["layer_0"]["mlp"]["down_kernel"]
+    assert mu.sharding.spec == P("expert", None, "fsdp")
+    assert sh.batch_sharding.spec == P(("fsdp", "expert"))
+    for b in ts._batches(cfg):
+        state, metrics = sh.train_step(state, jax.tree.map(lambda x: x.reshape(4, -1, ts.W), b))
+        assert float(metrics["moe_aux_loss"]) > 0
+    chex.assert_trees_all_close(sh.host_state(state).params, ts._one_device(cfg), atol=2e-5)
+
+
+def test_an_expert_axis_that_does_not_divide_the_devices_is_refused_by_name():
+    from train import sharding
+    with pytest.raises(ValueError, match="mesh_expert=3 must be an int >= 1 that divides the "
+                                         "4 devices"):
+        sharding.make_mesh((1, -1, 1), expert=3)
+    with pytest.raises(ValueError, match=r"mesh_shape=\(1, 4, 1\) has 4 devices, but there "
+                                         r"are 2"):
+        sharding.make_mesh((1, 4, 1), expert=2)
+
+
+def test_the_run_configs_mesh_expert_sizes_the_sharded_wrappers_expert_axis():
+    from tests import test_sharding as ts
+    from train import setup
+    from train.settings import ParallelSettings
+    steps, tx, _ = ts._problem(CFG.replace(max_len=ts.W))
+    settings = ParallelSettings(parallel="sharded", mesh_shape=(1, -1, 1), mesh_expert=2)
+    wrapper = setup.make_wrapper(settings, steps, tx, seed=0)
+    assert dict(wrapper.mesh.shape) == {"data": 1, "fsdp": 2, "tensor": 1, "expert": 2}
