@@ -104,15 +104,16 @@ def test_a_moe_model_loops_scans_remats_and_decodes_with_the_same_logits():
         lambda *xs: jnp.stack(xs), params["decoder"]["layer_0"], params["decoder"]["layer_1"]),
         "final_norm": params["decoder"]["final_norm"]}}
     np.testing.assert_allclose(scanned.forward(stacked, tokens), want, atol=1e-5)
-    cache = f.init_cache(params, 2, 16)
     lengths = jnp.asarray([4, 6], jnp.int32)
-    logits, cache = f.prefill(params, tokens[:, :6], lengths, cache)
-    np.testing.assert_allclose(logits[0, :4], want[0, :4], atol=1e-5)
-    np.testing.assert_allclose(logits[1, :6], want[1, :6], atol=1e-5)
-    for i in range(3):
-        at = np.asarray(lengths) + i
-        step, cache = f.step(params, tokens[np.arange(2), at], cache)
-        np.testing.assert_allclose(step, want[np.arange(2), at], atol=1e-5)
+    for g, p in ((f, params), (scanned, stacked)):        # looped and scanned alike
+        cache = g.init_cache(p, 2, 16)
+        logits, cache = g.prefill(p, tokens[:, :6], lengths, cache)
+        np.testing.assert_allclose(logits[0, :4], want[0, :4], atol=1e-5)
+        np.testing.assert_allclose(logits[1, :6], want[1, :6], atol=1e-5)
+        for i in range(3):
+            at = np.asarray(lengths) + i
+            step, cache = g.step(p, tokens[np.arange(2), at], cache)
+            np.testing.assert_allclose(step, want[np.arange(2), at], atol=1e-5)
 
 
 def test_looped_and_scanned_stacks_sow_every_layers_router_logits():
