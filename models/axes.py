@@ -7,8 +7,8 @@ the models' `init` removes (`PlainInit`): `model.init(...)["params"]` is plain a
 if the names were not there, and a model used without a mesh is unchanged.
 
 `logical_specs` reads the names back from an abstract initialisation, and rules map them
-to the axes of a (data, fsdp, tensor) device mesh (`DEFAULT_RULES`; `train.sharding`
-explains what each axis costs):
+to the axes of a (data, fsdp, tensor, expert) device mesh (`DEFAULT_RULES`;
+`train.sharding` explains what each axis costs):
 
     specs = logical_specs(model, tokens)      # {"tokens": {"embedding": P("vocab", "embed")}, ...}
     shardings = param_shardings(model, mesh)  # the same tree of NamedShardings
@@ -23,6 +23,7 @@ The names used:
     positions   learned position rows      types      token-type rows
     buckets     relative-position buckets  labels     classifier outputs
     lora        a low-rank adapter's rank (`models.lora`)
+    expert      a mixture-of-experts layer's experts (`models.moe`)
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from models.errors import UserError
 
 # The logical axis names parameters use (see the module docstring).
 NAMES = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "layers", "positions",
-         "types", "buckets", "labels", "lora")
+         "types", "buckets", "labels", "lora", "expert")
 
 
 def _traced_once(init):
@@ -117,10 +118,14 @@ def boxed_params(model: nn.Module, *init_args, method=None):
 
 
 AXES = ("data", "fsdp", "tensor")
-# Logical axis -> mesh axes. The batch goes over data and fsdp; everything a tensor-parallel
-# layer splits goes over tensor; what every parameter has ("embed") goes over fsdp.
+# The fourth mesh axis, for a mixture of experts: the experts split over it, and so does the
+# batch. A mesh without it (the three AXES) reads as if it had it at size 1.
+EXPERT_AXIS = "expert"
+# Logical axis -> mesh axes. The batch goes over data, fsdp and expert; everything a
+# tensor-parallel layer splits goes over tensor; what every parameter has ("embed") goes
+# over fsdp; the experts of a mixture-of-experts layer over expert.
 DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
-    ("batch", ("data", "fsdp")),
+    ("batch", ("data", "fsdp", EXPERT_AXIS)),
     ("embed", "fsdp"),
     ("vocab", "tensor"),
     ("heads", "tensor"),
@@ -133,6 +138,7 @@ DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("buckets", None),
     ("labels", None),
     ("lora", None),
+    ("expert", EXPERT_AXIS),
 )
 
 
@@ -148,10 +154,10 @@ def check_rules(rules) -> dict[str, tuple[str, ...]]:
             raise UserError(f"logical_axis_rules names {name!r}, which is not a logical "
                              f"axis: {('batch', *NAMES)}")
         axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
-        bad = [a for a in axes if a not in AXES]
+        bad = [a for a in axes if a not in (*AXES, EXPERT_AXIS)]
         if bad:
             raise UserError(f"logical_axis_rules maps {name!r} to {bad}, not mesh axes "
-                             f"{AXES}")
+                             f"{(*AXES, EXPERT_AXIS)}")
         out[name] = axes
     return out
 
@@ -161,6 +167,12 @@ def dim_names(logical: P, ndim: int) -> tuple:
     return tuple(logical) + (None,) * (ndim - len(logical))
 
 
+def axis_size(mesh: Mesh, axis: str) -> int:
+    """The size of a mesh axis; 1 for an axis the mesh lacks (a mesh of the three `AXES`
+    has no expert axis)."""
+    return mesh.shape.get(axis, 1)
+
+
 def mesh_spec(logical: P, shape: Sequence[int], mesh: Mesh, rules: dict) -> P:
     """One array's PartitionSpec on `mesh`: each dimension split over its logical axis's
     mesh axes, unless they are size 1, already used by an earlier dimension, or do not
@@ -168,7 +180,7 @@ def mesh_spec(logical: P, shape: Sequence[int], mesh: Mesh, rules: dict) -> P:
     used: set[str] = set()
     out = []
     for name, size in zip(dim_names(logical, len(shape)), shape, strict=True):
-        axes = tuple(a for a in rules.get(name, ()) if mesh.shape[a] > 1 and a not in used)
+        axes = tuple(a for a in rules.get(name, ()) if axis_size(mesh, a) > 1 and a not in used)
         if size % math.prod(mesh.shape[a] for a in axes):
             axes = ()
         used.update(axes)

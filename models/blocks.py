@@ -21,6 +21,7 @@ from models.attention import CrossAttention, SelfAttention
 from models.config import TransformerConfig
 from models.layers import MLP, make_norm, residual
 from models.masks import MaskSpec
+from models.moe import ROUTER_COLLECTION, MoeMLP
 from models.relative import RelativeBias, RelativePositionBias
 
 # What a rematerialised layer keeps for its backward pass (`TransformerConfig.remat_policy`).
@@ -83,7 +84,9 @@ def _self_attention_sublayer(cfg, x_BTD, inputs: LayerInputs, cache, layer, *, s
 
 
 def _mlp_sublayer(cfg, x_BTD, inputs: LayerInputs):
-    mlp = MLP(cfg, name="mlp")
+    """The residual MLP sublayer: the dense MLP, or with `num_experts` the mixture of
+    experts (`models.moe`)."""
+    mlp = (MoeMLP if cfg.num_experts else MLP)(cfg, name="mlp")
     x_BTD, _ = residual(cfg, x_BTD, lambda y: (mlp(y, inputs.deterministic), None),
                         make_norm(cfg, "mlp_norm"), deterministic=inputs.deterministic,
                         out_norm=_out_norm(cfg, "mlp"))
@@ -167,7 +170,7 @@ class LayerStack(nn.Module):
         if cfg.scan_layers:
             scanned = nn.scan(
                 layer_type,
-                variable_axes={"params": 0, "intermediates": 0},
+                variable_axes={"params": 0, "intermediates": 0, ROUTER_COLLECTION: 0},
                 split_rngs={"params": True, "dropout": True},
                 in_axes=nn.broadcast if kinds is None else (nn.broadcast, 0),
                 length=self.num_layers,

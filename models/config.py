@@ -44,6 +44,7 @@ NormPosition = Literal["pre", "post"]
 Activation = Literal["relu", "gelu", "gelu_exact", "silu", "swiglu", "geglu"]
 AttentionImpl = Literal["auto", "xla", "chunked", "cudnn"]
 RematPolicy = Literal["full", "dots", "names"]
+MoeDispatch = Literal["ragged", "dense"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,7 +78,8 @@ RopeScaling = (Llama3RopeScaling | LinearRopeScaling | DynamicRopeScaling | Yarn
 
 _POSITIVE = ("vocab_size", "d_model", "num_heads", "num_kv_heads", "head_dim", "mlp_dim",
              "max_len", "num_layers", "num_encoder_layers", "num_decoder_layers",
-             "sliding_window", "relative_buckets", "relative_max_distance", "attention_block")
+             "sliding_window", "relative_buckets", "relative_max_distance", "attention_block",
+             "expert_mlp_dim")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,6 +133,9 @@ class TransformerConfig:
             "silu" (swish), or gated: "swiglu" (silu(x W_gate) * x W_up) and "geglu" (the
             same with tanh GELU, T5 v1.1).
         mlp_dropout_rate: dropout on the MLP's hidden activations (training only).
+        num_experts, experts_per_token, expert_mlp_dim, router_renormalize,
+            router_aux_loss_coef, router_z_loss_coef, moe_dispatch: the mixture-of-experts
+            MLP in place of the dense one (0 experts: dense); see `models.moe`.
         use_bias: biases in the attention and MLP projections.
         qkv_bias: biases in the query/key/value projections even without `use_bias`
             (Qwen2).
@@ -225,6 +230,13 @@ class TransformerConfig:
     norm_scale_offset: float = 0.0
     activation: Activation = "relu"
     mlp_dropout_rate: float = 0.0
+    num_experts: int = 0
+    experts_per_token: int = 2
+    expert_mlp_dim: int | None = None
+    router_renormalize: bool = True
+    router_aux_loss_coef: float = 0.0
+    router_z_loss_coef: float = 0.0
+    moe_dispatch: MoeDispatch = "ragged"
     use_bias: bool = True
     qkv_bias: bool = False
     qk_norm: bool = False
@@ -298,6 +310,11 @@ class TransformerConfig:
     def rope_dim(self) -> int:
         """The channels of each head that RoPE rotates (the first ones)."""
         return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def expert_width(self) -> int:
+        """Each expert's hidden width: `expert_mlp_dim`, or `mlp_dim` when it is None."""
+        return self.expert_mlp_dim or self.mlp_dim
 
     @property
     def is_encoder_decoder(self) -> bool:

@@ -5,7 +5,7 @@ and range are checked in `models.config` as it is set)."""
 from __future__ import annotations
 
 from models.errors import UserError
-from models.lora import check_against
+from models.lora import check_against, matches
 from models.rope_scaling import DynamicRopeScaling, LongRopeScaling
 
 
@@ -70,6 +70,7 @@ def validate(cfg) -> None:
                          f"positions='rope', not {cfg.positions!r}")
     _check_rope(cfg)
     _check_attention_variants(cfg)
+    _check_moe(cfg)
     if cfg.lora is not None:
         check_against(cfg.lora, cfg)
     if cfg.is_encoder_decoder and cfg.bos_id is None:
@@ -134,3 +135,34 @@ def _check_attention_variants(cfg) -> None:
         raise UserError(f"TransformerConfig.query_pre_attn_scalar="
                         f"{cfg.query_pre_attn_scalar} scales the attention, and needs "
                         "scale_attention=True")
+
+
+def _check_moe(cfg) -> None:
+    """The mixture-of-experts MLP's fields (`models.moe`)."""
+    for name in ("num_experts", "router_aux_loss_coef", "router_z_loss_coef"):
+        if getattr(cfg, name) < 0:
+            raise UserError(f"TransformerConfig.{name}={getattr(cfg, name)} must be >= 0")
+    if cfg.experts_per_token < 1:
+        raise UserError(f"TransformerConfig.experts_per_token={cfg.experts_per_token} must "
+                        "be >= 1")
+    if not cfg.num_experts:
+        return
+    if cfg.experts_per_token > cfg.num_experts:
+        raise UserError(f"TransformerConfig.experts_per_token={cfg.experts_per_token} "
+                        f"exceeds num_experts={cfg.num_experts}")
+    if cfg.architecture != "decoder_only":
+        raise UserError(f"TransformerConfig.num_experts={cfg.num_experts} needs "
+                        f"architecture='decoder_only', not {cfg.architecture!r}")
+    if cfg.activation != "swiglu":
+        raise UserError(f"TransformerConfig.num_experts={cfg.num_experts}: the experts are "
+                        f"SwiGLU MLPs, so activation must be 'swiglu', not {cfg.activation!r}")
+    if cfg.use_bias:
+        raise UserError(f"TransformerConfig.num_experts={cfg.num_experts}: the experts and "
+                        "the router have no biases, so use_bias must be False")
+    if cfg.lora is not None:
+        sites = [("decoder", "mlp", name) for name in ("gate", "up", "down")]
+        for target in cfg.lora.targets:
+            if any(matches(target, site) for site in sites):
+                raise UserError(f"lora target {target!r} names the MLP, whose projections "
+                                f"are experts with num_experts={cfg.num_experts}; experts "
+                                "take no adapters (target the attention projections)")

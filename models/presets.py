@@ -96,6 +96,25 @@ _PRESETS: dict[str, dict] = {
         layer_types=tuple("full" if (i + 1) % 6 == 0 else "sliding" for i in range(26)),
         rope_theta=1_000_000.0, rope_local_theta=10_000.0, sublayer_output_norm=True,
         query_pre_attn_scalar=256.0),
+    # Mixtral 8x7B (Mistral AI, 2023): Mistral's attention (no window) with 8 SwiGLU experts
+    # per layer, each token routed to 2 (softmax, top 2, renormalised); 46.7B parameters,
+    # 12.9B active per token.
+    "mixtral-8x7b": dict(
+        _LLAMA, vocab_size=32_000, d_model=4096, num_heads=32, num_kv_heads=8, mlp_dim=14_336,
+        num_layers=32, max_len=32_768, rope_theta=1_000_000.0, num_experts=8,
+        experts_per_token=2, router_aux_loss_coef=0.02),
+    # Qwen3-30B-A3B (Qwen team, 2025): Qwen3's attention (q/k norms, head_dim 128) with 128
+    # experts of width 768 per layer, 8 per token (top 8 renormalised); 3.3B active.
+    "qwen3-30b-a3b": dict(
+        _LLAMA, vocab_size=151_936, d_model=2048, num_heads=32, num_kv_heads=4, head_dim=128,
+        mlp_dim=6144, expert_mlp_dim=768, num_layers=48, max_len=40_960, qk_norm=True,
+        norm_eps=1e-6, rope_theta=1_000_000.0, num_experts=128, experts_per_token=8,
+        router_aux_loss_coef=0.001),
+    # A tiny mixture of experts for tests and the CPU demo: 4 experts, top 2.
+    "mixtral-tiny": dict(
+        _LLAMA, vocab_size=512, d_model=64, num_heads=4, num_kv_heads=2, mlp_dim=128,
+        num_layers=2, max_len=128, num_experts=4, experts_per_token=2,
+        router_aux_loss_coef=0.01),
     # A small Llama-style model: RMSNorm, RoPE, SwiGLU, grouped-query attention, no biases.
     "llama-small": dict(
         _LLAMA, vocab_size=32_000, d_model=768, num_heads=12, num_kv_heads=4, mlp_dim=2048,

@@ -128,6 +128,7 @@ CASES = [
     ("coordinator_address", "host0", "must be '' or host:port"),
     ("coordinator_address", "host0:99999", "must be '' or host:port"),
     ("num_processes", 0, "must be an int >= 1"),
+    ("mesh_expert", 0, "must be an int >= 1"),
     ("process_id", -1, "must be an int >= 0"),
     ("process_id", 1, "must be in [0, num_processes=1)"),
     ("data_files", 7, "must be a string of comma-separated paths"),

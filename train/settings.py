@@ -299,6 +299,9 @@ class ParallelSettings(Part):
     mesh_shape: tuple[int, int, int] = setting((1, -1, 1), mesh_shape(),
                                                convert=lambda v: tuple(int(s) for s in v))
     logical_axis_rules: tuple = setting((), axis_rules(), convert=frozen)
+    # The mesh's expert axis (`sharded` only): a mixture of experts' experts, and the batch,
+    # split over this many devices beside mesh_shape's (data, fsdp, tensor).
+    mesh_expert: int = setting(1, integer(1))
 
     @property
     def rules(self) -> tuple:

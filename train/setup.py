@@ -239,7 +239,8 @@ def make_wrapper(settings: ParallelSettings, steps: Steps, tx, *, seed: int,
     """
     if settings.parallel != "sharded":
         return parallel.DataParallel(settings.parallel, *steps.functions())
-    return sharding.for_model(steps, tx, mesh=sharding.make_mesh(settings.mesh_shape),
+    return sharding.for_model(steps, tx, mesh=sharding.make_mesh(settings.mesh_shape,
+                                                                 expert=settings.mesh_expert),
                               rules=sharding.check_rules(settings.rules), seed=seed,
                               base_dtype=base_dtype)
 

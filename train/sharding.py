@@ -12,6 +12,12 @@ collectives.
     tensor   attention heads, kv heads, MLP width and     one all-reduce of activations per
              the vocabulary (Megatron-style)              sublayer (attention, MLP), forward
                                                            and backward
+    expert   the batch, and a mixture of experts'         the experts' weights gathered
+             experts (`models.moe`; its parameters        where the compiler needs them
+             with the logical axis "expert")              (none without experts)
+
+`expert` (`make_mesh`'s `expert`, the run config's `mesh_expert`) is a size of its own,
+1 by default, beside the three of `mesh_shape`.
 
 `mesh_shape` is (data, fsdp, tensor), -1 meaning "the devices the others leave", so the
 default (1, -1, 1) is FSDP over every device. The rules (`DEFAULT_RULES`, or the config's
@@ -44,6 +50,8 @@ import models
 from models.axes import (
     AXES,
     DEFAULT_RULES,
+    EXPERT_AXIS,
+    axis_size,
     boxed_params,
     check_rules,
     dim_names,
@@ -87,12 +95,23 @@ def resolve_mesh_shape(mesh_shape: Sequence[int], num_devices: int) -> tuple[int
     return shape
 
 
-def make_mesh(mesh_shape: Sequence[int] = (1, -1, 1), devices=None) -> Mesh:
-    """A (data, fsdp, tensor) mesh over `devices` (default: every device of every process)."""
+def make_mesh(mesh_shape: Sequence[int] = (1, -1, 1), devices=None, *, expert: int = 1
+              ) -> Mesh:
+    """A (data, fsdp, tensor, expert) mesh over `devices` (default: every device of every
+    process): `mesh_shape` sizes the first three over the devices the `expert` axis leaves.
+
+    Raises:
+        UserError: an expert size that is not an int >= 1 dividing the device count, or a
+            `mesh_shape` that `resolve_mesh_shape` refuses (naming the numbers).
+    """
     from jax.experimental import mesh_utils
     devices = jax.devices() if devices is None else list(devices)
-    shape = resolve_mesh_shape(mesh_shape, len(devices))
-    return Mesh(mesh_utils.create_device_mesh(shape, devices), AXES)
+    if isinstance(expert, bool) or not isinstance(expert, int) or expert < 1 or (
+            len(devices) % expert):
+        raise UserError(f"mesh_expert={expert!r} must be an int >= 1 that divides the "
+                        f"{len(devices)} devices")
+    shape = (*resolve_mesh_shape(mesh_shape, len(devices) // expert), expert)
+    return Mesh(mesh_utils.create_device_mesh(shape, devices), (*AXES, EXPERT_AXIS))
 
 
 def check_model(config, mesh: Mesh, rules: dict) -> None:
@@ -102,7 +121,7 @@ def check_model(config, mesh: Mesh, rules: dict) -> None:
         UserError: naming the config field, its value and the axis size.
     """
     for name, field in (("heads", "num_heads"), ("kv_heads", "num_kv_heads")):
-        size = math.prod(mesh.shape[a] for a in rules.get(name, ()))
+        size = math.prod(axis_size(mesh, a) for a in rules.get(name, ()))
         value = getattr(config, field)
         if value % size:
             raise UserError(f"{field}={value} does not divide over the "
@@ -117,7 +136,7 @@ def undivided(specs, abstract, mesh: Mesh, rules: dict) -> list[str]:
     flat = jax.tree_util.tree_flatten_with_path(specs, is_leaf=lambda x: isinstance(x, P))[0]
     for (path, spec), a in zip(flat, jax.tree.leaves(abstract), strict=True):
         for name, size in zip(dim_names(spec, a.ndim), a.shape, strict=True):
-            n = math.prod(mesh.shape[x] for x in rules.get(name, ()))
+            n = math.prod(axis_size(mesh, x) for x in rules.get(name, ()))
             if n > 1 and size % n:
                 out.append(f"{jax.tree_util.keystr(path)}: {name} {size} over {n}")
     return out
@@ -131,7 +150,7 @@ def state_specs(boxed_params, make_state: Callable):
 
 
 class Sharded(Wrapper):
-    """The train and eval steps under `jax.jit` over a (data, fsdp, tensor) mesh
+    """The train and eval steps under `jax.jit` over a (data, fsdp, tensor, expert) mesh
     (`parallel="sharded"`; see `train.wrapper` for the interface).
 
     Args:
@@ -146,7 +165,7 @@ class Sharded(Wrapper):
         self.mesh, self.rules, self.specs, self.abstract = mesh, rules, specs, abstract
         self.state_shardings = shardings(specs, abstract, mesh, rules)
         self.replicated = NamedSharding(mesh, P())
-        batch_axes = tuple(a for a in rules.get("batch", ()) if mesh.shape[a] > 1)
+        batch_axes = tuple(a for a in rules.get("batch", ()) if axis_size(mesh, a) > 1)
         self.batch_sharding = NamedSharding(mesh, P(batch_axes or None))
         self.batch_ways = math.prod(mesh.shape[a] for a in batch_axes)
         self._train = jax.jit(train_step, in_shardings=(self.state_shardings, self.batch_sharding),
@@ -178,7 +197,8 @@ class Sharded(Wrapper):
         whole = undivided(self.specs.params, self.abstract.params, self.mesh, self.rules)
         if not whole:
             return []
-        return [f"mesh {dict(self.mesh.shape)}: {len(whole)} parameter(s) kept whole along a "
+        shape = {a: n for a, n in self.mesh.shape.items() if a != EXPERT_AXIS or n > 1}
+        return [f"mesh {shape}: {len(whole)} parameter(s) kept whole along a "
                 f"dimension that does not divide its axes: " + "; ".join(whole[:4])
                 + (" ..." if len(whole) > 4 else "")]
 
@@ -217,7 +237,7 @@ class Sharded(Wrapper):
         `[rows, ...]` split over the batch axes.
 
         Raises:
-            UserError: the global rows do not divide over data × fsdp, naming both.
+            UserError: the global rows do not divide over the batch axes, naming both.
         """
         out = {}
         for k, v in batch.items():
@@ -231,9 +251,12 @@ class Sharded(Wrapper):
         return out
 
     def check_rows(self, rows: int) -> None:
-        """Refuses a global batch of `rows` that does not divide over data × fsdp."""
+        """Refuses a global batch of `rows` that does not divide over the batch axes (data
+        × fsdp, × expert with experts)."""
         if rows % self.batch_ways:
-            raise UserError(f"a batch of {rows} rows does not divide over data × fsdp "
+            axes = "data × fsdp" + (" × expert" if axis_size(self.mesh, EXPERT_AXIS) > 1
+                                    else "")
+            raise UserError(f"a batch of {rows} rows does not divide over {axes} "
                              f"= {self.batch_ways} devices")
 
     def train_step(self, state, batch):

@@ -121,8 +121,9 @@ def summarise(sums: dict, label_names: tuple[str, ...] = ()) -> dict:
     out = {"loss": float(sums["loss"]) / weight, "nll": float(sums["nll"]) / weight,
            "accuracy": float(sums["correct"]) / weight, "tokens": float(sums["weight"])}
     out["perplexity"] = float(jnp.exp(min(out["nll"], 50.0)))
-    if "z_loss" in sums:
-        out["z_loss"] = float(sums["z_loss"]) / weight
+    for key in ("z_loss", "moe_aux_loss", "router_z_loss"):     # the last two: moe_terms
+        if key in sums:
+            out[key] = float(sums[key]) / weight
     if "true_positives" in sums:
         out.update(losses.f1_scores(sums, label_names))
     for key in ("grad_norm", "learning_rate"):

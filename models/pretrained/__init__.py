@@ -70,10 +70,12 @@ from models.pretrained import (
     llama,
     marian,
     mistral,
+    mixtral,
     peft,
     phi3,
     qwen2,
     qwen3,
+    qwen3_moe,
     roberta,
     t5,
     zoo,
@@ -98,19 +100,22 @@ from models.transformer import build
 FAMILIES: dict[str, Family] = {
     f.model_type: f for f in (gpt2.FAMILY, llama.FAMILY, mistral.FAMILY, qwen2.FAMILY,
                               qwen3.FAMILY, gemma.FAMILY, gemma2.FAMILY, gemma3.FAMILY,
-                              phi3.FAMILY, bart.FAMILY, marian.FAMILY,
+                              phi3.FAMILY, mixtral.FAMILY,
+                              qwen3_moe.FAMILY, bart.FAMILY, marian.FAMILY,
                               t5.FAMILY, t5.MT5_FAMILY, bert.FAMILY, roberta.FAMILY,
                               zoo.FAMILY)}
 # Tried in this order when saving a config without a model_type; the first that expresses
 # it wins (the project's own type expresses everything).
 SAVE_ORDER = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2",
-              "gemma3_text", "phi3", "bart", "marian", "t5", "bert", "roberta", zoo.MODEL_TYPE)
+              "gemma3_text", "phi3", "mixtral", "qwen3_moe",
+              "bart", "marian", "t5", "bert", "roberta", zoo.MODEL_TYPE)
 # Written last by `save`; `load` checks the files against it when it is there.
 MANIFEST = "zoo_integrity.json"
 # Fields a loaded config may be given: how to run it, not what it computes.
 RUNTIME_FIELDS = frozenset({"dtype", "param_dtype", "scan_layers", "remat", "remat_policy",
                             "attention_impl", "attention_block", "dropout_rate",
-                            "attention_dropout_rate", "mlp_dropout_rate"})
+                            "attention_dropout_rate", "mlp_dropout_rate", "moe_dispatch",
+                            "router_aux_loss_coef", "router_z_loss_coef"})
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,6 +23,7 @@ from jax import lax
 
 from models.errors import UserError
 from train import losses
+from train.objectives import moe_terms
 from train.objectives.base import Objective
 from train.objectives.scheduled_sampling import ScheduledSampling, mix_predictions
 
@@ -39,8 +40,10 @@ def shift_right(targets_BT, positions_BT, segmentation_BT, bos_id: int):
     return jnp.where(segmentation_BT > 0, inputs, 0)
 
 
-def forward(model, params, batch, decoder_inputs, *, dropout_rng, deterministic: bool):
-    """Teacher-forced logits `[B, T, V]` for either generative family, segments respected."""
+def forward(model, params, batch, decoder_inputs, *, dropout_rng, deterministic: bool,
+            mutable=False):
+    """Teacher-forced logits `[B, T, V]` for either generative family, segments respected;
+    with `mutable` collections (`moe_terms.COLLECTIONS`), (logits, those collections)."""
     rngs = None if deterministic else {"dropout": dropout_rng}
     if model.config.is_encoder_decoder:
         return model.apply({"params": params}, batch["inputs"], decoder_inputs,
@@ -48,11 +51,11 @@ def forward(model, params, batch, decoder_inputs, *, dropout_rng, deterministic:
                            tgt_segment_ids=batch["targets_segmentation"],
                            src_positions=batch["inputs_position"],
                            tgt_positions=batch["targets_position"],
-                           deterministic=deterministic, rngs=rngs)
+                           deterministic=deterministic, rngs=rngs, mutable=mutable)
     return model.apply({"params": params}, decoder_inputs,
                        segment_ids=batch["targets_segmentation"],
                        positions=batch["targets_position"], deterministic=deterministic,
-                       rngs=rngs)
+                       rngs=rngs, mutable=mutable)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,11 +113,18 @@ class NextToken(Objective):
             dec_in = mix_predictions(dec_in, lax.stop_gradient(first), positions,
                                      segmentation, rate=self.scheduled_sampling.rate(step),
                                      rng=sample_rng)
+        routed = moe_terms.collects(model.config)
         logits = forward(model, params, batch, dec_in, dropout_rng=dropout_rng,
-                         deterministic=not train)
-        return losses.cross_entropy(logits, task["targets"], task["weights"],
+                         deterministic=not train,
+                         mutable=moe_terms.COLLECTIONS if routed else False)
+        logits, router = logits if routed else (logits, None)
+        sums = losses.cross_entropy(logits, task["targets"], task["weights"],
                                     label_smoothing=self.label_smoothing if train else 0.0,
                                     z_loss=self.z_loss)
+        if routed:                # a mixture of experts: its router's terms (moe_terms)
+            sums = moe_terms.add_router_terms(sums, model.config, router, task["weights"],
+                                              train=train)
+        return sums
 
     def evaluate(self, run, state, *, final: bool) -> tuple[dict, dict | None]:
         """Decoded scores: greedy (and beam search, on up to 100 examples) on

@@ -1,0 +1,135 @@
+"""The mixture-of-experts MLP (Mixtral, Qwen3-MoE): a router picks k of E SwiGLU experts for
+each token, and the token's output is their outputs weighted by the router.
+
+The `TransformerConfig` fields that choose and shape it:
+
+    num_experts           E; 0 means the dense MLP (`models.layers.MLP`) instead.
+    experts_per_token     k, the experts each token goes to (top-k of the router).
+    expert_mlp_dim        F of each expert; None means `mlp_dim` (`config.expert_width`).
+    router_renormalize    True: softmax over all E experts, keep the top k, divide the k
+                          weights by their sum (Mixtral; Qwen3-MoE's `norm_topk_prob`).
+                          False: the k softmax probabilities as they are.
+    router_aux_loss_coef  the weight of the load-balancing loss in training (Switch
+                          Transformer's, as transformers' `load_balancing_loss_func`).
+    router_z_loss_coef    the weight of the router z-loss, the mean over tokens of
+                          logsumexp(router logits) ** 2 (ST-MoE).
+    moe_dispatch          "ragged": tokens sorted by expert and computed with
+                          `jax.lax.ragged_dot`, each expert on its own tokens only;
+                          "dense": every expert on every token, weighted by the routing
+                          (zero for the experts a token does not go to). The same numbers;
+                          "dense" is simpler and costs E / k times the FLOPs.
+
+Routing never drops a token: whatever the imbalance, every token goes to exactly k experts
+(no capacity factor). The router's logits are computed and softmaxed in float32.
+
+Parameters (under the layer's "mlp"): `router_kernel` [D, E], `gate_kernel` and `up_kernel`
+[E, D, F], `down_kernel` [E, F, D], with the logical axis "expert" on E so that a mesh can
+place the experts (`models.axes`). No biases.
+
+Each layer sows its router logits, float32 [B, T, E], into the "router" collection as
+"router_logits" when the caller makes that collection mutable; the training losses
+(`train.objectives.moe_terms`) read them. Elsewhere (decoding) nothing is kept.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+from jaxtyping import Array, Float, Int
+
+from models.axes import named, stacked_projection_init
+from models.config import TransformerConfig
+
+ROUTER_COLLECTION = "router"
+
+
+def route(logits_NE: Float[Array, "N E"], k: int, *, renormalize: bool
+          ) -> tuple[Float[Array, "N k"], Int[Array, "N k"]]:
+    """The top-k routing of float32 logits: (weights [N, k], expert ids [N, k]), the
+    largest probability first.
+
+        route([[0., 0., log(2)]], 2, renormalize=True)  -> ([[2/3, 1/3]], [[2, 0]])
+        route([[0., 0., log(2)]], 2, renormalize=False) -> ([[1/2, 1/4]], [[2, 0]])
+    """
+    probs_NE = jax.nn.softmax(logits_NE.astype(jnp.float32), axis=-1)
+    weights_Nk, experts_Nk = jax.lax.top_k(probs_NE, k)
+    if renormalize:
+        weights_Nk = weights_Nk / jnp.sum(weights_Nk, axis=-1, keepdims=True)
+    return weights_Nk, experts_Nk
+
+
+def _swiglu(gate, up):
+    return jax.nn.silu(gate) * up
+
+
+def ragged_experts(x_ND, weights_Nk, experts_Nk, *, gate_EDF, up_EDF, down_EFD,
+                   dropout=lambda h: h):
+    """Each of the N * k (token, expert) pairs computed by its expert: pairs sorted by
+    expert, `jax.lax.ragged_dot` over groups of (tokens per expert), then unsorted, weighted
+    and summed over the k experts of each token. Returns [N, D] in x's dtype."""
+    n, k = experts_Nk.shape
+    num_experts = gate_EDF.shape[0]
+    flat_M = experts_Nk.reshape(-1)                                      # M = N * k
+    order_M = jnp.argsort(flat_M, stable=True)
+    group_sizes_E = jnp.bincount(flat_M, length=num_experts).astype(jnp.int32)
+    xs_MD = x_ND[order_M // k]
+    h_MF = _swiglu(jax.lax.ragged_dot(xs_MD, gate_EDF, group_sizes_E),
+                   jax.lax.ragged_dot(xs_MD, up_EDF, group_sizes_E))
+    y_MD = jax.lax.ragged_dot(dropout(h_MF), down_EFD, group_sizes_E)
+    y_NkD = y_MD[jnp.argsort(order_M)].reshape(n, k, -1)
+    y_ND = jnp.einsum("nkd,nk->nd", y_NkD.astype(jnp.float32), weights_Nk)
+    return y_ND.astype(x_ND.dtype)
+
+
+def dense_experts(x_ND, weights_Nk, experts_Nk, *, gate_EDF, up_EDF, down_EFD,
+                  dropout=lambda h: h):
+    """Every expert on every token, weighted by the routing: the same [N, D] as
+    `ragged_experts` (a token's unchosen experts weigh 0)."""
+    num_experts = gate_EDF.shape[0]
+    combine_NE = jnp.sum(jax.nn.one_hot(experts_Nk, num_experts, dtype=jnp.float32)
+                         * weights_Nk[..., None], axis=1)
+    h_ENF = _swiglu(jnp.einsum("nd,edf->enf", x_ND, gate_EDF),
+                    jnp.einsum("nd,edf->enf", x_ND, up_EDF))
+    y_END = jnp.einsum("enf,efd->end", dropout(h_ENF), down_EFD)
+    y_ND = jnp.einsum("end,ne->nd", y_END.astype(jnp.float32), combine_NE)
+    return y_ND.astype(x_ND.dtype)
+
+
+DISPATCH = {"ragged": ragged_experts, "dense": dense_experts}
+
+
+class MoeMLP(nn.Module):
+    """The mixture-of-experts MLP (see the module docstring): [B, T, D] -> [B, T, D]."""
+
+    config: TransformerConfig
+
+    @nn.compact
+    def __call__(self, x_BTD: Float[Array, "B T D"],
+                 deterministic: bool = True) -> Float[Array, "B T D"]:
+        cfg = self.config
+        d, e, f = cfg.d_model, cfg.num_experts, cfg.expert_width
+        stacked = stacked_projection_init(1, (2,), (0,))
+        router_DE = self.param("router_kernel", named(stacked_projection_init(0, (1,), ()),
+                                                      "embed", "expert"), (d, e),
+                               cfg.param_dtype)
+        gate_EDF, up_EDF = (self.param(name, named(stacked, "expert", "embed", "mlp"),
+                                       (e, d, f), cfg.param_dtype)
+                            for name in ("gate_kernel", "up_kernel"))
+        down_EFD = self.param("down_kernel", named(stacked, "expert", "mlp", "embed"),
+                              (e, f, d), cfg.param_dtype)
+        x_BTD = checkpoint_name(x_BTD, "mlp_in")
+        b, t, _ = x_BTD.shape
+        x_ND = x_BTD.reshape(b * t, d).astype(cfg.dtype)
+        logits_NE = jnp.dot(x_ND.astype(jnp.float32), router_DE.astype(jnp.float32),
+                            precision=jax.lax.Precision.HIGHEST)
+        self.sow(ROUTER_COLLECTION, "router_logits", logits_NE.reshape(b, t, e))
+        weights_Nk, experts_Nk = route(logits_NE, cfg.experts_per_token,
+                                       renormalize=cfg.router_renormalize)
+        drop = nn.Dropout(cfg.mlp_dropout_rate)
+        y_ND = DISPATCH[cfg.moe_dispatch](
+            x_ND, weights_Nk, experts_Nk, gate_EDF=gate_EDF.astype(cfg.dtype),
+            up_EDF=up_EDF.astype(cfg.dtype), down_EFD=down_EFD.astype(cfg.dtype),
+            dropout=lambda h: drop(h, deterministic=deterministic))
+        return y_ND.reshape(b, t, d)

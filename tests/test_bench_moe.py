@@ -1,0 +1,31 @@
+"""bench/moe.py's code paths on the tiny shape (nothing timed is asserted), and its shapes."""
+
+import json
+
+import pytest
+
+from bench import moe
+
+
+def test_the_dense_variant_has_the_mixtures_active_parameters():
+    """dense: an MLP of k x the expert width, beside 8 experts, top 2."""
+    for shape in moe.SHAPES:
+        dense = moe.variant_config(shape, "dense", 16)
+        mixture = moe.variant_config(shape, "moe_ragged", 16)
+        assert (mixture.num_experts, mixture.experts_per_token) == (8, 2)
+        assert dense.mlp_dim == 2 * mixture.expert_width and not dense.num_experts
+        assert moe.variant_config(shape, "moe_dense", 16).moe_dispatch == "dense"
+
+
+@pytest.mark.slow
+def test_moe_benchmark_times_each_variant_against_the_dense_model(capsys):
+    moe.main(["--quick", "--rows", "1"])
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert [x["variant"] for x in lines] == ["dense", "moe_ragged", "moe_dense"]
+    dense, ragged, every = lines
+    # A token's share of the mixture is the dense model's plus each layer's router [D, E].
+    d, layers = 64, 2
+    assert ragged["active_params"] - dense["active_params"] == layers * d * 8
+    assert ragged["params"] == every["params"] > ragged["active_params"]
+    assert all(x["step_s_median"] > 0 for x in lines) and "step_time_ratio" not in dense
+    assert ragged["step_time_ratio"] > 0 and every["step_time_ratio"] > 0
