@@ -42,6 +42,7 @@ bench: $(STAMP)
 	$(PY) -m bench.memory --looped
 	$(PY) -m bench.compile_cache
 	$(PY) -m bench.lora
+	$(PY) -m bench.moe
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
