@@ -35,37 +35,56 @@ pytestmark = pytest.mark.filterwarnings("ignore:Recommended. pip install sacremo
 WORDS = "the cat sat on a mat and saw one dog run to its home by the sea".split()
 
 
-@pytest.fixture(scope="module")
-def gpt2_dir(tmp_path_factory):
-    """A tiny GPT-2 and a byte-level BPE tokenizer trained in memory, saved as a hub
-    checkpoint would be; and a text file to fine-tune on."""
+def _tiny_lm_dir(root, family: str):
+    """A tiny `family` model ("gpt2" or "gemma2") and a byte-level BPE tokenizer trained in
+    memory, saved as a hub checkpoint would be; and a text file to fine-tune on."""
     from tokenizers import Tokenizer, decoders, models as tok_models, pre_tokenizers, trainers
-    root = tmp_path_factory.mktemp("finetune")
     lines = [" ".join(WORDS[(i * 7 + j) % len(WORDS)] for j in range(5 + i % 6))
              for i in range(200)]
+    specials = (["<|endoftext|>", "<unk>"] if family == "gpt2"
+                else ["<pad>", "<eos>", "<bos>", "<unk>"])
     backend = Tokenizer(tok_models.BPE(unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
     backend.train_from_iterator(lines, trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<|endoftext|>", "<unk>"],
+        vocab_size=300, special_tokens=specials,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tok = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=backend, bos_token="<|endoftext|>", eos_token="<|endoftext|>",
-        unk_token="<unk>")
     torch.manual_seed(0)
-    config = transformers.GPT2Config(
-        vocab_size=len(tok), n_positions=64, n_embd=32, n_layer=2, n_head=2,
-        bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id)
-    model_dir = root / "gpt2"
-    transformers.GPT2LMHeadModel(config).save_pretrained(model_dir)
+    if family == "gpt2":
+        tok = transformers.PreTrainedTokenizerFast(
+            tokenizer_object=backend, bos_token="<|endoftext|>", eos_token="<|endoftext|>",
+            unk_token="<unk>")
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            vocab_size=len(tok), n_positions=64, n_embd=32, n_layer=2, n_head=2,
+            bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id))
+    else:           # Gemma 2: soft-caps, a sliding layer then a full one, (1 + w) norms
+        tok = transformers.PreTrainedTokenizerFast(
+            tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>",
+            bos_token="<bos>", unk_token="<unk>")
+        model = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
+            vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=2, num_key_value_heads=1, head_dim=16, sliding_window=8,
+            max_position_embeddings=64, pad_token_id=0, eos_token_id=1, bos_token_id=2))
+    model_dir = root / family
+    model.save_pretrained(model_dir)
     tok.save_pretrained(model_dir)
     book = root / "book.txt"
     book.write_text("\n".join(lines) + "\n")
     return str(model_dir), str(book)
 
 
-def _finetune_config(data_dir, gpt2_dir, steps):
-    model_dir, book = gpt2_dir
+@pytest.fixture(scope="module")
+def gpt2_dir(tmp_path_factory):
+    return _tiny_lm_dir(tmp_path_factory.mktemp("finetune"), "gpt2")
+
+
+@pytest.fixture(scope="module")
+def gemma2_dir(tmp_path_factory):
+    return _tiny_lm_dir(tmp_path_factory.mktemp("finetune_gemma2"), "gemma2")
+
+
+def _finetune_config(data_dir, lm_dir, steps):
+    model_dir, book = lm_dir
     c = tiny_train_config(data_dir, init_from=model_dir, dataset="local_text",
                           data_files=book, num_train_steps=steps, learning_rate=3e-3,
                           lr_decay="constant", warmup_steps=1, label_smoothing=0.0,
@@ -75,17 +94,19 @@ def _finetune_config(data_dir, gpt2_dir, steps):
     return c
 
 
+@pytest.mark.parametrize("family", ["gpt2", pytest.param("gemma2", marks=pytest.mark.slow)])
 def test_finetuning_lowers_the_loss_and_the_export_decodes_and_loads_in_transformers(
-        data_dir, gpt2_dir, tmp_path, capsys):
-    untouched = train_and_evaluate(_finetune_config(data_dir, gpt2_dir, 0),
+        data_dir, family, request, tmp_path, capsys):
+    lm_dir = request.getfixturevalue(f"{family}_dir")
+    untouched = train_and_evaluate(_finetune_config(data_dir, lm_dir, 0),
                                    str(tmp_path / "zero"))
-    tuned = train_and_evaluate(_finetune_config(data_dir, gpt2_dir, 12), str(tmp_path / "ft"))
+    tuned = train_and_evaluate(_finetune_config(data_dir, lm_dir, 12), str(tmp_path / "ft"))
     assert tuned["validation"]["loss"] < untouched["validation"]["loss"] - 0.5
     # The export: the directory's own type and tokenizer, new weights.
     export = tuned["model"]
     pre = models.load(export)
-    assert pre.model_type == "gpt2" and pre.tokenizer is not None
-    assert pre.tokenizer.encode("the cat") == models.load(gpt2_dir[0]).tokenizer.encode("the cat")
+    assert pre.model_type == family and pre.tokenizer is not None
+    assert pre.tokenizer.encode("the cat") == models.load(lm_dir[0]).tokenizer.encode("the cat")
     hf = transformers.AutoModelForCausalLM.from_pretrained(export, attn_implementation="eager")
     ids = np.array([pre.tokenizer.encode("the cat sat on a mat")])
     with torch.no_grad():
