@@ -61,6 +61,11 @@ CASES = {
         _SMALL, vocab_size=72, num_key_value_heads=1, head_dim=8, tie_word_embeddings=True,
         use_sliding_window=True, sliding_window=4, max_window_layers=0), dict(
         qk_norm=True, num_kv_heads=1, tie_embeddings=True, sliding_window=4)),
+    # Full attention in layer 0, windows of 3 from max_window_layers=1 on.
+    "qwen3-mixed-kinds-window-3": ("qwen3", "Qwen3Config", dict(
+        _SMALL, num_hidden_layers=3, num_key_value_heads=2, head_dim=8,
+        use_sliding_window=True, sliding_window=3, max_window_layers=1), dict(
+        qk_norm=True, sliding_window=3, layer_types=("full", "sliding", "sliding"))),
     "gemma-mqa-tied-head-dim": ("gemma", "GemmaConfig", dict(
         _SMALL, num_key_value_heads=1, head_dim=16, tie_word_embeddings=True,
         hidden_act="gelu_pytorch_tanh"), dict(
@@ -180,12 +185,6 @@ REFUSED = [
     ("qwen3-gqa-head-dim", dict(rope_parameters={"rope_type": "proportional", "factor": 2.0,
                                                  "rope_theta": 1e4}),
      ["rope_type", "proportional"]),
-    # Full and sliding layers in one stack: as transformers derives them, and as listed.
-    ("qwen3-gqa-head-dim", dict(use_sliding_window=True, sliding_window=4, max_window_layers=1,
-                                layer_types=None), ["max_window_layers", "1", "one attention"]),
-    ("qwen3-gqa-head-dim", dict(layer_types=["full_attention", "sliding_attention"],
-                                use_sliding_window=True, sliding_window=4),
-     ["layer_types", "sliding_attention", "one attention kind"]),
     ("qwen3-gqa-head-dim", dict(layer_types=["sliding_attention"] * 2, sliding_window=4),
      ["layer_types", "use_sliding_window"]),
     ("qwen3-gqa-head-dim", dict(layer_types=["full_attention"]), ["layer_types", "2 layers"]),

@@ -61,8 +61,11 @@ def common_config(r: ConfigReader, cmap: ConfigMap, **fields) -> TransformerConf
     return cfg
 
 
-def common_to_hf(cfg: TransformerConfig, model_type: str, cmap: ConfigMap) -> dict:
-    return {**cmap.write(cfg, model_type), "hidden_act": "silu", **write_rope(cfg)}
+def common_to_hf(cfg: TransformerConfig, model_type: str, cmap: ConfigMap, **required
+                 ) -> dict:
+    """A Llama-like family's config.json; `required`: values of our fields the family
+    writes itself (beyond its map)."""
+    return {**cmap.write(cfg, model_type, **required), "hidden_act": "silu", **write_rope(cfg)}
 
 
 def config_from_hf(hf: dict) -> TransformerConfig:

@@ -4,9 +4,8 @@ no biases.
 
 Sliding windows: Qwen3Config gives every layer a kind (`layer_types`, or derived from
 `use_sliding_window`, `sliding_window` and `max_window_layers`: the layers from
-max_window_layers on slide). One kind for every layer is expressible (full attention, or
-`sliding_window` in every layer); a mix of full and sliding layers is refused by name, since
-`TransformerConfig.sliding_window` holds for the whole stack.
+max_window_layers on slide). One kind for every layer reads as `sliding_window` alone (None
+for full attention); a mix reads as `TransformerConfig.layer_types` beside the window.
 """
 
 from __future__ import annotations
@@ -31,11 +30,13 @@ def config_from_hf(hf: dict) -> TransformerConfig:
     if r.take("attention_bias", False):
         r.refuse("attention_bias", hf["attention_bias"], "biases on the query, key, value and "
                  "output projections without the MLP's are not expressible")
-    return llama.common_config(r, MAP, sliding_window=_window(r))
+    window, kinds = _window(r)
+    return llama.common_config(r, MAP, sliding_window=window, layer_types=kinds)
 
 
-def _window(r: ConfigReader) -> int | None:
-    """Our `sliding_window` from Qwen3Config's per-layer kinds, as transformers derives them."""
+def _window(r: ConfigReader) -> tuple[int | None, tuple[str, ...]]:
+    """Our (`sliding_window`, `layer_types`) from Qwen3Config's per-layer kinds, as
+    transformers derives them: `layer_types` only for a mix of kinds."""
     window = r.take("sliding_window", None)
     if not r.take("use_sliding_window", False):
         window = None                             # transformers ignores it then
@@ -46,28 +47,26 @@ def _window(r: ConfigReader) -> int | None:
         kinds = ["sliding_attention" if window is not None and i >= first else "full_attention"
                  for i in range(layers)]
     if kinds is None:
-        return None                               # num_hidden_layers, required, is refused
+        return None, ()                           # num_hidden_layers, required, is refused
     if not isinstance(kinds, list) or len(kinds) != layers or not set(kinds) <= set(KINDS):
         r.refuse("layer_types", kinds, f"one of {KINDS} for each of the {layers} layers")
-    if set(kinds) == {"sliding_attention", "full_attention"}:
-        given = r.hf.get("layer_types") is not None
-        r.refuse("layer_types" if given else "max_window_layers",
-                 r.hf["layer_types"] if given else first, "one attention kind for every layer: "
-                 "full and sliding-window layers in one stack are not expressible")
-    if "sliding_attention" in kinds:
-        if window is None:
-            r.refuse("layer_types", kinds, "sliding layers need use_sliding_window=true and "
-                     "a sliding_window")
-        return window
-    return None
+    if "sliding_attention" not in kinds:
+        return None, ()
+    if window is None:
+        r.refuse("layer_types", kinds, "sliding layers need use_sliding_window=true and "
+                 "a sliding_window")
+    if set(kinds) == {"sliding_attention"}:
+        return window, ()
+    return window, tuple("sliding" if kind == "sliding_attention" else "full" for kind in kinds)
 
 
 def config_to_hf(cfg: TransformerConfig) -> dict:
-    window, layers = cfg.sliding_window, cfg.num_layers
-    return {**llama.common_to_hf(cfg, "qwen3", MAP), "attention_bias": False,
-            "use_sliding_window": window is not None, "sliding_window": window,
-            "max_window_layers": 0 if window is not None else layers,
-            "layer_types": ["sliding_attention" if window else "full_attention"] * layers}
+    window, sliding = cfg.sliding_window, cfg.layer_is_sliding()
+    return {**llama.common_to_hf(cfg, "qwen3", MAP, layer_types=cfg.layer_types),
+            "attention_bias": False, "use_sliding_window": any(sliding),
+            "sliding_window": window,
+            "max_window_layers": sliding.index(True) if any(sliding) else cfg.num_layers,
+            "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding]}
 
 
 def rules(cfg: TransformerConfig) -> list[Rule]:
