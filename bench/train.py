@@ -199,7 +199,8 @@ def compare_meshes(cfg, batch: dict, mesh_shapes, *, name: str, lengths: tuple[i
         del state
         line = {
             "what": "train", **common, "parallel": "pmap" if mesh_shape is None else "sharded",
-            "mesh": None if mesh_shape is None else dict(wrapper.mesh.shape),
+            "mesh": None if mesh_shape is None else {       # expert only where split
+                k: v for k, v in wrapper.mesh.shape.items() if k != "expert" or v > 1},
             "model": name, "vocab_size": cfg.vocab_size,
             "batch": rows, "source_length": src_len if cfg.is_encoder_decoder else None,
             "target_length": tgt_len, "params": n_params, **flops,
