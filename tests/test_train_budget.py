@@ -145,3 +145,36 @@ def test_bad_values_are_refused_by_name(make, message):
 def test_export_refuses_a_bad_average_count_by_name(tmp_path):
     with pytest.raises(UserError, match=r"^average_last=0 must be an int >= 1"):
         export_lib.export(str(tmp_path), average_last=0)
+
+
+def test_the_command_line_ends_a_run_stopped_by_its_budget_as_a_finished_one(tmp_path):
+    """`python -m train --config translate_small` (made tiny) in a fresh interpreter: the
+    budget ends the run with status 0 and the usual closing lines."""
+    import json
+    import subprocess
+    import sys
+    words = ["open", "close", "file", "new", "save", "print", "page", "view"]
+    german = ["öffnen", "schließen", "Datei", "neu", "speichern", "drucken", "Seite", "Ansicht"]
+    rows = [f"{words[i % 8]} {words[(i * 3) % 8]}\t{german[i % 8]} {german[(i * 3) % 8]}"
+            for i in range(64)]
+    for name, part in (("train", rows[:48]), ("validation", rows[48:56]), ("test", rows[56:])):
+        (tmp_path / f"{name}.tsv").write_text("\n".join(part) + "\n")
+    files = ",".join(str(tmp_path / f"{n}.tsv") for n in ("train", "validation", "test"))
+    workdir = tmp_path / "run"
+    overrides = dict(data_files=files, tokenizer="byte",
+                     max_train_seconds=0.001, per_device_batch_size=2,
+                     eval_per_device_batch_size=8, max_source_length=24,
+                     max_target_length=24, max_decode_length=8, num_eval_decode=4,
+                     num_test_decode=4, log_every_steps=1)
+    model = dict(d_model=32, num_heads=2, mlp_dim=64, num_encoder_layers=1,
+                 num_decoder_layers=1)
+    args = ([sys.executable, "-m", "train", "--config", "translate_small", "--workdir",
+             str(workdir)] + [f"--config.{k}={v}" for k, v in overrides.items()]
+            + [f"--config.model_overrides.{k}={v}" for k, v in model.items()])
+    done = subprocess.run(args, capture_output=True, text=True, timeout=300,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert "max_train_seconds=0.001 spent: stopped at step 1 of 100000" in done.stdout
+    assert "done: step 1 in" in done.stdout
+    summary = json.loads((workdir / "summary.json").read_text())
+    assert summary["stopped_by"] == "max_train_seconds" and "test" in summary
