@@ -30,10 +30,11 @@ def read_pairs(path: str) -> list[tuple[str, str]]:
         return [tuple(line.rstrip("\n").split("\t", 1)) for line in f if "\t" in line]
 
 
-def score(workdir: str, pairs: list[tuple[str, str]], *, beam_size: int = 4,
-          length_penalty: float = 0.6) -> dict:
-    """The scores described in the module docstring, of the run in `workdir`."""
-    saved = checkpoint.restore_model(workdir)
+def score(workdir: str, pairs: list[tuple[str, str]], *, step: int | None = None,
+          beam_size: int = 4, length_penalty: float = 0.6) -> dict:
+    """The scores described in the module docstring, of the run in `workdir` at its newest
+    checkpoint or `step` (averaged with the checkpoints before it as the run averages)."""
+    saved = checkpoint.restore_model(workdir, step)
     experiment = saved.experiment
     saved, averaged = checkpoint_average.averaged_model(
         workdir, saved, experiment.get("average_last_checkpoints", 1))
@@ -58,10 +59,12 @@ def main(argv: list[str] | None = None) -> int:
                                      description=__doc__.split("\n")[0])
     parser.add_argument("--workdir", required=True, help="the training run's directory")
     parser.add_argument("--tsv", required=True, help="held-out pairs, source TAB target")
+    parser.add_argument("--step", type=int, default=None, help="default: the newest")
     parser.add_argument("--beam-size", type=int, default=4)
     parser.add_argument("--length-penalty", type=float, default=0.6)
     args = parser.parse_args(argv)
-    print(json.dumps(score(args.workdir, read_pairs(args.tsv), beam_size=args.beam_size,
+    print(json.dumps(score(args.workdir, read_pairs(args.tsv), step=args.step,
+                           beam_size=args.beam_size,
                            length_penalty=args.length_penalty)))
     return 0
 

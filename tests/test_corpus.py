@@ -92,3 +92,28 @@ def test_catalogue_paths_take_only_the_languages_own_directory(tmp_path):
         (tmp_path / "share" / sub / "LC_MESSAGES" / "app.mo").write_bytes(b"")
     assert corpus.catalogue_paths(str(tmp_path)) == [
         str(tmp_path / "share" / "de" / "LC_MESSAGES" / "app.mo")]
+
+
+def test_corpus_score_scores_the_runs_averaged_export_greedy_and_with_beams(
+        data_dir, tmp_path):
+    """bench.corpus_score on a tiny copy-task run: the model it decodes is the one the run
+    exports (the mean of the newest checkpoints), and a source copied to itself scores
+    what the run's own greedy decoding scores."""
+    import models
+    from bench import corpus_score
+    from tests.train_helpers import tiny_train_config
+    from train import checkpoint, evaluate
+    from train.trainer import train_and_evaluate
+    workdir = str(tmp_path / "run")
+    config = tiny_train_config(data_dir, checkpoint_every_steps=2, average_last_checkpoints=2)
+    summary = train_and_evaluate(config, workdir)
+    pairs = [("a b c", "a b c"), ("d e", "d e"), ("f g h i", "f g h i")]
+    got = corpus_score.score(workdir, pairs, beam_size=2)
+    assert got["pairs"] == 3 and got["step"] == 6 and got["averaged_steps"] == [4, 6]
+    assert got["beam_size"] == 2 and 0 <= got["beam_bleu"] <= 100
+    pre = models.load(summary["model"])
+    tok = checkpoint.restore_model(workdir).tokenizer        # the run's own
+    hyps = evaluate.translate(pre.model, pre.params, tok, [s for s, _ in pairs],
+                              max_source_length=24, max_new_tokens=8)
+    assert got["greedy_bleu"] == evaluate.scores(hyps, [t for _, t in pairs], "bleu")["bleu"]
+    assert corpus_score.score(workdir, pairs, step=4)["averaged_steps"] == [2, 4]
