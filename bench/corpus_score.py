@@ -31,13 +31,16 @@ def read_pairs(path: str) -> list[tuple[str, str]]:
 
 
 def score(workdir: str, pairs: list[tuple[str, str]], *, step: int | None = None,
-          beam_size: int = 4, length_penalty: float = 0.6) -> dict:
+          average_last: int | None = None, beam_size: int = 4,
+          length_penalty: float = 0.6) -> dict:
     """The scores described in the module docstring, of the run in `workdir` at its newest
-    checkpoint or `step` (averaged with the checkpoints before it as the run averages)."""
+    checkpoint or `step`, averaged with the checkpoints before it as the run averages (or
+    over `average_last` checkpoints)."""
     saved = checkpoint.restore_model(workdir, step)
     experiment = saved.experiment
-    saved, averaged = checkpoint_average.averaged_model(
-        workdir, saved, experiment.get("average_last_checkpoints", 1))
+    count = (experiment.get("average_last_checkpoints", 1) if average_last is None
+             else average_last)
+    saved, averaged = checkpoint_average.averaged_model(workdir, saved, count)
     model = models.build(saved.config)
     sources, references = [s for s, _ in pairs], [t for _, t in pairs]
     limits = dict(max_source_length=experiment["max_source_length"],
@@ -60,10 +63,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", required=True, help="the training run's directory")
     parser.add_argument("--tsv", required=True, help="held-out pairs, source TAB target")
     parser.add_argument("--step", type=int, default=None, help="default: the newest")
+    parser.add_argument("--average-last", type=int, default=None,
+                        help="default: the run's average_last_checkpoints")
     parser.add_argument("--beam-size", type=int, default=4)
     parser.add_argument("--length-penalty", type=float, default=0.6)
     args = parser.parse_args(argv)
     print(json.dumps(score(args.workdir, read_pairs(args.tsv), step=args.step,
+                           average_last=args.average_last,
                            beam_size=args.beam_size,
                            length_penalty=args.length_penalty)))
     return 0

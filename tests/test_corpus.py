@@ -117,3 +117,4 @@ def test_corpus_score_scores_the_runs_averaged_export_greedy_and_with_beams(
                               max_source_length=24, max_new_tokens=8)
     assert got["greedy_bleu"] == evaluate.scores(hyps, [t for _, t in pairs], "bleu")["bleu"]
     assert corpus_score.score(workdir, pairs, step=4)["averaged_steps"] == [2, 4]
+    assert corpus_score.score(workdir, pairs, average_last=1)["averaged_steps"] == []
