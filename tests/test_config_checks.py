@@ -45,9 +45,13 @@ def test_the_shipped_configs_pass(name, tmp_path):
     config = configs.get(name)
     if name == "finetune_lora":       # adapters of the user's model directory
         assert _error(config).startswith("lora.rank=16 adapts a trained model: set init_from")
-    elif name.startswith("finetune_"):  # its data files and model directory are the user's
+    elif name.startswith("finetune_") or name == "translate_small":  # the user's files
         assert _error(config) == ("data_files='' must name one or more files "
                                   f"(comma-separated) for dataset={config.dataset!r}")
+        if name == "translate_small":     # needs nothing else
+            (tmp_path / "pairs.tsv").write_text("Open\tÖffnen\n")
+            config.data_files = str(tmp_path / "pairs.tsv")
+            check_config(config)
     elif name == "draft":             # it reads the default run's model directory
         config.tokenizer_from = str(tmp_path / "absent")
         assert _error(config) == (f"tokenizer_from={config.tokenizer_from!r} is not a "
@@ -67,6 +71,10 @@ CASES = [
     ("eval_every_steps", 0, "must be an int >= 1"),
     ("checkpoint_every_steps", -5, "must be an int >= 1"),
     ("keep_checkpoints", 0, "must be an int >= 1"),
+    ("average_last_checkpoints", 0, "must be an int >= 1"),
+    ("average_last_checkpoints", 4, "is above keep_checkpoints=3"),
+    ("max_train_seconds", -1, "must be a number >= 0 (0: no limit)"),
+    ("max_train_seconds", "6m", "must be a number >= 0 (0: no limit)"),
     ("learning_rate", 0.0, "must be a number > 0"),
     ("learning_rate", -1e-3, "must be a number > 0"),
     ("learning_rate", "fast", "must be a number > 0"),

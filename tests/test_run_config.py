@@ -13,6 +13,7 @@ from train.config_checks import Part, integer, setting
 from train.configs._base import base_config
 from train.run_config import PARTS, RULES, RunConfig
 from train.settings import (
+    CheckpointSettings,
     DataSettings,
     HostSettings,
     LoopSettings,
@@ -68,6 +69,10 @@ def test_a_part_added_to_the_table_reaches_base_config_with_its_default(monkeypa
 
 @pytest.mark.parametrize("make,message", [
     (lambda: LoopSettings(num_train_steps=-1), "num_train_steps=-1 must be an int >= 0"),
+    (lambda: LoopSettings(max_train_seconds=-0.5),
+     "max_train_seconds=-0.5 must be a number >= 0 (0: no limit)"),
+    (lambda: CheckpointSettings(average_last_checkpoints=5),
+     "average_last_checkpoints=5 is above keep_checkpoints=3"),
     (lambda: OptimizerSettings(lr_decay="linear"),
      "lr_decay='linear' must be one of 'rsqrt', 'cosine', 'constant'"),
     (lambda: OptimizerSettings(learning_rate=float("nan")),

@@ -143,7 +143,7 @@ def _run(name: str, args: list[str]) -> int:
         summary = train_and_evaluate(config, workdir)
     except Exception as e:      # the status says whose mistake it was (train.cli_errors)
         raise _exit(e, verbose=verbose) from None
-    if "stopped_by" in summary:
+    if summary.get("preempted"):        # a signal (not max_train_seconds) stopped it
         return 128 + signal.Signals[summary["stopped_by"]].value
     test = summary.get("test", {})
     val = summary["validation"]

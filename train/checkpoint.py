@@ -282,7 +282,7 @@ def _generation(saved: dict | None, config: TransformerConfig) -> GenerationDefa
         where="the checkpoint's generation defaults")
 
 
-def _with_base(adapters: dict, config: TransformerConfig, experiment: dict) -> dict:
+def with_base(adapters: dict, config: TransformerConfig, experiment: dict) -> dict:
     """An adapted run's checkpointed adapters joined with the frozen weights they adapt,
     read again from the run's `init_from`."""
     import models
@@ -293,6 +293,21 @@ def _with_base(adapters: dict, config: TransformerConfig, experiment: dict) -> d
     runtime = {k: getattr(config, k) for k in models.pretrained.RUNTIME_FIELDS}
     loaded = jax.device_get(models.load(base, **runtime).params)
     return models.lora.join(models.lora.split(loaded)[0], adapters)
+
+
+def reader(workdir: str) -> ocp.CheckpointManager:
+    """A manager that reads (never writes) the checkpoints of `workdir`: their params,
+    config and tokenizer items.
+
+    Raises:
+        FileNotFoundError: naming the workdir when it has no checkpoints directory.
+    """
+    path = os.path.abspath(os.path.join(workdir, "checkpoints"))
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"no checkpoints in {workdir!r} (looked for {path})")
+    return ocp.CheckpointManager(
+        path, options=ocp.CheckpointManagerOptions(create=False),
+        item_handlers=_handlers(("params", "config", "tokenizer")))
 
 
 def restore_model(workdir: str, step: int | None = None) -> SavedModel:
@@ -306,12 +321,8 @@ def restore_model(workdir: str, step: int | None = None) -> SavedModel:
     A step whose files differ from its integrity manifest counts as unreadable (nothing is
     moved here: only a training run sets steps aside).
     """
-    path = os.path.abspath(os.path.join(workdir, "checkpoints"))
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"no checkpoints in {workdir!r} (looked for {path})")
-    mngr = ocp.CheckpointManager(
-        path, options=ocp.CheckpointManagerOptions(create=False),
-        item_handlers=_handlers(("params", "config", "tokenizer")))
+    mngr = reader(workdir)
+    path = str(mngr.directory)
     steps = sorted(mngr.all_steps(), reverse=True) if step is None else [step]
     if not steps:
         raise FileNotFoundError(f"no checkpoints in {path}")
@@ -341,7 +352,7 @@ def restore_model(workdir: str, step: int | None = None) -> SavedModel:
         config = TransformerConfig.from_dict(item["model"])
         params = got.params
         if config.lora is not None:        # the adapters: their base is init_from's
-            params = _with_base(params, config, item["experiment"])
+            params = with_base(params, config, item["experiment"])
         return SavedModel(params, config, tok, s, item["model_type"],
                           _generation(item["generation"], config), item["experiment"])
     raise FileNotFoundError(f"no readable checkpoint in {path}: "

@@ -4,6 +4,8 @@ Writes a training run's checkpoint (the newest readable one, or step N) as a mod
 directory, the one form in which models leave the project: W/model by default. Training
 runs do this themselves when they finish or are stopped by SIGTERM; this command exports
 any other checkpoint. `python -m decode --model W/model` (or `--workdir W`) then reads it.
+A run with `average_last_checkpoints` N > 1 exports the mean of the parameters of its newest
+N checkpoints up to the step (`--average-last` chooses another N; 1: that step alone).
 
 A run that trained low-rank adapters (`lora.rank`) exports them as W/adapter, in PEFT's
 layout, naming `init_from` as their base; with `lora.export_merged` also W/model, the
@@ -18,9 +20,10 @@ import os
 import sys
 
 import models
+from models.errors import UserError
 from models.pretrained import GenerationDefaults
 from models.tokenizer import Tokenizer
-from train import checkpoint, cli_errors
+from train import checkpoint, checkpoint_average, cli_errors
 
 
 def write_model(path: str, config: models.TransformerConfig, params, tokenizer: Tokenizer,
@@ -74,10 +77,23 @@ def write_outputs(workdir: str, config: models.TransformerConfig, params,
     return out
 
 
-def export(workdir: str, step: int | None = None, out: str | None = None) -> str:
+def export(workdir: str, step: int | None = None, out: str | None = None, *,
+           average_last: int | None = None) -> str:
     """Exports a checkpoint of `workdir` into `out` (default WORKDIR/model, or an adapted
-    run's WORKDIR/adapter: see `write_outputs`); returns `out`."""
+    run's WORKDIR/adapter: see `write_outputs`); returns `out`. The parameters are the mean
+    of the newest `average_last` checkpoints up to that one (default: the run's
+    `average_last_checkpoints`; `train.checkpoint_average`).
+
+    Raises:
+        UserError: `average_last` below 1.
+    """
+    if average_last is not None and average_last < 1:
+        raise UserError(f"average_last={average_last} must be an int >= 1 (1: the "
+                        "checkpoint alone)")
     saved = checkpoint.restore_model(workdir, step)
+    count = (saved.experiment.get("average_last_checkpoints", 1) if average_last is None
+             else average_last)
+    saved, _ = checkpoint_average.averaged_model(workdir, saved, count)
     lora = saved.experiment.get("lora") or {}
     return write_outputs(workdir, saved.config, saved.params, saved.tokenizer,
                          model_type=saved.model_type, generation=saved.generation, out=out,
@@ -91,9 +107,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", required=True, help="the training run's directory")
     parser.add_argument("--step", type=int, default=None, help="default: the newest")
     parser.add_argument("--out", default=None, help="default: WORKDIR/model")
+    parser.add_argument("--average-last", type=int, default=None,
+                        help="average the newest N checkpoints up to the step (default: "
+                             "the run's average_last_checkpoints)")
     args = parser.parse_args(argv)
     try:
-        out = export(args.workdir, args.step, args.out)
+        out = export(args.workdir, args.step, args.out, average_last=args.average_last)
     except Exception as e:    # no (readable) checkpoint, an unwritable --out; or a bug
         return cli_errors.report(e)
     print(f"exported {args.workdir} to {out}")

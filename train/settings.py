@@ -332,18 +332,31 @@ class HostSettings(Part):
 @dataclasses.dataclass(frozen=True)
 class CheckpointSettings(Part):
     """A checkpoint every `checkpoint_every_steps` (and at the end); the newest
-    `keep_checkpoints` are kept."""
+    `keep_checkpoints` are kept. The model a run evaluates at its end and exports is the
+    mean of the parameters of its newest `average_last_checkpoints` checkpoints (1: the
+    last state alone; `train.checkpoint_average`); the checkpoints themselves, which a
+    resumed run continues from, stay as trained."""
 
     checkpoint_every_steps: int = setting(500, integer(1))
     keep_checkpoints: int = setting(3, integer(1))
+    average_last_checkpoints: int = setting(1, integer(1))
+
+    def check(self) -> None:
+        if self.average_last_checkpoints > self.keep_checkpoints:
+            raise fail("average_last_checkpoints", self.average_last_checkpoints,
+                       f"is above keep_checkpoints={self.keep_checkpoints}: only the newest "
+                       "keep_checkpoints checkpoints are kept to average")
 
 
 @dataclasses.dataclass(frozen=True)
 class LoopSettings(Part):
-    """The loop: its length, how often it logs and evaluates, and the seed of everything
-    random (initialisation, dropout, masks, shuffling)."""
+    """The loop: its length (`num_train_steps`, and at most `max_train_seconds` of wall
+    clock from the first step of each invocation: 0 is no limit), how often it logs and
+    evaluates, and the seed of everything random (initialisation, dropout, masks,
+    shuffling)."""
 
     num_train_steps: int = setting(1000, integer(0))
+    max_train_seconds: float = setting(0.0, number(">= 0 (0: no limit)", lambda v: v >= 0))
     log_every_steps: int = setting(50, integer(1))
     eval_every_steps: int = setting(500, integer(1))
     seed: int = setting(0, integer(0))

@@ -7,10 +7,17 @@ data position, RNG and optimiser state are all in it). At the end, and when SIGT
 Ctrl-C stops the run after saving, the model is exported to WORKDIR/model (the directory
 `models.load` and `python -m decode --model` read); a stopped run's summary says
 `"preempted": true` and `"stopped_by": "SIGTERM"` (the command line turns that into exit
-status 128 + the signal's number). A NaN or Inf loss, or parameters or optimiser state that
-are not finite when a checkpoint is due, raise `FloatingPointError` naming the step (and the
-array), without saving. The workdir is locked for the whole run (`train.workdir`). Setting up
-(lock, config, data, tokenizer, model, objective, wrapper, state, restore) is `train.setup`.
+status 128 + the signal's number). With `max_train_seconds`, the loop also stops after the
+first step that ends that many seconds after the invocation's first step began, and the
+run ends as at `num_train_steps` (a checkpoint, the export, the final evaluation; the
+summary says `"stopped_by": "max_train_seconds"`); the same command resumes it for up to
+that long again. With `average_last_checkpoints` > 1 the final evaluation and the export
+are of the mean of the newest checkpoints' parameters (`train.checkpoint_average`).
+
+A NaN or Inf loss, or parameters or optimiser state that are not finite when a checkpoint
+is due, raise `FloatingPointError` naming the step (and the array), without saving. The
+workdir is locked for the whole run (`train.workdir`). Setting up (lock, config, data,
+tokenizer, model, objective, wrapper, state, restore) is `train.setup`.
 
 Every evaluation scores the validation loss, accuracy and perplexity, plus what the run's
 objective adds (`train.objectives.Objective.evaluate`: decoded exact match and BLEU for
@@ -28,8 +35,9 @@ import threading
 import time
 
 import jax
+import numpy as np
 
-from train import evaluate
+from train import checkpoint_average, evaluate
 from train.metrics import StepLog
 from train.setup import Run, start_run
 from train.workdir import write_text
@@ -66,6 +74,21 @@ def _stop_signals():
             signal.signal(s, h)
 
 
+def _out_of_time(limit: float, started: float):
+    """`over() -> bool`: `limit` seconds (0: none) have passed since `started`. With several
+    processes, process 0's clock decides for all, so they stop after the same step."""
+    if not limit:
+        return lambda: False
+
+    def over() -> bool:
+        late = time.time() - started >= limit
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+            late = bool(multihost_utils.broadcast_one_to_all(np.int32(late)))
+        return late
+    return over
+
+
 def train_and_evaluate(config, workdir: str, *, hooks=()) -> dict:
     """Trains `config` into `workdir` (resuming if it holds checkpoints); returns the summary.
 
@@ -89,13 +112,17 @@ def _train(run: Run, start, hooks) -> dict:
                     dynamic_ncols=True, unit="step", mininterval=1.0)
     log = StepLog(run.writer, progress, loop.log_every_steps, hooks)
     started = time.time()
-    stopped = None
+    stopped, out_of_time = None, _out_of_time(loop.max_train_seconds, started)
+    budget_spent = False
     with _stop_signals() as should_stop, contextlib.closing(run.writer):
         with contextlib.closing(progress):
             pending = None  # (step, metrics) of the previous step, read while the next one runs
             while step < loop.num_train_steps:
                 stopped = should_stop(step)
                 if stopped:
+                    break
+                if out_of_time():
+                    budget_spent = True
                     break
                 new_state, metrics = run.wrapper.train_step(state, next(iterator))
                 if pending is not None:
@@ -115,16 +142,25 @@ def _train(run: Run, start, hooks) -> dict:
         train_seconds = round(time.time() - started, 2)
         if step not in run.checkpoints.all_steps():
             run.save(step, state, iterator)
+        state, averaged = checkpoint_average.averaged_state(run, state)
         exported = run.export(state)
         summary = {"step": step, "resumed_from_step": start.resumed_from,
                    "train_seconds": train_seconds, "model": exported,
                    "preempted": bool(stopped)}
+        if averaged:
+            summary["averaged_steps"] = averaged
         if stopped:
             if run.lead:
                 print(f"{stopped} received: saved a checkpoint at step {step}, exported it to "
                       f"{exported} and stopped", flush=True)
             summary["stopped_by"] = stopped
         else:
+            if budget_spent:
+                summary["stopped_by"] = "max_train_seconds"
+                if run.lead:
+                    print(f"max_train_seconds={loop.max_train_seconds:g} spent: stopped at "
+                          f"step {step} of {loop.num_train_steps} after {train_seconds} s",
+                          flush=True)
             summary.update(_evaluate(run, state, step, final=True))
     if run.lead:
         write_text(os.path.join(run.workdir, "summary.json"), json.dumps(summary, indent=2))
