@@ -195,10 +195,14 @@ def shardings(specs, abstract, mesh: Mesh, rules: dict):
 
 
 def init_args(config) -> tuple[tuple, str | None]:
-    """Token arrays (abstract) and the method that initialise a model of `config`."""
+    """Token arrays (abstract; an audio encoder's features) and the method that initialise
+    a model of `config`."""
     tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)
     if config.is_encoder_decoder:
-        return (tokens, tokens), None
+        audio = config.audio
+        src = tokens if audio is None else jax.ShapeDtypeStruct(
+            (1, audio.num_mel_bins, audio.num_frames), jnp.float32)
+        return (src, tokens), None
     classify = config.architecture == "encoder_only" and config.num_labels
     return (tokens,), ("classify" if classify else None)
 
