@@ -11,10 +11,13 @@ the key biases are read as zeros and not written (the logits are the same whatev
 hold).
 
 The encoder's position table (`model.encoder.embed_positions.weight`) is a function of
-max_source_positions and d_model (`models.audio.whisper_sinusoids`): a stored one must equal
-it to the file dtype's rounding, or the checkpoint is refused naming the tensor; like
-Marian's tables it is never written (transformers fills a missing one with the same
-sinusoids, `_init_weights`).
+max_source_positions and d_model (`models.audio.whisper_sinusoids`), which we compute: a
+stored one must equal ours to the float32 rounding of its angles (a few units in the last
+place of S radians, about 1e-4 at S = 1500, the differences between float32 exp and sin
+implementations) or to the file dtype's rounding, else the checkpoint is refused naming the
+tensor. `models.save` writes the table we compute, so transformers loads every tensor it
+expects and gives our logits; a checkpoint saved by torch reads back with its table
+replaced by ours (the one tensor of a round trip that may differ, within that tolerance).
 
 Refused by name: scale_embedding=True, encoder_layerdrop / decoder_layerdrop > 0
 (training-time layer dropping this project does not run), use_weighted_layer_sum=True (the
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
 import numpy as np
 
 from models.audio import AudioInput, whisper_sinusoids
@@ -152,7 +156,7 @@ CROSS_ATTENTION = bart.CROSS_ATTENTION
 
 
 def rules(cfg: TransformerConfig) -> list[Rule]:
-    table = [*_conv("model.encoder.conv1", "src_embed/conv1"),
+    table = [POSITION_RULE, *_conv("model.encoder.conv1", "src_embed/conv1"),
              *_conv("model.encoder.conv2", "src_embed/conv2"),
              *embeddings(cfg, stack="decoder", tokens="model.decoder.embed_tokens",
                          positions="model.decoder.embed_positions")]
@@ -168,14 +172,39 @@ def rules(cfg: TransformerConfig) -> list[Rule]:
     return table
 
 
-def position_table(cfg: TransformerConfig) -> dict:
-    if cfg.audio is None:
-        raise UserError("whisper needs an audio encoder (TransformerConfig.audio)")
-    table = whisper_sinusoids(cfg.audio.max_source_positions, cfg.d_model)
-    return {"model.encoder.embed_positions.weight": table}
+POSITIONS = "model.encoder.embed_positions.weight"
+
+
+def _position_tolerance(cfg: TransformerConfig, dtype) -> float:
+    """How far a stored encoder table may be from ours: its angles (up to S radians) are
+    float32 products of a float32 exp, so a table computed elsewhere differs from ours by
+    a few float32 units of S (about 1e-4 at S = 1500), or by the file dtype's rounding."""
+    eps32 = float(np.finfo(np.float32).eps)
+    return max(4 * cfg.audio.max_source_positions * eps32, 2 * float(jnp.finfo(dtype).eps))
+
+
+def _check_positions(xs, cfg):
+    (stored,) = xs
+    want = whisper_sinusoids(cfg.audio.max_source_positions, cfg.d_model)
+    if stored.shape != want.shape or not np.allclose(
+            stored.astype(np.float64), want, rtol=0, atol=_position_tolerance(cfg, stored.dtype)):
+        raise UserError(
+            f"whisper checkpoint: {POSITIONS} (shape {stored.shape}) is not Whisper's "
+            f"sinusoids for max_source_positions={cfg.audio.max_source_positions}, d_model="
+            f"{cfg.d_model} (shape {want.shape}); this project computes that table and cannot "
+            "load a different one")
+    return []
+
+
+# The encoder's fixed positions: checked when reading (no parameter of ours holds them) and
+# written as we compute them, so transformers finds every tensor it expects.
+POSITION_RULE = Rule(POSITIONS, (), Layout(
+    _check_positions,
+    lambda ours, cfg: [whisper_sinusoids(cfg.audio.max_source_positions,
+                                         cfg.d_model).astype(cfg.param_dtype)]))
 
 
 FAMILY = Family(model_type="whisper", architectures=("WhisperForConditionalGeneration",),
                 config_from_hf=config_from_hf, config_to_hf=config_to_hf, rules=rules,
-                prefix="model.", fixed=position_table,
+                prefix="model.",
                 copies={"model.decoder.embed_tokens.weight": ("proj_out.weight",)})
