@@ -45,7 +45,7 @@ CASES = {
 }
 
 
-def random_whisper(fields: dict, seed: int = 0):
+def random_whisper(fields: dict, seed: int = 0, scale: float = 0.15):
     """A transformers Whisper with random weights (norm scales near 1, the rest near 0) and
     the encoder position table we compute (so a round trip is bit for bit)."""
     model = transformers.WhisperForConditionalGeneration(
@@ -57,7 +57,7 @@ def random_whisper(fields: dict, seed: int = 0):
                 p.copy_(torch.as_tensor(whisper_sinusoids(*p.shape)))
                 continue
             is_scale = p.ndim == 1 and "layer_norm" in name and name.endswith("weight")
-            p.copy_(torch.randn_like(p) * 0.15 + (1.0 if is_scale else 0.0))
+            p.copy_(torch.randn_like(p) * scale + (1.0 if is_scale else 0.0))
     return model
 
 
@@ -321,3 +321,94 @@ def test_whisper_presets_have_transformers_parameter_count(preset, size):
     key_biases = cfg.d_model * (cfg.num_encoder_layers + 2 * cfg.num_decoder_layers)
     positions = cfg.audio.max_source_positions * cfg.d_model
     assert _our_count(cfg) - key_biases + positions == _their_count(PUBLISHED[size])
+
+
+# Greedy generation (decode.whisper) against transformers' WhisperForConditionalGeneration
+# .generate: a tiny model whose weights make it pick different languages and tokens per
+# row, with a multilingual generation config (languages, tasks, <|notimestamps|>, tokens it
+# would often pick suppressed, an end token it produces).
+_GENERATION = dict(
+    decoder_start_token_id=2, eos_token_id=11, pad_token_id=0, bos_token_id=1,
+    lang_to_id={"<|en|>": 50, "<|fr|>": 51, "<|de|>": 52},
+    task_to_id={"transcribe": 60, "translate": 61}, no_timestamps_token_id=62,
+    suppress_tokens=[5, 74], begin_suppress_tokens=[8, 9],
+    forced_decoder_ids=[[1, None], [2, 60]], is_multilingual=True, max_length=24)
+_ENGLISH = dict(decoder_start_token_id=2, eos_token_id=11, pad_token_id=0, bos_token_id=1,
+                no_timestamps_token_id=62, suppress_tokens=[5], begin_suppress_tokens=[8],
+                forced_decoder_ids=[[1, 62]], max_length=20)
+
+
+@pytest.fixture(scope="module")
+def speaking(tmp_path_factory):
+    """name -> (transformers model, its directory loaded) for both generation configs."""
+    made = {}
+    for name, gen in (("multilingual", _GENERATION), ("english", _ENGLISH)):
+        model = random_whisper(CASES["tiny"], seed=0, scale=0.5)
+        model.generation_config = transformers.GenerationConfig(**gen)
+        path = str(tmp_path_factory.mktemp(name))
+        model.save_pretrained(path)
+        made[name] = (model, models.load(path))
+    return made
+
+
+def _their_output(model, features, **options) -> tuple[list[list[int]], list[list[int]]]:
+    """transformers' decoder prompts and new tokens per row, up to its end token."""
+    with torch.no_grad():
+        out = model.generate(torch.as_tensor(features), return_dict_in_generate=True,
+                             **options).sequences.numpy()
+    eos = model.generation_config.eos_token_id
+    P = 2 if not model.generation_config.to_dict().get("lang_to_id") else 4
+    rows = [row[P:] for row in out.tolist()]
+    return ([row[:P] for row in out.tolist()],
+            [row[:row.index(eos) + 1] if eos in row else row for row in rows])
+
+
+@pytest.mark.parametrize("name, options", [
+    ("multilingual", {}), ("multilingual", dict(language="fr")),
+    ("multilingual", dict(task="translate")),
+    ("multilingual", dict(language="<|de|>", task="translate")),
+    ("multilingual", dict(max_new_tokens=6)), ("english", {}),
+])
+def test_greedy_transcription_equals_transformers_generate(name, options, speaking,
+                                                            highest_precision):
+    from decode.whisper import transcribe
+    model, pre = speaking[name]
+    features = random_features(CASES["tiny"], batch=4, seed=5)
+    out = transcribe(pre, features, **options)
+    ours = [row[:n].tolist() for row, n in zip(np.asarray(out.tokens),
+                                               np.asarray(out.lengths), strict=True)]
+    prompts, tokens = _their_output(model, features, **options)
+    assert np.asarray(out.prompts).tolist() == prompts
+    assert ours == tokens
+    assert len({len(row) for row in ours}) > 1        # rows end at different steps
+    if name == "english":
+        assert np.asarray(out.prompts).tolist() == [[2, 62]] * 4
+    elif not options:           # detected per row: not one language for the whole batch
+        with torch.no_grad():
+            detected = model.detect_language(torch.as_tensor(features)).tolist()
+        assert len(set(detected)) > 1
+        assert np.asarray(out.prompts)[:, 1].tolist() == detected
+
+
+def test_the_generation_configs_suppressed_tokens_change_what_is_generated(speaking):
+    """The comparison above is not vacuous: without the suppressed tokens transformers
+    generates other tokens."""
+    model, _ = speaking["multilingual"]
+    features = random_features(CASES["tiny"], batch=4, seed=5)
+    assert _their_output(model, features)[1] != _their_output(
+        model, features, suppress_tokens=[], begin_suppress_tokens=[])[1]
+
+
+@pytest.mark.parametrize("options, words", [
+    (dict(return_timestamps=True), ["timestamps"]),
+    (dict(language="xx"), ["language='xx'"]),
+    (dict(task="summarize"), ["task='summarize'"]),
+    (dict(max_new_tokens=40), ["max_new_tokens=40"]),
+])
+def test_what_transcription_cannot_do_is_refused_by_name(options, words, speaking):
+    from decode.whisper import transcribe
+    _, pre = speaking["multilingual"]
+    with pytest.raises(ValueError) as info:
+        transcribe(pre, random_features(CASES["tiny"], batch=1), **options)
+    for word in words:
+        assert word in str(info.value)
