@@ -412,3 +412,55 @@ def test_what_transcription_cannot_do_is_refused_by_name(options, words, speakin
         transcribe(pre, random_features(CASES["tiny"], batch=1), **options)
     for word in words:
         assert word in str(info.value)
+
+
+@pytest.mark.parametrize("fields, words", [
+    (dict(architecture="decoder_only"), ["audio", "encoder_decoder"]),
+    (dict(share_embeddings=True), ["audio", "share_embeddings"]),
+    (dict(audio=dict(num_mel_bins=80, frames=3000)), ["audio", "frames"]),
+    (dict(audio=dict(num_mel_bins=0)), ["audio.num_mel_bins"]),
+])
+def test_inconsistent_audio_configs_are_refused_by_name(fields, words):
+    with pytest.raises(ValueError) as info:
+        models.get_config("whisper-tiny", **fields)
+    for word in words:
+        assert word in str(info.value)
+
+
+def test_an_audio_config_round_trips_through_a_dict():
+    cfg = models.get_config("whisper-large-v3")
+    assert cfg.audio == AudioInput(num_mel_bins=128, max_source_positions=1500)
+    assert models.TransformerConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_an_audio_model_no_hf_class_expresses_saves_as_the_projects_own_type(tmp_path):
+    cfg = models.get_config("whisper-tiny", vocab_size=64, d_model=32, num_heads=4,
+                            mlp_dim=48, num_encoder_layers=1, num_decoder_layers=1,
+                            max_len=16, pad_id=0, eos_id=1, bos_id=2, norm_position="post",
+                            audio=dict(num_mel_bins=4, max_source_positions=6))
+    model = models.build(cfg)
+    features = jnp.asarray(np.random.default_rng(0).normal(size=(1, 4, 12)), jnp.float32)
+    tgt = jnp.asarray([[2, 5, 9]])
+    params = model.init(jax.random.key(0), features, tgt)["params"]
+    written = models.save(str(tmp_path / "zoo"), cfg, params)
+    assert written == "jax_transformer_zoo"
+    again = models.load(str(tmp_path / "zoo"))
+    assert again.config == cfg
+    assert_same_params(again.params, params)
+    np.testing.assert_array_equal(again.model.apply({"params": again.params}, features, tgt),
+                                  model.apply({"params": params}, features, tgt))
+
+
+@pytest.mark.parametrize("d_model", sorted({f["d_model"] for f in PUBLISHED.values()}))
+def test_torchs_position_tables_of_published_sizes_pass_the_check(d_model):
+    """Real checkpoints hold the table torch computed (float32 exp and sin, within about
+    1e-4 of ours at 1500 positions): it loads, and a table off by 1e-3 does not."""
+    from transformers.models.whisper.modeling_whisper import sinusoids
+
+    from models.pretrained.whisper import _check_positions
+    cfg = models.get_config("whisper-tiny", d_model=d_model, num_heads=d_model // 64)
+    table = sinusoids(1500, d_model).numpy()
+    assert _check_positions([table], cfg) == []
+    table[1499, 0] += 1e-3
+    with pytest.raises(ValueError, match="embed_positions"):
+        _check_positions([table], cfg)
