@@ -115,7 +115,7 @@ class AudioEmbedding(nn.Module):
         def conv(name, stride):
             return nn.Conv(cfg.d_model, kernel_size=(3,), strides=(stride,), padding=((1, 1),),
                            dtype=cfg.dtype, param_dtype=cfg.param_dtype,
-                           kernel_init=named(normal_init(0.02), None, None, "embed"),
+                           kernel_init=named(normal_init(0.02), "taps", "conv_in", "embed"),
                            bias_init=named(ZEROS, "embed"), name=name)
 
         x_BFM = jnp.swapaxes(features_BMF, 1, 2).astype(cfg.dtype)

@@ -24,6 +24,7 @@ The names used:
     buckets     relative-position buckets  labels     classifier outputs
     lora        a low-rank adapter's rank (`models.lora`)
     expert      a mixture-of-experts layer's experts (`models.moe`)
+    taps, conv_in   an audio front end's kernel width and input channels (`models.audio`)
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from models.errors import UserError
 
 # The logical axis names parameters use (see the module docstring).
 NAMES = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "layers", "positions",
-         "types", "buckets", "labels", "lora", "expert")
+         "types", "buckets", "labels", "lora", "expert", "taps", "conv_in")
 
 
 def _traced_once(init):
@@ -139,6 +140,8 @@ DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("labels", None),
     ("lora", None),
     ("expert", EXPERT_AXIS),
+    ("taps", None),
+    ("conv_in", None),
 )
 
 

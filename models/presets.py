@@ -31,13 +31,14 @@ _BERT = dict(
     dropout_rate=0.1, attention_dropout_rate=0.1, pad_id=0, eos_id=None, bos_id=None,
 )
 # OpenAI's Whisper (Radford et al. 2022): an audio encoder (`models.audio`) and a pre-norm
-# decoder with learned positions, exact GELU, a head tied to the decoder's embedding; the
-# special ids of its multilingual tokenizer (<|endoftext|> 50257, <|startoftranscript|> 50258).
+# decoder with learned positions, exact GELU, a head tied to the decoder's embedding. Its
+# special ids are the project's (a checkpoint's: <|endoftext|> 50257, <|startoftranscript|>
+# 50258).
 _WHISPER = dict(
     architecture="encoder_decoder", positions="learned", norm="layernorm", norm_position="pre",
     activation="gelu_exact", use_bias=True, share_embeddings=False, tie_embeddings=True,
-    norm_eps=1e-5, vocab_size=51_865, max_len=448, pad_id=50_257, eos_id=50_257,
-    bos_id=50_258, audio=dict(num_mel_bins=80, max_source_positions=1500),
+    norm_eps=1e-5, vocab_size=51_865, max_len=448,
+    audio=dict(num_mel_bins=80, max_source_positions=1500),
 )
 
 _PRESETS: dict[str, dict] = {
