@@ -91,7 +91,8 @@ def check_features(audio: AudioInput, features) -> None:
     dtype = getattr(features, "dtype", None)
     if shape is None or len(shape) != 3 or not jnp.issubdtype(dtype, jnp.floating):
         raise UserError(f"audio features must be a float array [B, mel, frames], got "
-                        f"{dtype} {shape}")
+                        f"{dtype} {shape} (an audio model reads log-mel features, "
+                        "models.audio_features; decode.whisper.transcribe decodes them)")
     want = (audio.num_mel_bins, audio.num_frames)
     if tuple(shape[1:]) != want:
         raise UserError(
