@@ -41,7 +41,9 @@ def main(argv: list[str] | None = None) -> None:
     model = models.build(cfg)
     key = jax.random.key(0)
     tokens = jax.random.randint(key, (args.batch, args.length), 3, cfg.vocab_size)
-    inputs = (tokens, tokens) if cfg.is_encoder_decoder else (tokens,)
+    src = tokens if cfg.audio is None else jax.random.normal(   # an audio encoder's features
+        key, (args.batch, cfg.audio.num_mel_bins, cfg.audio.num_frames))
+    inputs = (src, tokens) if cfg.is_encoder_decoder else (tokens,)
     params = jax.jit(model.init)(key, *inputs)["params"]
     n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(params))
     forward = jax.jit(lambda p, *xs: model.apply({"params": p}, *xs))

@@ -24,6 +24,7 @@ The names used:
     buckets     relative-position buckets  labels     classifier outputs
     lora        a low-rank adapter's rank (`models.lora`)
     expert      a mixture-of-experts layer's experts (`models.moe`)
+    taps, conv_in   an audio front end's kernel width and input channels (`models.audio`)
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from models.errors import UserError
 
 # The logical axis names parameters use (see the module docstring).
 NAMES = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "layers", "positions",
-         "types", "buckets", "labels", "lora", "expert")
+         "types", "buckets", "labels", "lora", "expert", "taps", "conv_in")
 
 
 def _traced_once(init):
@@ -139,6 +140,8 @@ DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("labels", None),
     ("lora", None),
     ("expert", EXPERT_AXIS),
+    ("taps", None),
+    ("conv_in", None),
 )
 
 
@@ -195,10 +198,14 @@ def shardings(specs, abstract, mesh: Mesh, rules: dict):
 
 
 def init_args(config) -> tuple[tuple, str | None]:
-    """Token arrays (abstract) and the method that initialise a model of `config`."""
+    """Token arrays (abstract; an audio encoder's features) and the method that initialise
+    a model of `config`."""
     tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)
     if config.is_encoder_decoder:
-        return (tokens, tokens), None
+        audio = config.audio
+        src = tokens if audio is None else jax.ShapeDtypeStruct(
+            (1, audio.num_mel_bins, audio.num_frames), jnp.float32)
+        return (src, tokens), None
     classify = config.architecture == "encoder_only" and config.num_labels
     return (tokens,), ("classify" if classify else None)
 

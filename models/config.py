@@ -25,7 +25,8 @@ from typing import Any, Literal
 import jax.numpy as jnp
 import numpy as np
 
-from models.config_checks import validate
+from models.audio import AudioInput
+from models.config_checks import label_names as _label_names, validate
 from models.errors import UserError, check_positive_int, is_int
 from models.lora import LoraConfig
 from models.rope_scaling import (
@@ -195,6 +196,8 @@ class TransformerConfig:
             fastest exact choice per call). Like `dtype`, a loaded model may take it.
         attention_block: the query and key block size of "chunked" attention (a sequence
             shorter than one block is one block).
+        audio: None (the encoder reads tokens), or the encoder-decoder's audio input
+            (`models.audio.AudioInput`, or a dict of its fields; see `models.audio`).
         lora: None, or the low-rank adapters the model carries beside its weights
             (`models.lora.LoraConfig`; given as that object or as a dict of its fields).
         pad_id, eos_id, bos_id: special token ids, any values in [0, V), equal ones allowed
@@ -266,6 +269,7 @@ class TransformerConfig:
     attention_impl: AttentionImpl = "auto"
     attention_block: int = 512
     lora: LoraConfig | None = None
+    audio: AudioInput | None = None
     pad_id: int | None = 0
     eos_id: int | None = 1
     bos_id: int | None = 2
@@ -279,6 +283,8 @@ class TransformerConfig:
                 value = _rope_scaling(value)
             elif field.name == "lora" and isinstance(value, dict):
                 value = LoraConfig.from_dict(value)
+            elif field.name == "audio":
+                value = AudioInput.of(value)
             elif field.name in _POSITIVE and value is not None:
                 value = check_positive_int(value, f"TransformerConfig.{field.name}")
             elif field.name == "label_names":
@@ -403,20 +409,6 @@ def _rope_scaling(value):
         return scaling_from_dict(value, Llama3RopeScaling)
     raise UserError(f"TransformerConfig.rope_scaling={value!r} must be a RoPE scaling or a "
                      "dict of its fields")
-
-
-def _label_names(value) -> tuple[str, ...]:
-    """A tuple of distinct, non-empty strings (a list or tuple given), or a UserError."""
-    if isinstance(value, str) or not isinstance(value, (list, tuple)):
-        raise UserError(f"TransformerConfig.label_names={value!r} must be a list of strings")
-    for name in value:
-        if not isinstance(name, str) or not name:
-            raise UserError(f"TransformerConfig.label_names has {name!r}; each name must be "
-                             "a non-empty string")
-    repeated = sorted({n for n in value if list(value).count(n) > 1})
-    if repeated:
-        raise UserError(f"TransformerConfig.label_names names {repeated} more than once")
-    return tuple(value)
 
 
 LAYER_TYPES = ("full", "sliding")

@@ -15,6 +15,12 @@ def validate(cfg) -> None:
         raise UserError(
             f"TransformerConfig.num_heads={cfg.num_heads} is not divisible by "
             f"num_kv_heads={cfg.num_kv_heads}")
+    if cfg.audio is not None and (cfg.architecture != "encoder_decoder"
+                                  or cfg.share_embeddings):
+        raise UserError(
+            f"TransformerConfig.audio needs architecture='encoder_decoder' (not "
+            f"{cfg.architecture!r}) and share_embeddings=False (not {cfg.share_embeddings}):"
+            " the encoder reads audio features, the decoder alone has a token table")
     if cfg.positions == "rope" and cfg.head_dim % 2:
         raise UserError(
             f"TransformerConfig.head_dim={cfg.head_dim} must be even for rope positions")
@@ -166,3 +172,17 @@ def _check_moe(cfg) -> None:
                 raise UserError(f"lora target {target!r} names the MLP, whose projections "
                                 f"are experts with num_experts={cfg.num_experts}; experts "
                                 "take no adapters (target the attention projections)")
+
+
+def label_names(value) -> tuple[str, ...]:
+    """A tuple of distinct, non-empty strings (a list or tuple given), or a UserError."""
+    if isinstance(value, str) or not isinstance(value, (list, tuple)):
+        raise UserError(f"TransformerConfig.label_names={value!r} must be a list of strings")
+    for name in value:
+        if not isinstance(name, str) or not name:
+            raise UserError(f"TransformerConfig.label_names has {name!r}; each name must be "
+                             "a non-empty string")
+    repeated = sorted({n for n in value if list(value).count(n) > 1})
+    if repeated:
+        raise UserError(f"TransformerConfig.label_names names {repeated} more than once")
+    return tuple(value)

@@ -30,6 +30,16 @@ _BERT = dict(
     embedding_norm=True, num_token_types=2, norm_eps=1e-12, vocab_size=30_522, max_len=512,
     dropout_rate=0.1, attention_dropout_rate=0.1, pad_id=0, eos_id=None, bos_id=None,
 )
+# OpenAI's Whisper (Radford et al. 2022): an audio encoder (`models.audio`) and a pre-norm
+# decoder with learned positions, exact GELU, a head tied to the decoder's embedding. Its
+# special ids are the project's (a checkpoint's: <|endoftext|> 50257, <|startoftranscript|>
+# 50258).
+_WHISPER = dict(
+    architecture="encoder_decoder", positions="learned", norm="layernorm", norm_position="pre",
+    activation="gelu_exact", use_bias=True, share_embeddings=False, tie_embeddings=True,
+    norm_eps=1e-5, vocab_size=51_865, max_len=448,
+    audio=dict(num_mel_bins=80, max_source_positions=1500),
+)
 
 _PRESETS: dict[str, dict] = {
     # Tiny models for tests and the CPU demo: compile in seconds.
@@ -115,6 +125,14 @@ _PRESETS: dict[str, dict] = {
         _LLAMA, vocab_size=512, d_model=64, num_heads=4, num_kv_heads=2, mlp_dim=128,
         num_layers=2, max_len=128, num_experts=4, experts_per_token=2,
         router_aux_loss_coef=0.01),
+    # Whisper tiny (39M) and large-v3 (1.55B: 128 mel bins, one more vocabulary entry).
+    "whisper-tiny": dict(
+        _WHISPER, d_model=384, num_heads=6, mlp_dim=1536, num_encoder_layers=4,
+        num_decoder_layers=4),
+    "whisper-large-v3": dict(
+        _WHISPER, vocab_size=51_866, d_model=1280, num_heads=20, mlp_dim=5120,
+        num_encoder_layers=32, num_decoder_layers=32,
+        audio=dict(num_mel_bins=128, max_source_positions=1500)),
     # A small Llama-style model: RMSNorm, RoPE, SwiGLU, grouped-query attention, no biases.
     "llama-small": dict(
         _LLAMA, vocab_size=32_000, d_model=768, num_heads=12, num_kv_heads=4, mlp_dim=2048,

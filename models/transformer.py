@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from models.attention import CrossKVProjection
+from models.audio import AudioEmbedding
 from models.axes import XAVIER_UNIFORM, ZEROS, PlainInit, named
 from models.blocks import DecoderLayer, LayerInputs, LayerStack, SelfAttentionLayer
 from models.cache import KVCache, per_layer
@@ -220,10 +221,13 @@ class EncoderDecoder(PlainInit, _CachedDecoder):
 
     def setup(self):
         cfg = self.config
-        self.src_tokens = token_embedding(cfg, "src_tokens")
+        if cfg.audio is None:
+            self.src_tokens = token_embedding(cfg, "src_tokens")
+            self.src_embed = InputEmbedding(cfg, self.src_tokens)
+        else:                                   # features in, no source token table
+            self.src_embed = AudioEmbedding(cfg)
         self.tgt_tokens = (
             self.src_tokens if cfg.share_embeddings else token_embedding(cfg, "tgt_tokens"))
-        self.src_embed = InputEmbedding(cfg, self.src_tokens)
         self.tgt_embed = InputEmbedding(cfg, self.tgt_tokens)
         self.encoder = LayerStack(cfg, SelfAttentionLayer, cfg.num_encoder_layers, causal=False)
         self.cross_kv = CrossKVProjection(cfg, cfg.num_decoder_layers)
@@ -240,8 +244,11 @@ class EncoderDecoder(PlainInit, _CachedDecoder):
         deterministic: bool = True,
     ) -> Float[Array, "B S D"]:
         """The encoder output; padding (past `lengths`, or segment id 0) neither sees nor
-        is seen."""
+        is seen. With `config.audio`, `src` is float features [B, M, F] and every one of
+        the F / 2 encoder positions is real (`models.audio`)."""
         cfg = self.config
+        if cfg.audio is not None:
+            return self._encode_audio(src, lengths, segment_ids, positions, deterministic)
         check_tokens(cfg, src, "src")
         check_same_shape(segment_ids, src, "src_segment_ids", "src")
         check_same_shape(positions, src, "src_positions", "src")
@@ -252,6 +259,27 @@ class EncoderDecoder(PlainInit, _CachedDecoder):
         x_BSD = self.src_embed(src, positions, deterministic)
         x_BSD, _ = self.encoder(x_BSD, LayerInputs(spec, positions, deterministic=deterministic))
         return x_BSD
+
+    def _encode_audio(self, features_BMF, lengths, segment_ids, positions, deterministic):
+        given = [name for name, value in (("src_lengths", lengths), ("src_segment_ids",
+                 segment_ids), ("src_positions", positions)) if value is not None]
+        if given:
+            raise UserError(f"an audio encoder attends to every frame of its window and "
+                            f"takes no {given} (pad or trim the audio instead)")
+        x_BSD = self.src_embed(features_BMF, deterministic)
+        positions_BS = positions_like(x_BSD[:, :, 0])
+        valid_BS = jnp.ones(x_BSD.shape[:2], bool)
+        spec = MaskSpec(q_valid=valid_BS, k_valid=valid_BS, aligned=True)
+        x_BSD, _ = self.encoder(x_BSD, LayerInputs(spec, positions_BS,
+                                                   deterministic=deterministic))
+        return x_BSD
+
+    def _source_valid(self, src, src_lengths):
+        """bool[B, S] of the encoder positions that cross-attention reads."""
+        audio = self.config.audio
+        if audio is None:
+            return valid_from_lengths(src, src_lengths, "src_lengths")
+        return jnp.ones((src.shape[0], audio.max_source_positions), bool)
 
     def __call__(
         self,
@@ -282,7 +310,7 @@ class EncoderDecoder(PlainInit, _CachedDecoder):
             deterministic=deterministic)
         cross_k, cross_v = self.cross_kv(encoded_BSD, deterministic)
         cross_spec = MaskSpec(q_segment=tgt_segment_ids, k_segment=src_segment_ids,
-                              k_valid=valid_from_lengths(src, src_lengths, "src_lengths"))
+                              k_valid=self._source_valid(src, src_lengths))
         positions, self_spec = _forward_spec(cfg, tgt_in, tgt_segment_ids, tgt_positions)
         x_BTD = self.tgt_embed(tgt_in, positions, deterministic)
         inputs = LayerInputs(self_spec, positions, cross_k, cross_v, cross_spec,
@@ -306,7 +334,7 @@ class EncoderDecoder(PlainInit, _CachedDecoder):
         looped = not self.config.scan_layers                  # the cache's layout
         return cache.replace(cross_k=per_layer(cross_k, looped),
                              cross_v=per_layer(cross_v, looped),
-                             cross_mask=valid_from_lengths(src, src_lengths, "src_lengths"))
+                             cross_mask=self._source_valid(src, src_lengths))
 
     def _hidden(self, tokens_BT, *, positions_BT, spec, cache, deterministic,
                 key_positions_BS=None, read_only=False):

@@ -12,9 +12,9 @@ import models
 
 def _count(cfg: models.TransformerConfig) -> int:
     model = models.build(cfg)
-    tokens = jnp.zeros((1, 4), jnp.int32)
-    args = (tokens, tokens) if cfg.is_encoder_decoder else (tokens,)
-    shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), *args))["params"]
+    args, method = models.axes.init_args(cfg)      # tokens, or an audio encoder's features
+    shapes = jax.eval_shape(lambda *a: model.init(jax.random.key(0), *a, method=method),
+                            *args)["params"]
     return sum(math.prod(x.shape) for x in jax.tree.leaves(shapes))
 
 

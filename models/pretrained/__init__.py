@@ -78,6 +78,7 @@ from models.pretrained import (
     qwen3_moe,
     roberta,
     t5,
+    whisper,
     zoo,
 )
 from models.pretrained.convert import read_params, theirs_tensors
@@ -103,12 +104,12 @@ FAMILIES: dict[str, Family] = {
                               phi3.FAMILY, mixtral.FAMILY,
                               qwen3_moe.FAMILY, bart.FAMILY, marian.FAMILY,
                               t5.FAMILY, t5.MT5_FAMILY, bert.FAMILY, roberta.FAMILY,
-                              zoo.FAMILY)}
+                              whisper.FAMILY, zoo.FAMILY)}
 # Tried in this order when saving a config without a model_type; the first that expresses
 # it wins (the project's own type expresses everything).
 SAVE_ORDER = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2",
               "gemma3_text", "phi3", "mixtral", "qwen3_moe",
-              "bart", "marian", "t5", "bert", "roberta", zoo.MODEL_TYPE)
+              "bart", "marian", "t5", "whisper", "bert", "roberta", zoo.MODEL_TYPE)
 # Written last by `save`; `load` checks the files against it when it is there.
 MANIFEST = "zoo_integrity.json"
 # Fields a loaded config may be given: how to run it, not what it computes.

@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from models.axes import init_args
 from models.config import TransformerConfig
 from models.pretrained.layouts import SAME, Layout
 from models.transformer import build
@@ -97,10 +98,8 @@ def whole_leaf(path: str) -> str:
 
 def _unscanned_init(cfg: TransformerConfig):
     """(the unscanned model's `init` as a function of the key, its token arguments)."""
-    tokens = jax.ShapeDtypeStruct((1, 1), "int32")
-    args = (tokens, tokens) if cfg.is_encoder_decoder else (tokens,)
+    args, method = init_args(cfg)               # method: an encoder-only classifier's
     model = build(cfg.replace(scan_layers=False))
-    method = "classify" if cfg.num_labels else None           # an encoder-only classifier
     return functools.partial(model.init, method=method), args
 
 
