@@ -174,7 +174,7 @@ def test_the_command_line_ends_a_run_stopped_by_its_budget_as_a_finished_one(tmp
     done = subprocess.run(args, capture_output=True, text=True, timeout=300,
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    assert "max_train_seconds=0.001 spent: stopped at step 1 of 1550" in done.stdout
+    assert "max_train_seconds=0.001 spent: stopped at step 1 of 2600" in done.stdout
     assert "done: step 1 in" in done.stdout
     summary = json.loads((workdir / "summary.json").read_text())
     assert summary["stopped_by"] == "max_train_seconds" and "test" in summary
