@@ -59,7 +59,7 @@ def _ours(pre, features, **options) -> tuple[list, list]:
     ("multilingual", dict(num_beams=3, task="translate", length_penalty=0.3)),
     ("multilingual", dict(num_beams=3, early_stopping=True)),
     ("multilingual", dict(num_beams=3, early_stopping="never", length_penalty=0.5)),
-    ("english", dict(num_beams=4)),
+    pytest.param("english", dict(num_beams=4), marks=pytest.mark.slow),   # its own compile
 ])
 def test_beam_transcription_equals_transformers_generate(name, options, speaking,
                                                          highest_precision):
