@@ -31,7 +31,7 @@ import models
 from decode import encoder_cli
 from decode.text import one_line
 from decode.whisper import WhisperSettings, transcribe
-from models.audio_features import log_mel_features
+from models.audio_features import CHUNK_SECONDS, N_SAMPLES, SAMPLING_RATE, log_mel_features
 from models.audio_files import read_audio
 from models.errors import UserError
 
@@ -79,9 +79,13 @@ def _features(paths: list[str], num_mel_bins: int, truncate: bool) -> np.ndarray
     """float32 [F, mel, 3000]: every file read and windowed before anything decodes."""
     out = []
     for path in paths:
+        wave = read_audio(path)
+        if wave.size > N_SAMPLES and not truncate:
+            raise UserError(f"{path} is {wave.size / SAMPLING_RATE:.2f} s long: Whisper reads "
+                            f"{CHUNK_SECONDS} s windows and long-form transcription is not "
+                            "supported (split it, or --truncate keeps its first 30 s)")
         try:
-            feats, _ = log_mel_features([read_audio(path)], num_mel_bins=num_mel_bins,
-                                        truncate=truncate)
+            feats, _ = log_mel_features([wave], num_mel_bins=num_mel_bins, truncate=truncate)
         except UserError as e:
             raise UserError(f"{path}: {e}") from None
         out.append(feats[0])

@@ -127,12 +127,15 @@ def test_audio_mistakes_are_one_error_line_and_exit_2(whisper, capsys, tmp_path)
     models.save(gpt, cfg, params)
     garbage = tmp_path / "noise.wav"
     garbage.write_bytes(b"RIFF not really a wave file")
+    long = str(tmp_path / "long.wav")
+    soundfile.write(long, np.zeros(31 * 16000, np.float32), 16000)
     cases = [
         (["--model", gpt, "--audio", files[0]], ["--audio needs a Whisper model", gpt]),
         (["--model", path, "--audio", files[0], "--", "some text"], ["text inputs"]),
         (["--model", path, "--audio", str(tmp_path / "gone.wav")],
          ["gone.wav", "does not exist"]),
         (["--model", path, "--audio", str(garbage)], ["noise.wav", "cannot read"]),
+        (["--model", path, "--audio", files[0], long], ["long.wav", "31.00 s", "--truncate"]),
         (["--model", path, "--audio", files[0], "--language", "xx"], ["language='xx'"]),
         (["--model", english, "--audio", files[0], "--task", "translate"],
          ["task='translate'", "task_to_id"]),
