@@ -41,7 +41,11 @@ Modules:
     encoder     encoder-only models, which do not generate: `fill_mask` and `classify` on
                 arrays and lists of ids; `encoder_text` (`fill_mask_text`, `classify_text`)
                 on text; `encoder_cli` their command line (`--fill-mask`, `--classify`)
-    __main__    `python -m decode`: argument parsing over `request`, `text`, `encoder_cli`
+    whisper     Whisper transcription (`transcribe`: the checkpoint's prompt and suppressed
+                tokens, greedy or beam search as transformers runs it); `whisper_cli` its
+                command line (`--audio`)
+    __main__    `python -m decode`: argument parsing over `request`, `text`, `encoder_cli`,
+                `whisper_cli`
 """
 
 from decode.beam import BeamOutput, beam_search, beam_search_arguments

@@ -53,6 +53,12 @@ Both read stdin lines when no TEXT is given, with the tokenizer's special tokens
 ([CLS] x [SEP], <s> x </s>), and refuse an input longer than the model's max_len (no
 --truncate) and the flags only generation reads (--strategy, --max-new-tokens, ...).
 
+--audio FILE ...: a Whisper model transcribes audio files (WAV, FLAC), one line per file in
+the order given; --language (else detected per file) and --task transcribe|translate set
+its prompt, --strategy greedy|beam and --beam-size its search (`decode.whisper_cli`).
+
+    python -m decode --model path/to/whisper-small --audio a.wav b.flac --language es
+
 Exit status: 0 when every input was decoded; 2 for a mistake in the command line, an
 input or a file, or a missing optional dependency (one `error:` line on stderr; --verbose
 adds the traceback); 1 for an internal error, a bug in this project or a library under it
@@ -74,7 +80,7 @@ import jax
 import jax.numpy as jnp
 
 import models
-from decode import encoder_cli
+from decode import encoder_cli, whisper_cli
 from decode.defaults import generation_strategy, unapplied
 from decode.request import DecodeRequest
 from decode.runner import Draft
@@ -130,6 +136,13 @@ def build_parser() -> argparse.ArgumentParser:
                            f"{encoder_cli.DEFAULT_FILLERS}) of each mask token")
     task.add_argument("--classify", action="store_true",
                       help="encoder-only classifier: label<TAB>probability of each input")
+    p.add_argument("--audio", nargs="+", default=None, metavar="FILE",
+                   help="Whisper: transcribe these audio files (one line each)")
+    p.add_argument("--language", default=None,
+                   help="--audio: the spoken language, a code (en, es) or token (<|es|>); "
+                        "default: detected per file")
+    p.add_argument("--task", default=None, metavar="transcribe|translate",
+                   help="--audio: transcribe (default) or translate into English")
     p.add_argument("--strategy", choices=("greedy", "sample", "beam"), default=None,
                    help="default: beam when the directory's num_beams > 1, else greedy")
     p.add_argument("--max-new-tokens", type=_positive_int, default=None,
@@ -282,6 +295,10 @@ def request_for(args, gen: GenerationDefaults, cfg, prompt_len: int) -> DecodeRe
 
 def run(args) -> None:
     parser = build_parser()
+    whisper_cli.check_flags(args, parser)
+    if args.audio is not None:
+        whisper_cli.run(args, lambda line: print(line, flush=True))
+        return
     encoder_cli.check_flags(args, parser)
     lines = args.text or sys.stdin.read().splitlines()
     model, params, tok, gen = _load(args)

@@ -15,7 +15,8 @@ One iteration (`beam_step`), from the logits of the W alive beams of each source
     merge_finished   the finished pool: the W best of (the pool, the candidates that end),
                      scored by log-prob / length_penalty(length)
     select_alive     the W best candidates that add no end token become the alive beams
-    cannot_improve   a source is done once no alive beam can beat its W-th finished one
+    stops            a source is done once no alive beam can beat its W-th finished one
+                     (`cannot_improve`, exact), or by one of transformers' rules
     cache_rows       the rows of the cache the new beams continue (their parents')
     follow           the cache after the new beams (`models.BeamKVCache` moves only its
                      ancestry table, no keys or values)
@@ -33,6 +34,18 @@ counts the new tokens, the end token included, and not the decoder's prompt or s
     "hf"     score = log-prob / length ** alpha                   (transformers' beam search)
 
     log-prob -6.0 at length 4, alpha 1:  gnmt -6.0 / 1.5 = -4.0;   hf -6.0 / 4 = -1.5
+
+Three stopping rules (`STOPPINGS`, static), each transformers' `early_stopping` value:
+
+    "exact"      no alive beam can still beat the W-th finished one (`cannot_improve`);
+                 transformers' early_stopping="never" (where log-prob sums are <= 0)
+    "heuristic"  the pool is full and its W-th score is at least the best alive sum at
+                 its current length (`heuristic_stop`); transformers' default, False
+    "full"       the pool is full (W finished); transformers' early_stopping=True
+
+A source that is done takes no more finished sequences, and its alive beams do not join
+the pool at the end (`finalize`), so with "heuristic" and "full" the result is exactly
+transformers', which may score below the exact search's.
 """
 
 from __future__ import annotations
@@ -50,6 +63,9 @@ from models.errors import UserError
 from models.numerics import NO_SEQUENCE_SCORE
 
 NORMALIZATIONS = ("gnmt", "hf")
+STOPPINGS = ("exact", "heuristic", "full")
+# transformers' early_stopping values -> the stopping rule that reproduces them.
+HF_EARLY_STOPPING = {"never": "exact", False: "heuristic", True: "full"}
 
 
 def gnmt_penalty(length, alpha: float):
@@ -240,6 +256,30 @@ def select_alive(logprobs_BC, ends_BC, seqs_BCN, parent_BC, token_BC, *, W: int)
                  seqs_BCN, parent_BC, token_BC)
 
 
+def heuristic_stop(finished_scores_BW, alive_logprobs_BW, penalty_now):
+    """bool[B]: transformers' default stop (early_stopping=False): all W finished slots
+    hold a sequence and the W-th scores at least the best alive sum divided by the penalty
+    at its current length (which a longer sequence may still beat when alpha > 0).
+
+        finished [-0.9, -1.0], best alive -2.4 at l = 2, hf alpha 1: -1.0 >= -1.2: True
+        finished [-0.9, -1e30]: False (a slot is empty)
+    """
+    full_B = finished_scores_BW[:, -1] > NO_SEQUENCE_SCORE / 2
+    return full_B & (finished_scores_BW[:, -1] >= alive_logprobs_BW[:, 0] / penalty_now)
+
+
+def stops(stopping: str, finished_scores_BW, alive_logprobs_BW, penalty_now, penalty_last):
+    """bool[B]: the sources the rule `stopping` (`STOPPINGS`) stops after this step."""
+    if stopping == "exact":
+        return cannot_improve(finished_scores_BW, alive_logprobs_BW, penalty_now,
+                              penalty_last)
+    if stopping == "heuristic":
+        return heuristic_stop(finished_scores_BW, alive_logprobs_BW, penalty_now)
+    if stopping == "full":
+        return finished_scores_BW[:, -1] > NO_SEQUENCE_SCORE / 2
+    raise UserError(f"stopping={stopping!r} must be one of {STOPPINGS}")
+
+
 def cannot_improve(finished_scores_BW, alive_logprobs_BW, penalty_now, penalty_last):
     """bool[B]: no alive beam can beat the W-th finished one, so the finished pool is final.
 
@@ -285,10 +325,14 @@ def follow(cache, parent_BW):
 
 
 def choose(s: BeamState, *, alpha, eos_E, normalization: str = "gnmt",
-           constraints: Constraints | None = None, renormalize=False):
+           constraints: Constraints | None = None, renormalize=False,
+           stopping: str = "exact"):
     """Everything one iteration does but the model: the steps listed in the module
-    docstring up to `cache_rows`. Returns (the state after it, its `logits` and `cache`
-    still the old ones; parent_BW; token_BW, the tokens the new beams feed the model)."""
+    docstring up to `cache_rows`. A source already done takes no finished sequence, and
+    the last iteration stops none (at the end every source not done before it takes its
+    alive beams, as transformers' last step finishes its W best). Returns (the state after
+    it, its `logits` and `cache` still the old ones; parent_BW; token_BW, the tokens the
+    new beams feed the model)."""
     B, W, N = s.alive_tokens.shape
     V = s.logits.shape[-1]
     C = max(2, 1 + (0 if eos_E is None else eos_E.shape[0])) * W
@@ -298,15 +342,16 @@ def choose(s: BeamState, *, alpha, eos_E, normalization: str = "gnmt",
                                  repeated_RV=repeated_RV, renormalize=renormalize)
     logprobs_BC, parent_BC, token_BC = top_candidates(logprobs_RV, s.alive_logprobs, C)
     seqs_BCN = extend(s.alive_tokens, parent_BC, token_BC, s.step)
-    ending_BC = finishing(token_BC, logprobs_BC, eos_E, W)
+    ending_BC = finishing(token_BC, logprobs_BC, eos_E, W) & ~s.done[:, None]
     finished_scores_BW, finished_tokens_BWN, finished_lengths_BW = merge_finished(
         (s.finished_scores, s.finished_tokens, s.finished_lengths), seqs_BCN, logprobs_BC,
         ending_BC, length=s.step + 1, alpha=alpha, normalization=normalization)
     alive_logprobs_BW, alive_tokens_BWN, parent_BW, token_BW = select_alive(
         logprobs_BC, adds_end(token_BC, eos_E), seqs_BCN, parent_BC, token_BC, W=W)
-    done_B = s.done | cannot_improve(
-        finished_scores_BW, alive_logprobs_BW,
-        length_penalty(s.step + 1, alpha, normalization), length_penalty(N, alpha, normalization))
+    stop_B = stops(stopping, finished_scores_BW, alive_logprobs_BW,
+                   length_penalty(s.step + 1, alpha, normalization),
+                   length_penalty(N, alpha, normalization))
+    done_B = s.done | (stop_B & (s.step < N - 1))
     state = s.replace(
         step=s.step + 1, alive_tokens=alive_tokens_BWN, alive_logprobs=alive_logprobs_BW,
         finished_tokens=finished_tokens_BWN, finished_scores=finished_scores_BW,
@@ -317,7 +362,8 @@ def choose(s: BeamState, *, alpha, eos_E, normalization: str = "gnmt",
 
 
 def beam_step(step_fn, s: BeamState, *, alpha, eos_E, normalization: str = "gnmt",
-              constraints: Constraints | None = None, renormalize=False) -> BeamState:
+              constraints: Constraints | None = None, renormalize=False,
+              stopping: str = "exact") -> BeamState:
     """One iteration: `choose` the new beams, `follow` them in the cache, and the model's
     step on their tokens for the next logits, unless every source is done or this was the
     last token (`decode.loop.maybe_step`: no model call then). Once every source is done an
@@ -333,7 +379,7 @@ def beam_step(step_fn, s: BeamState, *, alpha, eos_E, normalization: str = "gnmt
         jnp.all(s.done),
         lambda: (unchanged(searched), keep_BW, jnp.zeros((B, W), jnp.int32)),
         lambda: choose(searched, alpha=alpha, eos_E=eos_E, normalization=normalization,
-                       constraints=constraints, renormalize=renormalize))
+                       constraints=constraints, renormalize=renormalize, stopping=stopping))
     cache = follow(s.cache, parent_BW)
     skip = jnp.all(searched.done) | (s.step == N - 1)
     logits_RV, cache = maybe_step(step_fn, skip, token_BW.reshape(B * W), cache, s.logits)
@@ -341,29 +387,33 @@ def beam_step(step_fn, s: BeamState, *, alpha, eos_E, normalization: str = "gnmt
 
 
 def beam_loop(step_fn, state: BeamState, *, alpha, eos_ids, normalization: str = "gnmt",
-              constraints: Constraints | None = None, renormalize=False) -> BeamState:
+              constraints: Constraints | None = None, renormalize=False,
+              stopping: str = "exact") -> BeamState:
     """Runs N = alive_tokens.shape[-1] iterations of `beam_step` as a `lax.scan`; an
     iteration where every source is done changes nothing and calls no model.
     `constraints` (with R = B * W rows of min_new_tokens) apply to every step's log-probs;
-    None applies none."""
+    None applies none. `stopping` is one of `STOPPINGS` (static)."""
+    if stopping not in STOPPINGS:
+        raise UserError(f"stopping={stopping!r} must be one of {STOPPINGS}")
     N = state.alive_tokens.shape[-1]
     eos_E = None if eos_ids is None else jnp.asarray(sorted(set(eos_ids)), jnp.int32)
 
     def body(s, _):
         return beam_step(step_fn, s, alpha=alpha, eos_E=eos_E, normalization=normalization,
-                         constraints=constraints, renormalize=renormalize), None
+                         constraints=constraints, renormalize=renormalize,
+                         stopping=stopping), None
 
     state, _ = lax.scan(body, state, None, length=N)
     return state
 
 
 def finalize(state: BeamState, alpha, pad_id: int, normalization: str = "gnmt"):
-    """The alive beams (scored by their length, `step`) join the finished pool; returns the
-    W best as (tokens_BWN, pad after each end; scores_BW; lengths_BW), best first, so a
-    source whose beams never ended still gives W."""
+    """The alive beams (scored by their length, `step`) of every source not done join the
+    finished pool; returns the W best as (tokens_BWN, pad after each end; scores_BW;
+    lengths_BW), best first, so a source whose beams never ended still gives W."""
     B, W, N = state.alive_tokens.shape
     alive_scores_BW = jnp.where(
-        state.alive_logprobs > NO_SEQUENCE_SCORE / 2,
+        (state.alive_logprobs > NO_SEQUENCE_SCORE / 2) & ~state.done[:, None],
         state.alive_logprobs / length_penalty(state.step, alpha, normalization),
         NO_SEQUENCE_SCORE)
     scores_BW, tokens_BWN, lengths_BW = top_w(

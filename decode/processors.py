@@ -12,6 +12,7 @@ transformers' `generate` applies its processors:
         repeated n-grams banned                     (NoRepeatNGramLogitsProcessor)
         banned ids                                  (NoBadWordsLogitsProcessor, single tokens;
                                                      SuppressTokensLogitsProcessor)
+        ids banned as the first new token           (SuppressTokensAtBeginLogitsProcessor)
         end ids banned before min_new_tokens        (MinLength / MinNewTokensLength...)
         the forced first token                      (ForcedBOSTokenLogitsProcessor)
         the forced last token                       (ForcedEOSTokenLogitsProcessor)
@@ -176,6 +177,8 @@ class Constraints:
         no_repeat_ngram_size: int32[] n > 0: no n-gram occurs twice in a row's decoder
             sequence (0: off). It needs the n-gram history (`decode.ngrams`), which is
             compiled in only where asked for.
+        banned_first: bool[V] ids not generated as new token 0 (Whisper's
+            begin_suppress_tokens), or None (none; compiled in only where given).
     """
 
     banned: Bool[Array, " V"]
@@ -184,6 +187,7 @@ class Constraints:
     min_new_tokens: Int[Array, " B"]
     end: Bool[Array, " V"]
     no_repeat_ngram_size: Int[Array, ""]
+    banned_first: Bool[Array, " V"] | None = None
 
     @classmethod
     def none(cls, vocab_size: int, batch: int) -> Constraints:
@@ -197,8 +201,9 @@ def constrain_logits(logits_BV: Float[Array, "B V"], c: Constraints, step, last_
                      repeated_BV: Bool[Array, "B V"] | None = None) -> Float[Array, "B V"]:
     """The token constraints in transformers' order, for new token `step` (0-based, also the
     tokens generated so far) of `last_step + 1`: repeated n-grams (`repeated_BV`, from
-    `decode.ngrams.repeated`, or None), banned ids, end ids before min_new_tokens, the forced
-    first token, the forced last token. A forced token comes last, so it wins over a ban.
+    `decode.ngrams.repeated`, or None), banned ids, ids banned at step 0, end ids before
+    min_new_tokens, the forced first token, the forced last token. A forced token comes
+    last, so it wins over a ban.
 
         step 0 of 4, forced_bos 5, banned {5}: token 5 is forced (logit 0, the others -inf)
         step 3 of 4 (last_step 3), forced_eos 2: token 2 is forced
@@ -206,6 +211,8 @@ def constrain_logits(logits_BV: Float[Array, "B V"], c: Constraints, step, last_
     if repeated_BV is not None:
         logits_BV = ban_tokens(logits_BV, repeated_BV)
     logits_BV = ban_tokens(logits_BV, c.banned)
+    if c.banned_first is not None:
+        logits_BV = ban_tokens(logits_BV, c.banned_first & (step == 0))
     logits_BV = ban_end_before(logits_BV, c.end, step, c.min_new_tokens)
     logits_BV = force_token(logits_BV, c.forced_bos, step == 0)
     return force_token(logits_BV, c.forced_eos, step == last_step)

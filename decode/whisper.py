@@ -1,6 +1,6 @@
-"""Greedy transcription with a Whisper model as its checkpoint intends: the decoder prompt
-and the suppressed tokens of its generation_config.json, the same tokens as transformers'
-`generate` (short-form, no timestamps).
+"""Transcription with a Whisper model as its checkpoint intends, greedy or beam search: the
+decoder prompt, the suppressed tokens and the beam settings of its generation_config.json,
+the same tokens as transformers' `generate` (short-form, no timestamps).
 
     pre = models.load("whisper-tiny")
     feats, _ = models.audio_features.log_mel_features([wave])      # [1, 80, 3000]
@@ -15,6 +15,16 @@ transcribe when a language is given; otherwise the checkpoint's `forced_decoder_
 greedy decoding (`decode.loop`, the cross-attention keys/values computed once): the
 `begin_suppress_tokens` are banned at the first new token, the `suppress_tokens` at every
 one, until an end token, `max_length` new tokens, or the decoder's last position.
+
+With `num_beams` > 1 (given, or the file's), beam search as transformers runs it
+(`decode.beam_steps`): the same prompt, the suppressed tokens removed from each step's
+log-probs (the begin-suppressed ones from the first), finished beams scored log-prob /
+length ** length_penalty (length: the new tokens, the end token included), and the file's
+`early_stopping` rule (transformers' default False: a source stops once its W finished
+beams all score at least the best alive one at its current length). The best beam is
+returned:
+
+    out = decode.whisper.transcribe(pre, feats, language="en", num_beams=4)
 
 Refused by name: timestamps (`return_timestamps`) and audio longer than one window (the
 features are one 30 s window each; `models.audio_features` refuses longer audio).
@@ -31,11 +41,13 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Int
 
+from decode.beam_steps import HF_EARLY_STOPPING, beam_init, beam_loop, finalize
 from decode.loop import decode_loop, initial_state
 from decode.model_fns import model_step_fn, output_pad_id
 from decode.processors import Constraints, SamplingParams, Strategy
+from models import BeamKVCache
 from models.audio import check_features
-from models.errors import UserError
+from models.errors import UserError, is_int
 from models.numerics import REMOVED_LOGIT
 
 TASKS = ("transcribe", "translate")
@@ -57,6 +69,10 @@ class WhisperSettings:
         max_length: the new tokens (448), within the decoder's positions
             (max_target_positions, prompt included).
         language, task: the file's defaults, or None.
+        num_beams: beams (1: greedy, transformers' default).
+        length_penalty: alpha of beam search's log-prob / length ** alpha (1.0).
+        early_stopping: transformers' beam stopping rule: False (its default), True or
+            "never" (`decode.beam_steps.HF_EARLY_STOPPING`).
     """
 
     start_id: int
@@ -70,6 +86,9 @@ class WhisperSettings:
     max_length: int = 448
     language: str | None = None
     task: str | None = None
+    num_beams: int = 1
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
 
     @classmethod
     def from_generation(cls, generation, config) -> WhisperSettings:
@@ -89,7 +108,10 @@ class WhisperSettings:
             begin_suppress=tuple(raw.get("begin_suppress_tokens") or ()),
             forced_decoder_ids=tuple(tuple(p) for p in raw.get("forced_decoder_ids") or ()),
             max_length=raw.get("max_length") or config.max_len,
-            language=raw.get("language"), task=raw.get("task"))
+            language=raw.get("language"), task=raw.get("task"),
+            num_beams=raw.get("num_beams") or 1,
+            length_penalty=1.0 if raw.get("length_penalty") is None else raw["length_penalty"],
+            early_stopping=raw.get("early_stopping", False))
 
 
 def language_id(settings: WhisperSettings, language: str) -> int:
@@ -195,15 +217,21 @@ class WhisperOutput:
     lengths: Int[Array, " B"]
 
 
+def _prefill(model, params, features_BMF, prompts_BP, cache_len: int):
+    """(logits_BV of the first new token, the cache): the encoder's cross-attention keys
+    and values projected once, then every row's decoder prompt (all P tokens long)."""
+    B, P = prompts_BP.shape
+    v = {"params": params}
+    cache = model.apply(v, features_BMF, cache_len, method="init_cache")
+    lengths_B = jnp.full((B,), P, jnp.int32)
+    return model.apply(v, prompts_BP, lengths_B, cache, lengths_B - 1, method="prefill")
+
+
 @functools.partial(jax.jit, static_argnames=("model", "max_new_tokens", "eos_ids"))
 def _greedy(model, params, features_BMF, prompts_BP, *, banned_V, begin_V, max_new_tokens,
             eos_ids):
     B, P = prompts_BP.shape
-    v = {"params": params}
-    cache = model.apply(v, features_BMF, P + max_new_tokens, method="init_cache")
-    lengths_B = jnp.full((B,), P, jnp.int32)
-    logits_BV, cache = model.apply(v, prompts_BP, lengths_B, cache, lengths_B - 1,
-                                   method="prefill")
+    logits_BV, cache = _prefill(model, params, features_BMF, prompts_BP, P + max_new_tokens)
     logits_BV = jnp.where(begin_V[None, :], REMOVED_LOGIT, logits_BV)
     V = logits_BV.shape[-1]
     constraints = dataclasses.replace(Constraints.none(V, B), banned=banned_V)
@@ -217,6 +245,28 @@ def _greedy(model, params, features_BMF, prompts_BP, *, banned_V, begin_V, max_n
     return state.tokens, state.lengths
 
 
+@functools.partial(jax.jit, static_argnames=("model", "beam_size", "max_new_tokens", "eos_ids",
+                                             "stopping"))
+def _beam(model, params, features_BMF, prompts_BP, *, banned_V, begin_V, alpha, beam_size,
+          max_new_tokens, eos_ids, stopping):
+    """Beam search as transformers runs it for Whisper: the suppressed tokens removed from
+    each step's log-probs (the begin-suppressed ones from the first), scores log-prob /
+    length ** alpha over the new tokens, `stopping` its early_stopping rule. The prompt is
+    prefilled once per row and shared by its beams (`models.BeamKVCache`), as are the
+    cross-attention keys and values. Returns the best beam's (tokens_BN, lengths_B)."""
+    B, P = prompts_BP.shape
+    W = beam_size
+    logits_BV, cache = _prefill(model, params, features_BMF, prompts_BP, P + max_new_tokens)
+    constraints = dataclasses.replace(Constraints.none(logits_BV.shape[-1], B * W),
+                                      banned=banned_V, banned_first=begin_V)
+    state = beam_init(jnp.repeat(logits_BV, W, axis=0), BeamKVCache.from_cache(cache, W), W,
+                      max_new_tokens)
+    state = beam_loop(model_step_fn(model, params), state, alpha=alpha, eos_ids=eos_ids,
+                      normalization="hf", constraints=constraints, stopping=stopping)
+    tokens_BWN, _, lengths_BW = finalize(state, alpha, output_pad_id(model.config), "hf")
+    return tokens_BWN[:, 0], lengths_BW[:, 0]
+
+
 def _mask(ids, vocab: int, name: str) -> jnp.ndarray:
     ids = np.asarray(ids, np.int64)
     if ids.size and (ids.min() < 0 or ids.max() >= vocab):
@@ -227,9 +277,11 @@ def _mask(ids, vocab: int, name: str) -> jnp.ndarray:
 
 
 def transcribe(pre, features, *, language: str | None = None, task: str | None = None,
-               max_new_tokens: int | None = None, return_timestamps: bool = False,
+               max_new_tokens: int | None = None, num_beams: int | None = None,
+               length_penalty: float | None = None, return_timestamps: bool = False,
                settings: WhisperSettings | None = None) -> WhisperOutput:
-    """Greedy decoding of a batch of feature windows (see the module docstring).
+    """Greedy decoding or beam search of a batch of feature windows (see the module
+    docstring).
 
     Args:
         pre: a loaded Whisper (`models.load`): its model, params, config and generation.
@@ -237,6 +289,9 @@ def transcribe(pre, features, *, language: str | None = None, task: str | None =
         language, task: as transformers' `generate` takes them (None: the file's defaults,
             else forced_decoder_ids or detection).
         max_new_tokens: default `settings.max_length` (as transformers counts it).
+        num_beams: 1 greedy, more beam search (default `settings.num_beams`, the file's,
+            else 1); the best beam is returned.
+        length_penalty: beam search's alpha (default `settings.length_penalty`).
         settings: default `WhisperSettings.from_generation(pre.generation, pre.config)`.
     """
     if return_timestamps:
@@ -263,9 +318,34 @@ def transcribe(pre, features, *, language: str | None = None, task: str | None =
         raise UserError(f"max_new_tokens={max_new_tokens} must be in [1, {room}]: the decoder "
                         f"holds max_target_positions={cfg.max_len} tokens, the prompt {P}")
     V = cfg.vocab_size
-    tokens, lengths = _greedy(
-        pre.model, pre.params, features, jnp.asarray(prompts),
-        banned_V=_mask(settings.suppress, V, "suppress_tokens"),
-        begin_V=_mask(settings.begin_suppress, V, "begin_suppress_tokens"),
-        max_new_tokens=max_new_tokens, eos_ids=settings.eos_ids or None)
+    beams = settings.num_beams if num_beams is None else num_beams
+    if not is_int(beams) or not 1 <= beams <= V:
+        raise UserError(f"num_beams={beams!r} must be an int in [1, vocab_size={V}]")
+    common = dict(banned_V=_mask(settings.suppress, V, "suppress_tokens"),
+                  begin_V=_mask(settings.begin_suppress, V, "begin_suppress_tokens"),
+                  max_new_tokens=max_new_tokens, eos_ids=settings.eos_ids or None)
+    if beams == 1:
+        tokens, lengths = _greedy(pre.model, pre.params, features, jnp.asarray(prompts),
+                                  **common)
+    else:
+        tokens, lengths = _beam(
+            pre.model, pre.params, features, jnp.asarray(prompts), **common,
+            alpha=_alpha(settings.length_penalty if length_penalty is None
+                         else length_penalty),
+            beam_size=int(beams), stopping=_stopping(settings.early_stopping))
     return WhisperOutput(jnp.asarray(prompts), tokens, lengths)
+
+
+def _alpha(length_penalty) -> jnp.ndarray:
+    if isinstance(length_penalty, bool) or not isinstance(length_penalty, (int, float)) or \
+            not np.isfinite(length_penalty):
+        raise UserError(f"length_penalty={length_penalty!r} must be a finite number")
+    return jnp.float32(length_penalty)
+
+
+def _stopping(early_stopping) -> str:
+    """transformers' early_stopping (False, True or "never") as a `STOPPINGS` rule."""
+    for value, rule in HF_EARLY_STOPPING.items():
+        if early_stopping is value or (isinstance(value, str) and early_stopping == value):
+            return rule
+    raise UserError(f"early_stopping={early_stopping!r} must be False, True or 'never'")
