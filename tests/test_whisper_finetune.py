@@ -167,6 +167,28 @@ def test_freeze_encoder_keeps_the_encoder_bit_for_bit_while_the_decoder_trains(
             jax.tree.leaves(end[part]), jax.tree.leaves(start[part]), strict=True)), part
 
 
+def test_a_frozen_encoder_gets_no_gradient(whisper_dir):
+    """With freeze_encoder the backward pass stops at the encoder's output: its parameters'
+    gradients are exactly zero (the decoder's are not)."""
+    from train.objectives.speech import ENCODER_PARTS, Speech
+    pre = models.load(whisper_dir)
+    r = np.random.default_rng(0)
+    targets = np.asarray([[2, 5, 6, 9, 10, 0, 0]], np.int32)
+    batch = {"inputs": r.normal(size=(1, 16, 128)).astype(np.float32), "targets": targets,
+             "targets_segmentation": (np.arange(7) < 6).astype(np.int32)[None],
+             "targets_position": np.arange(7, dtype=np.int32)[None]}
+    for frozen in (True, False):
+        objective = Speech(bos_id=1, encoder_decoder=True, prompt=tuple(PROMPT),
+                           freeze_encoder=frozen)
+        task = objective.prepare(batch, key=None, row_ids=None)
+        grads = jax.grad(lambda p, o=objective, t=task: o.loss_sums(
+            pre.model, p, batch, t, dropout_rng=None, sample_rng=None, step=0,
+            train=False)["loss"])(pre.params)
+        encoder = [np.abs(g).max() for k in ENCODER_PARTS for g in jax.tree.leaves(grads[k])]
+        assert (max(encoder) == 0) == frozen, (frozen, max(encoder))
+        assert max(np.abs(g).max() for g in jax.tree.leaves(grads["decoder"])) > 0
+
+
 def test_a_frozen_encoder_has_no_optimiser_state(whisper_dir):
     from train.objectives.speech import ENCODER_PARTS
     from train.settings import OptimizerSettings
