@@ -301,3 +301,26 @@ def test_models_and_data_that_do_not_fit_are_refused_by_name(whisper_dir):
         _fit(pre.config, "speech", generation=None)
     with pytest.raises(UserError, match="multilingual .*set language"):
         _fit(pre.config, "speech", language="", generation=pre.generation)
+
+
+def test_a_frozen_encoders_state_is_made_into_its_shards(whisper_dir):
+    """parallel='sharded' derives the state's shardings from the parameters' logical axes
+    (traced on boxed parameters): a frozen encoder's missing moments have none to take."""
+    from models.axes import DEFAULT_RULES
+    from train import sharding
+    from train.objectives.speech import ENCODER_PARTS, Speech
+    from train.settings import OptimizerSettings
+    from train.state import TrainState, make_optimizer
+    from train.step import Steps
+    pre = models.load(whisper_dir)
+    tx, schedule = make_optimizer(OptimizerSettings(), 10, frozen=ENCODER_PARTS)
+    objective = Speech(bos_id=1, encoder_decoder=True, prompt=tuple(PROMPT),
+                       freeze_encoder=True)
+    wrapper = sharding.for_model(Steps(pre.model, objective, schedule), tx,
+                                 mesh=sharding.make_mesh((1, -1, 1)),
+                                 rules=sharding.check_rules(DEFAULT_RULES))
+    state = wrapper.init_state(lambda p: TrainState.create(p, tx, 0), pre.params)
+    moments = sum(x.size for x in jax.tree.leaves(state.opt_state))
+    trained = sum(x.size for k, v in pre.params.items() if k not in ENCODER_PARTS
+                  for x in jax.tree.leaves(v))
+    assert 0 <= moments - 2 * trained <= 4

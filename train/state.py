@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import struct
+from flax.core import meta
 
 from models import lora
 from models.errors import UserError
@@ -130,6 +131,10 @@ def make_optimizer(settings, total_steps: int, *, frozen: tuple[str, ...] = ()
 
 
 def _labels(params, *, frozen: frozenset[str]):
-    """"frozen" on every leaf under a top-level name in `frozen`, else "trained"."""
-    return {name: jax.tree.map(lambda _, n=name: "frozen" if n in frozen else "trained", sub)
+    """"frozen" on every leaf under a top-level name in `frozen`, else "trained". A boxed
+    parameter (`flax.core.meta.Partitioned`, as `train.sharding` traces the state) is one
+    leaf, so a frozen one is masked whole and its logical names never reach a moment that
+    is not there."""
+    return {name: jax.tree.map(lambda _, n=name: "frozen" if n in frozen else "trained", sub,
+                               is_leaf=lambda x: isinstance(x, meta.AxisMetadata))
             for name, sub in params.items()}
