@@ -16,6 +16,9 @@ frame all the same.
 
     feats, mask = log_mel_features([wave_a, wave_b])   # float32 [2, 80, 3000], bool [2, 3000]
 
+A model reads its own window of these (`window_features`): every Whisper checkpoint's is
+the whole 30 s; a tiny test model's the first `audio.num_frames` frames.
+
 Audio longer than 30 s is refused by name unless `truncate=True` (the extractor's default,
 which keeps the first 30 s): long-form transcription is not implemented.
 """

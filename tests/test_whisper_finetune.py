@@ -249,7 +249,7 @@ def test_each_data_mistake_is_an_error_naming_the_file_and_line(lines, words, tm
         assert word in str(info.value)
 
 
-def test_clips_longer_than_a_small_models_window_are_refused_by_file_and_line():
+def test_clips_longer_than_the_models_window_or_gone_are_refused_by_file_and_line():
     from models.audio import AudioInput
     from train.data.speech import check_windows
     clips = [(os.path.join(CLIPS, "yes.flac"), "t.tsv:1"),
@@ -257,6 +257,9 @@ def test_clips_longer_than_a_small_models_window_are_refused_by_file_and_line():
     check_windows(clips, AudioInput(16, 64))                     # 1.28 s: both fit
     with pytest.raises(UserError, match=r"t.tsv:2: .*numbers.flac.* 1.10 s .* 1.04 s"):
         check_windows(clips, AudioInput(16, 52))                 # 1.04 s
+    with pytest.raises(UserError, match=r"t.tsv:3: cannot read audio file .*gone.flac"):
+        check_windows([*clips, (os.path.join(CLIPS, "gone.flac"), "t.tsv:3")],
+                      AudioInput(16, 64))
 
 
 @pytest.mark.parametrize("overrides, words", [

@@ -16,8 +16,9 @@ validation and test.
 A prepared example is (transcript, the audio file's absolute path, "file:line"). The
 pipeline tokenises the transcript (`train.data.kinds.TRANSCRIPT_ROLE`) and computes each
 row's features from its file when the batch is made (`batch_features`): one clip a row, no
-packing. A model whose window is shorter than 30 s (a tiny test model) has its clips
-checked against that window too (`check_windows`), naming the file and line.
+packing. Each run checks every clip's header against the model's window again
+(`check_windows`: 30 s, or a tiny test model's shorter one), naming the file and line of
+a clip edited or removed since.
 """
 
 from __future__ import annotations
@@ -89,19 +90,22 @@ def _check_clip(path: str, where: str) -> None:
 
 
 def check_windows(clips, audio) -> None:
-    """Refuses clips longer than the window of a model with `audio` (an `AudioInput`)
-    when that window is shorter than 30 s (longer ones were refused when the data were
-    prepared). `clips` are (path, "file:line") pairs.
+    """Refuses clips longer than the window of a model with `audio` (an `AudioInput`; 30 s
+    for every Whisper checkpoint, less for a tiny test model), reading each file's header
+    alone, every time a run starts: a clip edited or removed since the data were prepared
+    is named here, not in the middle of training. `clips` are (path, "file:line") pairs.
 
     Raises:
-        UserError: naming the first such clip's file and line, its length and the window.
+        UserError: naming the first such clip's file and line, its length and the window,
+            or a clip that can no longer be read.
     """
-    limit = window_seconds(audio)
-    if limit >= CHUNK_SECONDS:
-        return
     import soundfile
+    limit = window_seconds(audio)
     for path, where in clips:
-        info = soundfile.info(path)
+        try:
+            info = soundfile.info(path)
+        except (RuntimeError, soundfile.LibsndfileError, TypeError, ValueError) as e:
+            raise UserError(f"{where}: cannot read audio file {path!r}: {e}") from None
         seconds = info.frames / info.samplerate
         if seconds > limit:
             raise UserError(f"{where}: audio file {path!r} is {seconds:.2f} s long, over the "
