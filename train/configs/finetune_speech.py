@@ -22,10 +22,20 @@ character error rates (`wer`, `cer`, jiwer's; texts as written), and print a few
 reference / hypothesis pairs. The export (WORKDIR/model) is a Whisper directory again:
 `models.load` and `decode.whisper.transcribe` read it, and so does transformers.
 
-What to expect: see the README's Whisper section for a measured run on a tiny random
-Whisper and the clips of tests/data/speech; real checkpoints at these defaults (whisper-tiny
-and up: a learning rate of 1e-5, as the Hugging Face recipe uses) want a GPU. Runs under
-`parallel=pmap` (the default) and `shard_map`; `sharded` is untested for speech.
+What to expect, measured on a 2-core CPU shared with other jobs: a tiny random Whisper
+(1 + 1 layers, d_model 32, 16 mel bins, a 1.28 s window; the README's Whisper section
+builds it) on the six espeak-ng clips of tests/data/speech (validation.tsv repeats three
+training clips, so this measures fitting, not generalisation), one device, at
+--config.num_train_steps=200 --config.learning_rate=3e-3 --config.warmup_steps=10
+--config.per_device_batch_size=3 --config.eval_per_device_batch_size=3
+--config.max_target_length=16 --config.max_decode_length=12 --config.eval_every_steps=100:
+validation loss 5.70 at step 0 (WER 1.0), 0.57 at step 100 and 0.19 at step 200, WER and
+CER 0 from step 100 on; 44 s of training (55 s for the command). With freeze_encoder=True
+(the random encoder kept) the same run trains in 31 s and reaches a loss of 0.60 but WER
+1.0: a frozen encoder must already hear. Real checkpoints (whisper-tiny and up, a learning
+rate of 1e-5 as in the Hugging Face recipe) want a GPU. Runs under `parallel=pmap` (the
+default), `shard_map` and `sharded`: checked by hand on the tiny model to give the same
+losses and WER with a frozen encoder, and to resume exactly.
 """
 
 from train.configs._base import base_config
