@@ -16,6 +16,9 @@ frame all the same.
 
     feats, mask = log_mel_features([wave_a, wave_b])   # float32 [2, 80, 3000], bool [2, 3000]
 
+A model reads its own window of these (`window_features`): every Whisper checkpoint's is
+the whole 30 s; a tiny test model's the first `audio.num_frames` frames.
+
 Audio longer than 30 s is refused by name unless `truncate=True` (the extractor's default,
 which keeps the first 30 s): long-form transcription is not implemented.
 """
@@ -135,3 +138,47 @@ def log_mel_features(audios, *, num_mel_bins: int = 80, sampling_rate: int = SAM
         mask[i, :-(-wave.size // HOP_LENGTH)] = True
         feats.append(_log_mel(np.pad(wave, (0, N_SAMPLES - wave.size)), num_mel_bins))
     return np.stack(feats), mask
+
+
+def window_features(audios, *, audio, truncate: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """The features a model with `audio` (a `models.audio.AudioInput`) reads: those of
+    `log_mel_features`, cut to the model's window of `audio.num_frames` frames. Every
+    Whisper checkpoint's window is 30 s (3000 frames), where this is `log_mel_features`
+    itself; a smaller model (the tests' tiny ones) reads the first frames of the same
+    features:
+
+        window_features([wave], audio=AudioInput(8, 125))   # [1, 8, 250]: the first 2.5 s
+
+    Args:
+        audios: as `log_mel_features` takes them (16 kHz mono waves).
+        audio: the model's `config.audio`.
+        truncate: keep the first `window_seconds(audio)` of longer audio instead of
+            refusing it.
+
+    Returns:
+        float32 features [B, num_mel_bins, num_frames] and bool[B, num_frames].
+
+    Raises:
+        UserError: audio longer than the window (without `truncate`), a window longer than
+            30 s, or what `log_mel_features` refuses.
+    """
+    frames = audio.num_frames
+    if frames > N_FRAMES:
+        raise UserError(f"the model reads {frames} frames ({frames * HOP_LENGTH / SAMPLING_RATE:g}"
+                        f" s), more than Whisper's {CHUNK_SECONDS} s window of {N_FRAMES}")
+    if isinstance(audios, np.ndarray) and audios.ndim == 1:
+        audios = [audios]
+    waves = [_as_wave(a, i) for i, a in enumerate(audios)]
+    limit = frames * HOP_LENGTH
+    for i, wave in enumerate(waves):
+        if wave.size > limit and not truncate:
+            raise UserError(f"audio {i} is {wave.size / SAMPLING_RATE:.2f} s long, over the "
+                            f"model's window of {window_seconds(audio):g} s "
+                            f"({frames} frames)")
+    feats, mask = log_mel_features([w[:limit] for w in waves], num_mel_bins=audio.num_mel_bins)
+    return feats[:, :, :frames], mask[:, :frames]
+
+
+def window_seconds(audio) -> float:
+    """How much audio a model with `audio` (`AudioInput`) reads: 30 s for Whisper."""
+    return audio.num_frames * HOP_LENGTH / SAMPLING_RATE

@@ -73,10 +73,10 @@ def test_kind_table_entries():
 
 def test_unknown_kinds_roles_and_datasets_are_named():
     with pytest.raises(ValueError, match=r"dataset kind 'audio' must be one of "
-                                         r"\['classification', 'text', 'translation'\]"):
+                                         r"\['classification', 'speech', 'text', 'translation'\]"):
         kinds.get("audio")
     with pytest.raises(ValueError, match=r"role 'caption' must be one of \['sentence', "
-                                         r"'source', 'target', 'text'\]"):
+                                         r"'source', 'target', 'text', 'transcript'\]"):
         data.pipeline.encode_side(TOK, ["x"], "caption")
     with pytest.raises(ValueError, match="text_role='source' must be 'text' or 'sentence'"):
         data.PipelineConfig(per_device_batch_size=1, text_role="source")
@@ -84,6 +84,8 @@ def test_unknown_kinds_roles_and_datasets_are_named():
         data.dataset_kind("wmt99")
     with pytest.raises(ValueError, match="a text dataset has no labels"):
         _ = kinds.TEXT.label_key
+    with pytest.raises(ValueError, match="a text dataset has no audio"):
+        _ = kinds.TEXT.audio_key
 
 
 def test_roles_encode_each_side_as_the_table_says():
@@ -95,6 +97,9 @@ def test_roles_encode_each_side_as_the_table_says():
     # A sentence is the model-input template alone: nothing appended after its end.
     assert data.pipeline.encode_side(sentence_tok, texts, "sentence") == [
         sentence_tok.encode("ab", add_special_tokens=True), [2, 1]]
+    # A transcript follows the pipeline's prefix (Whisper's prompt after its start token).
+    assert data.pipeline.encode_side(TOK, texts, "transcript", prefix=(7, 8)) == [
+        [7, 8, *ab, 1], [7, 8, 1]]
 
 
 def test_a_kind_added_to_the_table_goes_through_the_pipeline(monkeypatch):

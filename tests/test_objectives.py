@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import models
+from models.pretrained import GenerationDefaults
 from models.tokenizer import ByteTokenizer
 from tests.helpers import tiny
 from train.objectives import ENTRIES, Classification, MaskedLM, NextToken, entry_for, fit
@@ -114,15 +115,34 @@ def _rows(cfg, rows: int = 4) -> dict:
     out["labels"] = r.integers(0, max(cfg.num_labels, 1), (rows, W)).astype(np.int32)
     if not cfg.is_encoder_decoder and cfg.architecture != "encoder_only":
         del out["inputs"], out["inputs_segmentation"], out["inputs_position"]
+    if cfg.audio is not None:             # a clip's features [mel, frames] instead of tokens
+        del out["inputs_segmentation"], out["inputs_position"]
+        out["inputs"] = r.normal(size=(rows, cfg.audio.num_mel_bins, cfg.audio.num_frames)
+                                 ).astype(np.float32)
     return out
+
+
+# An English-only Whisper's generation defaults: its prompt is start (2), <|notimestamps|>.
+WHISPER_GENERATION = GenerationDefaults.from_dict(
+    {"decoder_start_token_id": 2, "eos_token_id": 1, "no_timestamps_token_id": 7,
+     "forced_decoder_ids": [[1, 7]]}, TOK.vocab_size)
+
+
+def _entry_config(entry):
+    """The model config and generation defaults an entry's contract test trains."""
+    if entry.data_kind == "speech":                      # a Whisper-like audio model
+        return _config(entry.architecture, share_embeddings=False,
+                       audio=dict(num_mel_bins=4, max_source_positions=W // 2)
+                       ), WHISPER_GENERATION
+    return _config(entry.architecture, num_labels=2 if entry.classifier is not False
+                   and entry.data_kind == "classification" else 0), None
 
 
 @pytest.mark.parametrize("entry", ENTRIES, ids=lambda e: f"{e.architecture}-{e.data_kind}")
 def test_every_registered_objective_keeps_the_interface_contract(entry):
-    cfg = _config(entry.architecture, num_labels=2 if entry.classifier is not False
-                  and entry.data_kind == "classification" else 0)
+    cfg, generation = _entry_config(entry)
     cfg, objective = fit(cfg, _data(entry.data_kind, ("a", "b")), TOK, SETTINGS,
-                         model_name="m")
+                         model_name="m", generation=generation)
     model = models.build(cfg)
     batch = jax.tree.map(jnp.asarray, _rows(cfg))
     args, method = objective.init_inputs(batch)
@@ -137,5 +157,6 @@ def test_every_registered_objective_keeps_the_interface_contract(entry):
         assert float(sums["weight"]) == float(task["weights"].sum())
         assert np.isfinite(float(sums["loss"])) and float(sums["loss"]) > 0
     assert objective == fit(cfg, _data(entry.data_kind, ("a", "b")), TOK, SETTINGS,
-                            model_name="m")[1]         # frozen values: equal when rebuilt
+                            model_name="m", generation=generation
+                            )[1]         # frozen values: equal when rebuilt
     hash(objective)

@@ -91,7 +91,7 @@ def test_a_part_added_to_the_table_reaches_base_config_with_its_default(monkeypa
      "them -1"),
     (lambda: DataSettings(data_files="book.txt"),
      "data_files='book.txt' is only read by the local datasets (local_classification, "
-     "local_text, local_translation), not dataset='toy_translation'"),
+     "local_speech, local_text, local_translation), not dataset='toy_translation'"),
     (lambda: ModelSettings(model="gpt-huge"), "model='gpt-huge' must be one of "),
     (lambda: ModelSettings(init_from="/no/such/model"),
      "init_from='/no/such/model' does not exist"),

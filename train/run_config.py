@@ -123,8 +123,23 @@ class RunConfig:
             raise fail("sequence.sampling", "beam", "runs beam search inside the train step, "
                        "which parallel='shard_map' cannot trace (its loop's carry does not "
                        "vary over the devices); use parallel='pmap' or 'sharded'")
+        self._check_speech()
         if not model.init_from:     # a directory's own config was read by ModelSettings
             self._check_preset()
+
+    def _check_speech(self) -> None:
+        """Speech data hold one clip a row; the speech keys are read with speech data only."""
+        from train.data import kinds
+        objective, data = self.objective, self.data
+        if kinds.get(data.kind).audio:
+            if data.packing:
+                raise fail("packing", True, f"must be False for dataset={data.dataset!r}: "
+                           "each row holds one clip's features")
+            return
+        for key, unset in (("freeze_encoder", False), ("language", ""), ("task", "")):
+            if getattr(objective, key) != unset:
+                raise fail(key, getattr(objective, key), "is read by speech recognition "
+                           f"only (dataset='local_speech'), not dataset={data.dataset!r}")
 
     def _check_preset(self) -> None:
         from models.config import check_keys

@@ -261,7 +261,10 @@ class ObjectiveSettings(Part):
     of those `mlm_mask_fraction` become the mask token, `mlm_random_fraction` a random one,
     the rest stay: BERT's 15% and 80/10/10); next-token prediction's scheduled sampling;
     sequence-level training (`sequence.*`: minimum risk training or self-critical
-    REINFORCE, `train.objectives.sequence`)."""
+    REINFORCE, `train.objectives.sequence`); speech recognition's decoder prompt
+    (`language`, `task`: "" is the checkpoint's generation_config.json default) and
+    `freeze_encoder` (a Whisper's audio encoder, its convolutional front end included,
+    gets no updates and no optimiser state; `train.objectives.speech`)."""
 
     label_smoothing: float = setting(0.1, number("in [0, 1)", lambda v: 0 <= v < 1))
     z_loss: float = setting(0.0, number(">= 0", lambda v: v >= 0))
@@ -275,6 +278,11 @@ class ObjectiveSettings(Part):
     sequence: SequenceSettings = subpart(
         SequenceSettings, "a dict of objective, candidates, alpha, reward, include_gold, "
         "sampling, temperature, top_k, max_new_tokens, loss_weight")
+    language: str = setting("", Rule(
+        "'' (the checkpoint's default) or a language code or token, such as 'en' or "
+        "'<|en|>'", lambda v: isinstance(v, str) and v == v.strip()))
+    task: str = setting("", choice("", "transcribe", "translate"))
+    freeze_encoder: bool = setting(False, boolean())
 
     def check(self) -> None:
         total = self.mlm_mask_fraction + self.mlm_random_fraction

@@ -276,7 +276,7 @@ def _start_run(settings: RunConfig, workdir: str, lock: workdir_lib.Lock
     tok = get_tokenizer(settings.model, settings.data, ds, workdir)
     choice = choose_model(settings.model, tok.vocab_size, max_len=settings.needed_max_len)
     mcfg, objective = fit(choice.config, ds, tok, settings.objective,
-                          model_name=settings.model.name)
+                          model_name=settings.model.name, generation=choice.generation)
     choice = dataclasses.replace(choice, config=mcfg)
     model = models.build(mcfg)
     pcfg, eval_pcfg = (pipeline_config(settings, objective, eval_=e) for e in (False, True))
@@ -289,7 +289,8 @@ def _start_run(settings: RunConfig, workdir: str, lock: workdir_lib.Lock
         print(f"data: {settings.data.dataset} train {stats.summary()}; "
               f"{settings.data.eval_split} {eval_stats.summary()}{bad}", flush=True)
 
-    tx, schedule = state_lib.make_optimizer(settings.optimizer, settings.loop.num_train_steps)
+    tx, schedule = state_lib.make_optimizer(settings.optimizer, settings.loop.num_train_steps,
+                                            frozen=_frozen_parts(settings))
     init_args, init_method = objective.init_inputs(jax.tree.map(lambda x: x[0], source[0]))
     seed = settings.loop.seed
 
@@ -357,6 +358,13 @@ def _start_run(settings: RunConfig, workdir: str, lock: workdir_lib.Lock
               eval_pipeline=eval_pcfg, eval_batches=eval_batches, wrapper=wrapper,
               writer=writer, checkpoints=mngr, lock=lock)
     return run, Start(state, iterator, step, resumed_from)
+
+
+def _frozen_parts(settings: RunConfig) -> tuple[str, ...]:
+    """The top-level parameters that never train: a Whisper's encoder with
+    `freeze_encoder` (`train.objectives.speech`)."""
+    from train.objectives.speech import ENCODER_PARTS
+    return ENCODER_PARTS if settings.objective.freeze_encoder else ()
 
 
 def _head_change(heads: set[str], loaded: dict) -> tuple[list[str], list[str]]:

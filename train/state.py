@@ -3,12 +3,14 @@ accumulation."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
 from flax import struct
+from flax.core import meta
 
 from models import lora
 from models.errors import UserError
@@ -90,7 +92,7 @@ def learning_rate_schedule(learning_rate: float, warmup_steps: int, decay: str,
     raise UserError(f"lr_decay={decay!r} must be 'rsqrt', 'cosine' or 'constant'")
 
 
-def make_optimizer(settings, total_steps: int
+def make_optimizer(settings, total_steps: int, *, frozen: tuple[str, ...] = ()
                    ) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """adamw behind global-norm clipping, wrapped in MultiSteps when accumulating.
 
@@ -99,6 +101,10 @@ def make_optimizer(settings, total_steps: int
             lr_decay, adam_b1, adam_b2, adam_eps, weight_decay, grad_clip_norm (0 = off),
             grad_accum_steps).
         total_steps: the run's optimiser steps (`num_train_steps`), where cosine reaches 0.
+        frozen: top-level parameter names (a Whisper's `src_embed` and `encoder`) that never
+            train: `optax.multi_transform` gives them `set_to_zero` (zero updates, no
+            moments, no accumulated gradients, left out of clipping's norm) and everything
+            else the optimiser above.
 
     Returns:
         (the optimiser, its learning-rate schedule in optimiser updates).
@@ -118,4 +124,17 @@ def make_optimizer(settings, total_steps: int
     tx = optax.chain(*parts)
     if settings.grad_accum_steps > 1:
         tx = optax.MultiSteps(tx, every_k_schedule=settings.grad_accum_steps)
+    if frozen:
+        tx = optax.multi_transform({"trained": tx, "frozen": optax.set_to_zero()},
+                                   functools.partial(_labels, frozen=frozenset(frozen)))
     return tx, schedule
+
+
+def _labels(params, *, frozen: frozenset[str]):
+    """"frozen" on every leaf under a top-level name in `frozen`, else "trained". A boxed
+    parameter (`flax.core.meta.Partitioned`, as `train.sharding` traces the state) is one
+    leaf, so a frozen one is masked whole and its logical names never reach a moment that
+    is not there."""
+    return {name: jax.tree.map(lambda _, n=name: "frozen" if n in frozen else "trained", sub,
+                               is_leaf=lambda x: isinstance(x, meta.AxisMetadata))
+            for name, sub in params.items()}

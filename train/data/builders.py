@@ -275,8 +275,20 @@ class LocalClassification(_LocalBuilder):
         self.info.metadata["label_names"] = list(names)
 
 
+class LocalSpeech(_LocalBuilder):
+    """Transcribed audio from local `.tsv` files, one `audio_path TAB transcript` a line
+    (`train.data.speech`: a bad line or clip is an error naming its file and line)."""
+    name = "local_speech"
+    kind = "speech"
+
+    @staticmethod
+    def _read(files, bad):
+        from train.data.speech import read_speech_files
+        return read_speech_files(files, bad)
+
+
 LOCAL = {"local_translation": LocalTranslation, "local_text": LocalText,
-         "local_classification": LocalClassification}
+         "local_classification": LocalClassification, "local_speech": LocalSpeech}
 
 
 def label_names(builder: tfds.core.DatasetBuilder) -> tuple[str, ...]:

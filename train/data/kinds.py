@@ -12,12 +12,15 @@ they become batches:
 
     get("text").roles("sentence")     # (SENTENCE_ROLE,): text an encoder-only model reads
     get("classification").label_key   # "label": the feature after the text side
+    get("speech").audio_key           # "audio": an audio file's path, after the text side
 
     kind            sides: batch name, row width, role          labelled  chunked  reversible
     translation     inputs  max_source_length  source                 no        no       yes
                     targets max_target_length  target
     text            targets max_target_length  (text_role)            no        yes      no
     classification  inputs  max_source_length  sentence               yes       no       no
+    speech          targets max_target_length  transcript             no        no       no
+                    (+ audio: `inputs` are the clip's log-mel features, made on the host)
 
 A role is how one side of an example is tokenised (see `train.data.pipeline.encode_side`):
 
@@ -26,6 +29,7 @@ A role is how one side of an example is tokenised (see `train.data.pipeline.enco
     target    yes          yes                                  EOS (appended if missing)
     text      no           no                                   EOS (appended)
     sentence  no           every tokenizer's, nothing appended  the template's last id
+    transcript yes         no; after `target_prefix`            EOS (appended)
 
 Adding a kind is one `DataKind` here (and a builder that names it): the builders, the
 datasets and the pipeline ask the table and compare no kind or role names.
@@ -53,18 +57,23 @@ class Role:
         model_input: the tokenizer's model-input template alone, for every tokenizer (BERT's
             `[CLS] x [SEP]`, RoBERTa's `<s> x </s>`), nothing appended: the example ends
             with the template's last id.
+        prefixed: the pipeline's `target_prefix` ids come first (Whisper's decoder prompt
+            after its start token), then the pieces and EOS.
     """
     name: str
     target: bool = False
     template: bool = False
     model_input: bool = False
+    prefixed: bool = False
 
 
 SOURCE_ROLE = Role("source", template=True)
 TARGET_ROLE = Role("target", target=True, template=True)
 TEXT_ROLE = Role("text")
 SENTENCE_ROLE = Role("sentence", model_input=True)
-ROLES = {r.name: r for r in (SOURCE_ROLE, TARGET_ROLE, TEXT_ROLE, SENTENCE_ROLE)}
+TRANSCRIPT_ROLE = Role("transcript", target=True, prefixed=True)
+ROLES = {r.name: r for r in (SOURCE_ROLE, TARGET_ROLE, TEXT_ROLE, SENTENCE_ROLE,
+                             TRANSCRIPT_ROLE)}
 TEXT_ROLES = (TEXT_ROLE.name, SENTENCE_ROLE.name)    # how a text dataset's side may be read
 
 
@@ -111,6 +120,9 @@ class DataKind:
             of rows; otherwise each example is one item, dropped or truncated by
             `PipelineConfig.overlong` with its end token kept last.
         reversible: `reverse_translation` may swap its two sides.
+        audio: each example has an audio clip: the feature after the sides (`audio_key`)
+            is its file's path, the next one where it was named (`file:line`); batches
+            carry the clip's log-mel features as `inputs` (`train.data.speech`).
     """
     name: str
     keys: tuple[str, ...]
@@ -118,6 +130,7 @@ class DataKind:
     labelled: bool = False
     chunked: bool = False
     reversible: bool = False
+    audio: bool = False
 
     @property
     def batch_names(self) -> tuple[str, ...]:
@@ -129,6 +142,13 @@ class DataKind:
         """The feature holding the label (the one after the sides)."""
         if not self.labelled:
             raise UserError(f"a {self.name} dataset has no labels")
+        return self.keys[len(self.sides)]
+
+    @property
+    def audio_key(self) -> str:
+        """The feature holding the audio file's path (the one after the sides)."""
+        if not self.audio:
+            raise UserError(f"a {self.name} dataset has no audio")
         return self.keys[len(self.sides)]
 
     def roles(self, text_role: str = TEXT_ROLE.name) -> tuple[Role, ...]:
@@ -149,7 +169,9 @@ TEXT = DataKind("text", ("text",), (Side("targets", "max_target_length", None),)
                 chunked=True)
 CLASSIFICATION = DataKind("classification", ("text", "label"),
                           (Side("inputs", "max_source_length", SENTENCE_ROLE),), labelled=True)
-KINDS = {k.name: k for k in (TRANSLATION, TEXT, CLASSIFICATION)}
+SPEECH = DataKind("speech", ("text", "audio", "origin"),
+                  (Side("targets", "max_target_length", TRANSCRIPT_ROLE),), audio=True)
+KINDS = {k.name: k for k in (TRANSLATION, TEXT, CLASSIFICATION, SPEECH)}
 
 
 def get(name: str) -> DataKind:

@@ -44,10 +44,13 @@ class Objective(abc.ABC):
         name: how the objective is named in messages and logs.
         takes_scheduled_sampling: the objective can feed the model's own predictions
             (`scheduled_sampling.enabled`).
+        reads_generation: `build` takes the model directory's decoding defaults
+            (`generation=`, a `GenerationDefaults` or None from scratch).
     """
 
     name: ClassVar[str]
     takes_scheduled_sampling: ClassVar[bool] = False
+    reads_generation: ClassVar[bool] = False
 
     @classmethod
     def check_settings(cls, settings, model_config, *, model_name: str) -> None:

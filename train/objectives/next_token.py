@@ -84,6 +84,9 @@ class NextToken(Objective):
     def build(cls, model_config, tokenizer, settings, *, model_name: str,
               decodes: bool = False) -> NextToken:
         del tokenizer
+        if model_config.audio is not None:
+            raise UserError(f"model {model_name!r} reads audio (a Whisper model): fine-tune "
+                            "it on transcribed clips, dataset='local_speech'")
         if model_config.bos_id is None:
             raise UserError(f"model {model_name!r} has no start token (bos_id), which "
                             "teacher forcing puts first in every sequence")

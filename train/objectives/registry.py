@@ -10,6 +10,7 @@ architecture with a dataset's kind.
     decoder_only      text             next token
     encoder_only      text             masked LM (a model without a classifier head)
     encoder_only      classification   classification (a masked-LM model gets a head)
+    encoder_decoder   speech           speech recognition (a Whisper: audio encoder)
     with sequence.objective "mrt" or "scst":
     encoder_decoder   translation      sequence level (`train.objectives.sequence`)
 
@@ -29,6 +30,7 @@ from train.objectives.classification import Classification
 from train.objectives.masked_lm import MaskedLM
 from train.objectives.next_token import NextToken
 from train.objectives.sequence import SequenceLevel
+from train.objectives.speech import Speech
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,9 +62,11 @@ class Entry:
                 and data_kind == self.data_kind and sequence_level == self.sequence_level
                 and self.classifier in (None, bool(model_config.num_labels)))
 
-    def build(self, model_config, tokenizer, settings, *, model_name: str) -> Objective:
+    def build(self, model_config, tokenizer, settings, *, model_name: str,
+              generation=None) -> Objective:
+        extra = {"generation": generation} if self.objective.reads_generation else {}
         return self.objective.build(model_config, tokenizer, settings, model_name=model_name,
-                                    **dict(self.options))
+                                    **dict(self.options), **extra)
 
 
 ENTRIES: tuple[Entry, ...] = (
@@ -75,6 +79,8 @@ ENTRIES: tuple[Entry, ...] = (
           model_text="an encoder-only one"),
     Entry("encoder_decoder", "translation", SequenceLevel, model_text="an encoder-decoder",
           options=(("decodes", True),), sequence_level=True),
+    Entry("encoder_decoder", "speech", Speech,
+          model_text="a Whisper model (an audio encoder-decoder)"),
 )
 
 
@@ -110,7 +116,7 @@ def entry_for(model_config, data_kind: str, *, model_name: str, dataset_name: st
                     f"({data_kind}): {needs}")
 
 
-def fit(model_config, dataset, tokenizer, settings, *, model_name: str):
+def fit(model_config, dataset, tokenizer, settings, *, model_name: str, generation=None):
     """(the model config the run trains, its objective) for a model and the run's dataset.
 
     Args:
@@ -118,6 +124,8 @@ def fit(model_config, dataset, tokenizer, settings, *, model_name: str):
         dataset: the run's `train.data.Dataset` (its name, kind and label names).
         tokenizer: the run's tokenizer.
         settings: the `train.run_config.ObjectiveSettings`.
+        generation: the model directory's decoding defaults (`ModelChoice.generation`),
+            for an objective that `reads_generation` (Whisper's prompt).
 
     Raises:
         UserError: the model does not fit the data, or lacks what the objective needs.
@@ -127,4 +135,5 @@ def fit(model_config, dataset, tokenizer, settings, *, model_name: str):
     cfg = entry.objective.adapt_model(model_config, tuple(dataset.label_names),
                                       model_name=model_name, dataset_name=dataset.name)
     entry.objective.check_settings(settings, cfg, model_name=model_name)
-    return cfg, entry.build(cfg, tokenizer, settings, model_name=model_name)
+    return cfg, entry.build(cfg, tokenizer, settings, model_name=model_name,
+                            generation=generation)

@@ -25,19 +25,34 @@ from __future__ import annotations
 
 import numpy as np
 
+from models.errors import UserError
 from train.data.kinds import DataKind
 from train.data.pipeline.lengths import Items
 from train.data.pipeline.tokens import TokenizedSplit
 
 
 def assemble(data: TokenizedSplit, items: Items, rows: list[list[int]], *,
-             widths: tuple[int, ...], kind: DataKind) -> dict:
+             widths: tuple[int, ...], kind: DataKind, audio=None) -> dict:
     """Numpy arrays `[rows, width]` for each side of `kind`: tokens, segmentation and
     positions (an empty row is all zeros). Unless `kind` is chunked, every item's last
     token is set to the split's end id (a truncated example still ends in it). A labelled
-    kind's `labels` `[rows, widths[0]]` hold each item's label at its first position."""
+    kind's `labels` `[rows, widths[0]]` hold each item's label at its first position. An
+    audio kind's `inputs` `[rows, mel, frames]` are each row's clip's features in the
+    window of a model with `audio` (`train.data.speech.batch_features`; zeros for an empty
+    row); its rows hold one item each.
+
+    Raises:
+        UserError: an audio kind without `audio` (the model reads no audio).
+    """
     tokens, end_id = data.tokens, None if kind.chunked else data.eos_id
     out = {}
+    if kind.audio:
+        if audio is None:
+            raise UserError(f"{kind.name} data need a model with an audio encoder (a Whisper "
+                             "directory as init_from); this model reads tokens")
+        from train.data.speech import batch_features
+        out["inputs"] = batch_features(
+            [data.clips[items.example[row[0]]][0] if row else None for row in rows], audio)
     if kind.labelled:
         lab = np.zeros((len(rows), widths[0]), np.int32)
         for r, row in enumerate(rows):

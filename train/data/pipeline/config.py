@@ -4,6 +4,7 @@ batches (`Shard`)."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from models.errors import UserError
 from train.data import kinds
@@ -33,6 +34,10 @@ class PipelineConfig:
             template: encoder-only models). Classification examples are always sentences.
         label_names: the run's class order for classification data (a model's label
             names); empty: the dataset's own order. A label not among them is an error.
+        target_prefix: ids that begin every transcript (`kinds.TRANSCRIPT_ROLE`): Whisper's
+            decoder prompt after its start token (language, task, <|notimestamps|>).
+        audio: the model's `models.audio.AudioInput`: speech batches carry each clip's
+            features in its window as `inputs` (None: the model reads no audio).
     """
     per_device_batch_size: int
     max_source_length: int = 64
@@ -47,6 +52,8 @@ class PipelineConfig:
     worker_count: int = 0
     text_role: str = kinds.TEXT_ROLE.name
     label_names: tuple[str, ...] = ()
+    target_prefix: tuple[int, ...] = ()
+    audio: Any = None
 
     def __post_init__(self):
         if self.per_device_batch_size < 1:
@@ -59,6 +66,9 @@ class PipelineConfig:
         if self.text_role not in kinds.TEXT_ROLES:
             raise UserError(f"text_role={self.text_role!r} must be "
                              + " or ".join(map(repr, kinds.TEXT_ROLES)))
+        if self.audio is not None and self.packing:
+            raise UserError("packing=True: speech batches hold one clip a row (set "
+                             "packing=False)")
         if list(self.bucket_boundaries) != sorted(set(self.bucket_boundaries)) or any(
                 b < 2 for b in self.bucket_boundaries):
             raise UserError(f"bucket_boundaries={self.bucket_boundaries} must be increasing "

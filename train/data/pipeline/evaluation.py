@@ -26,7 +26,7 @@ from train.data.datasets import Dataset
 from train.data.pipeline.arrays import assemble
 from train.data.pipeline.config import PipelineConfig, Shard
 from train.data.pipeline.lengths import DataStats, select_items
-from train.data.pipeline.tokens import tokenize_split
+from train.data.pipeline.tokens import check_clips, tokenize_split
 
 
 def _agreed_batches(needed: int, shard: Shard, dataset: Dataset, tokenizer: Tokenizer,
@@ -88,7 +88,9 @@ def eval_batches(dataset: Dataset, tokenizer: Tokenizer, cfg: PipelineConfig, sp
     kind = dataset.data_kind
     data = tokenize_split(dataset, split, tokenizer, shard_index=shard.index,
                           shard_count=shard.count, cache_dir=cache_dir,
-                          text_role=cfg.text_role, label_names=cfg.label_names)
+                          text_role=cfg.text_role, label_names=cfg.label_names,
+                          target_prefix=cfg.target_prefix)
+    check_clips(data, cfg)
     max_lengths = kind.max_lengths(cfg)
     items, stats = select_items(data, kind, max_lengths, cfg.overlong)
     rows_per_batch = shard.devices * cfg.per_device_batch_size
@@ -109,7 +111,7 @@ def eval_batches(dataset: Dataset, tokenizer: Tokenizer, cfg: PipelineConfig, sp
         index = np.full(rows_per_batch, -1, np.int32)
         index[:len(rows)] = data.example_ids[items.example[[r[0] for r in rows]]] if rows else []
         rows += [[]] * (rows_per_batch - len(rows))
-        batch = assemble(data, items, rows, widths=max_lengths, kind=kind)
+        batch = assemble(data, items, rows, widths=max_lengths, kind=kind, audio=cfg.audio)
         batch["example_index"] = index
         batches.append({k: v.reshape(shard.devices, -1, *v.shape[1:]) for k, v in batch.items()})
     return batches, stats

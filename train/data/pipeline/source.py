@@ -33,7 +33,7 @@ from train.data.pipeline.arrays import assemble
 from train.data.pipeline.config import PipelineConfig, Shard
 from train.data.pipeline.epochs import bucket_width, plan_epoch
 from train.data.pipeline.lengths import DataStats, Items, select_items
-from train.data.pipeline.tokens import TokenizedSplit, tokenize_split
+from train.data.pipeline.tokens import TokenizedSplit, check_clips, tokenize_split
 
 
 class BatchSource:
@@ -112,8 +112,9 @@ class BatchSource:
             widths = tuple(bucket_width(max(int(self._items.lengths[s][r[0]]) for r in rows),
                                         self._cfg.bucket_boundaries, m)
                            for s, m in enumerate(self._max))
-        batch = assemble(self._data, self._items, rows, widths=widths, kind=self._kind)
-        return {k: v.reshape(self._devices, -1, v.shape[-1]) for k, v in batch.items()}
+        batch = assemble(self._data, self._items, rows, widths=widths, kind=self._kind,
+                         audio=self._cfg.audio)
+        return {k: v.reshape(self._devices, -1, *v.shape[1:]) for k, v in batch.items()}
 
 
 def _mark_absl_flags_parsed() -> None:
@@ -145,6 +146,8 @@ def train_source(dataset: Dataset, tokenizer: Tokenizer, cfg: PipelineConfig, *,
     shard = Shard.of(shard_index, shard_count, num_devices)
     kind = dataset.data_kind
     data = tokenize_split(dataset, split, tokenizer, cache_dir=cache_dir,
-                          text_role=cfg.text_role, label_names=cfg.label_names)
+                          text_role=cfg.text_role, label_names=cfg.label_names,
+                          target_prefix=cfg.target_prefix)
+    check_clips(data, cfg)
     items, stats = select_items(data, kind, kind.max_lengths(cfg), cfg.overlong)
     return BatchSource(data, items, kind, cfg, shard), stats

@@ -43,13 +43,15 @@ class TokenizedSplit:
     `tokens[side][offsets[side][i]:offsets[side][i + 1]]` is example i's side (source, target
     or text). `example_ids[i]` is its index in the full split. `eos_id` is the id every
     example ends with (a sentence: its template's last id, None without one); `labels[i]`
-    is a classification example's class index in the run's label order.
+    is a classification example's class index in the run's label order; `clips[i]` a
+    speech example's (audio path, "file:line").
     """
     tokens: tuple[np.ndarray, ...]
     offsets: tuple[np.ndarray, ...]
     example_ids: np.ndarray
     eos_id: int | None
     labels: np.ndarray | None = None
+    clips: list[tuple[str, str]] | None = None
 
     def __len__(self) -> int:
         return len(self.example_ids)
@@ -107,16 +109,23 @@ def _applies_template(tokenizer: Tokenizer) -> bool:
     return getattr(tokenizer, "kind", None) == "huggingface"
 
 
-def encode_side(tokenizer: Tokenizer, texts: Sequence[str],
-                role: str | kinds.Role) -> list[list[int]]:
+def encode_side(tokenizer: Tokenizer, texts: Sequence[str], role: str | kinds.Role, *,
+                prefix: Sequence[int] = ()) -> list[list[int]]:
     """One side of some examples as the model trains on them, as its `role` (a
     `kinds.Role` or its name) says: each ends with the tokenizer's EOS, after a Hugging
     Face tokenizer's own template for translation sides ("source", "target"), after the
     pieces for "text"; a "sentence" is the template alone.
 
         encode_side(ByteTokenizer(), ["ab"], "source")    # [[101, 102, 1]]
+        encode_side(ByteTokenizer(), ["ab"], "transcript", prefix=(7, 8))
+                                                          # [[7, 8, 101, 102, 1]]
+
+    A "transcript" starts with `prefix` (Whisper's prompt after its start token).
     """
     role = kinds.role(role)
+    if role.prefixed:
+        pieces = tokenizer.encode_batch(texts, target=role.target)
+        return [[*map(int, prefix), *e, tokenizer.eos_id] for e in pieces]
     hugging_face = _applies_template(tokenizer)
     if role.model_input:
         if hugging_face:
@@ -134,12 +143,14 @@ def encode_side(tokenizer: Tokenizer, texts: Sequence[str],
 def tokenize_split(dataset: Dataset, split: str, tokenizer: Tokenizer, *, shard_index: int = 0,
                    shard_count: int = 1, cache_dir: str | None = None,
                    chunk: int = 4096, text_role: str = kinds.TEXT_ROLE.name,
-                   label_names: tuple[str, ...] = ()) -> TokenizedSplit:
+                   label_names: tuple[str, ...] = (), target_prefix: tuple[int, ...] = (),
+                   ) -> TokenizedSplit:
     """Tokenises this process's shard of a split (or loads it from `cache_dir`).
 
     Each side is encoded as its role says (`dataset.data_kind.roles(text_role)`: targets
     as the tokenizer's target side, text as `text_role`, classification examples as
-    sentences), labels in the order of `label_names` (see `label_ids`). The cache is keyed
+    sentences, transcripts behind `target_prefix`), labels in the order of `label_names`
+    (see `label_ids`), a speech example's clip by its path. The cache is keyed
     by the dataset's content `digest`, the tokenizer's `identity` (both sides' models) and
     these roles, so edited data or another tokenizer never reads old tokens. It is written
     whole or not at all, and read only when whole (see `train.data.cache`). A dataset
@@ -156,6 +167,7 @@ def tokenize_split(dataset: Dataset, split: str, tokenizer: Tokenizer, *, shard_
     source = dataset.split(split)
     ids = shard_indices(len(source), shard_index, shard_count)
     labels = label_ids(dataset, split, ids, label_names) if kind.labelled else None
+    clips = _clips(dataset, split, ids) if kind.audio else None
     sides = len(roles)
     cache = key = None
     if cache_dir and not dataset.digest:
@@ -164,18 +176,20 @@ def tokenize_split(dataset: Dataset, split: str, tokenizer: Tokenizer, *, shard_
     elif cache_dir:
         key = hashlib.sha256(repr((CACHE_FORMAT, data_digest(dataset, tokenizer),
                                    dataset.keys, tuple(r.name for r in roles), split,
-                                   len(source), shard_index, shard_count)).encode()).hexdigest()
+                                   len(source), shard_index, shard_count,
+                                   tuple(map(int, target_prefix)))).encode()).hexdigest()
         cache = os.path.join(cache_dir, f"{dataset.name.replace('/', '_')}-{split}-{key[:16]}")
         cached = _from_arrays(cache_lib.load(cache, key), sides, end)
         if cached is not None:
-            return dataclasses.replace(cached, labels=labels)
+            return dataclasses.replace(cached, labels=labels, clips=clips)
     dtype = np.uint16 if tokenizer.vocab_size <= np.iinfo(np.uint16).max + 1 else np.int32
     pieces: list[list[np.ndarray]] = [[] for _ in range(sides)]
     lengths: list[list[np.ndarray]] = [[] for _ in range(sides)]
     for start in range(0, len(ids), chunk):
         texts = dataset.examples(split, ids[start:start + chunk])
         for s in range(sides):
-            encoded = encode_side(tokenizer, [t[s] for t in texts], roles[s])
+            encoded = encode_side(tokenizer, [t[s] for t in texts], roles[s],
+                                  prefix=target_prefix)
             lengths[s].append(np.fromiter((len(e) for e in encoded), np.int64, len(encoded)))
             flat = [tok for e in encoded for tok in e]
             pieces[s].append(np.asarray(flat, dtype))
@@ -184,13 +198,27 @@ def tokenize_split(dataset: Dataset, split: str, tokenizer: Tokenizer, *, shard_
         tokens.append(np.concatenate(pieces[s]) if pieces[s] else np.zeros(0, dtype))
         lens = np.concatenate(lengths[s]) if lengths[s] else np.zeros(0, np.int64)
         offsets.append(np.concatenate([[0], np.cumsum(lens)]).astype(np.int64))
-    out = TokenizedSplit(tuple(tokens), tuple(offsets), ids, end, labels)
+    out = TokenizedSplit(tuple(tokens), tuple(offsets), ids, end, labels, clips)
     if cache:
         arrays = {**{f"tokens{s}.npy": out.tokens[s] for s in range(sides)},
                   **{f"offsets{s}.npy": out.offsets[s] for s in range(sides)},
                   "example_ids.npy": ids}
         cache_lib.save(cache, key, arrays)
     return out
+
+
+def check_clips(data: TokenizedSplit, cfg) -> None:
+    """A speech split's clips against the window of the model that reads them
+    (`cfg.audio`, a `PipelineConfig`'s; `train.data.speech.check_windows`)."""
+    if data.clips is not None and cfg.audio is not None:
+        from train.data.speech import check_windows
+        check_windows(data.clips, cfg.audio)
+
+
+def _clips(dataset: Dataset, split: str, ids: np.ndarray) -> list[tuple[str, str]]:
+    """(audio path, "file:line") of examples `ids` of a speech split."""
+    at = dataset.keys.index(dataset.data_kind.audio_key)
+    return [(ex[at], ex[at + 1]) for ex in dataset.examples(split, ids)]
 
 
 def _from_arrays(arrays: dict | None, sides: int, eos_id: int | None) -> TokenizedSplit | None:
