@@ -6,16 +6,16 @@
 
 Prints one line per file, in the order given: its transcript (the tokenizer's text without
 special tokens; space-separated token ids for a directory without tokenizer files). Each
-file is read as 16 kHz mono (`models.audio_files.read_audio`) and becomes one 30 s window
-of features (`models.audio_features.log_mel_features`; longer audio is refused, or cut to
-its first 30 s with --truncate); `--batch-size` files are decoded together (the last batch
-padded with silent rows to the same shape, so it compiles once), each giving the text it
-gives alone. The decoding is `decode.whisper.transcribe`: the checkpoint's decoder prompt
-(--language, else detected per file; --task, else the file's), its suppressed tokens,
-greedy or beam search (--strategy, else beam when the directory's num_beams > 1; the beam
-size from --beam-size, else the directory's num_beams when > 1, else 4; --length-penalty
-else the directory's, else 1.0, transformers' defaults), --max-new-tokens else the
-directory's max_length.
+file is read as 16 kHz mono (`models.audio_files.read_audio`) and becomes one window of
+features, the model's own (`models.audio_features.window_features`: 30 s for every Whisper
+checkpoint; longer audio is refused, or cut to the window with --truncate); `--batch-size`
+files are decoded together (the last batch padded with silent rows to the same shape, so it
+compiles once), each giving the text it gives alone. The decoding is
+`decode.whisper.transcribe`: the checkpoint's decoder prompt (--language, else detected per
+file; --task, else the file's), its suppressed tokens, greedy or beam search (--strategy,
+else beam when the directory's num_beams > 1; the beam size from --beam-size, else the
+directory's num_beams when > 1, else 4; --length-penalty else the directory's, else 1.0,
+transformers' defaults), --max-new-tokens else the directory's max_length.
 
 Refused by name (one `error:` line, exit 2) before any file is decoded: a model that is
 not Whisper (no audio encoder), a preset (--config) instead of a directory, text inputs
@@ -31,7 +31,7 @@ import models
 from decode import encoder_cli
 from decode.text import one_line
 from decode.whisper import WhisperSettings, transcribe
-from models.audio_features import CHUNK_SECONDS, N_SAMPLES, SAMPLING_RATE, log_mel_features
+from models.audio_features import SAMPLING_RATE, window_features, window_seconds
 from models.audio_files import read_audio
 from models.errors import UserError
 
@@ -75,17 +75,20 @@ def _load(args):
     return pre
 
 
-def _features(paths: list[str], num_mel_bins: int, truncate: bool) -> np.ndarray:
-    """float32 [F, mel, 3000]: every file read and windowed before anything decodes."""
+def _features(paths: list[str], audio, truncate: bool) -> np.ndarray:
+    """float32 [F, mel, frames]: every file read and cut to the model's window
+    (`models.audio_features.window_features`: 30 s for every Whisper checkpoint) before
+    anything decodes."""
     out = []
     for path in paths:
         wave = read_audio(path)
-        if wave.size > N_SAMPLES and not truncate:
-            raise UserError(f"{path} is {wave.size / SAMPLING_RATE:.2f} s long: Whisper reads "
-                            f"{CHUNK_SECONDS} s windows and long-form transcription is not "
-                            "supported (split it, or --truncate keeps its first 30 s)")
+        if wave.size > window_seconds(audio) * SAMPLING_RATE and not truncate:
+            raise UserError(f"{path} is {wave.size / SAMPLING_RATE:.2f} s long: the model reads "
+                            f"{window_seconds(audio):g} s windows and long-form transcription "
+                            "is not supported (split it, or --truncate keeps the first "
+                            f"{window_seconds(audio):g} s)")
         try:
-            feats, _ = log_mel_features([wave], num_mel_bins=num_mel_bins, truncate=truncate)
+            feats, _ = window_features([wave], audio=audio, truncate=truncate)
         except UserError as e:
             raise UserError(f"{path}: {e}") from None
         out.append(feats[0])
@@ -110,7 +113,7 @@ def run(args, print_line=print) -> None:
     """Transcribes args.audio (see the module docstring), one `print_line` per file."""
     pre = _load(args)
     settings = WhisperSettings.from_generation(pre.generation, pre.config)
-    feats = _features(args.audio, pre.config.audio.num_mel_bins, args.truncate)
+    feats = _features(args.audio, pre.config.audio, args.truncate)
     F = feats.shape[0]
     rows = min(args.batch_size, F)
     options = dict(language=args.language, task=args.task, max_new_tokens=args.max_new_tokens,

@@ -151,6 +151,8 @@ def test_load_then_save_gives_files_transformers_loads_to_the_same_tensors(case,
         written = json.load(f)
     assert written["model_type"] == "whisper"
     assert written["architectures"] == ["WhisperForConditionalGeneration"]
+    # <|endoftext|> as bos_token_id, as published configs hold it (not transformers' default)
+    assert written["bos_token_id"] == written["eos_token_id"] == pre.config.eos_id
     again = hf_load(same)
     assert_same_tensors(c.state, again)
     np.testing.assert_array_equal(hf_logits(again, c.features, c.tgt_in), c.logits)

@@ -148,3 +148,33 @@ def test_audio_mistakes_are_one_error_line_and_exit_2(whisper, capsys, tmp_path)
         line = _error(capsys, argv)
         for word in words:
             assert word in line, (argv, line)
+
+
+def test_a_model_with_a_shorter_window_reads_its_own_window(whisper, capsys, tmp_path,
+                                                            highest_precision):
+    """A model whose encoder reads 1 s (100 frames; a fine-tuned tiny model, say) gets the
+    first second of each file's features, what transformers' generate gives on them; a
+    longer file is refused naming that window, and --truncate keeps its first second."""
+    fields = dict(FIELDS, max_source_positions=50)
+    model = random_whisper(fields, seed=2, scale=0.5)
+    model.generation_config = transformers.GenerationConfig(**GENERATION)
+    path = str(tmp_path / "short")
+    model.save_pretrained(path)
+    _tokenizer().save_pretrained(path)
+    files = whisper[3]
+    got = _lines(capsys, ["--model", path, "--no-compile-cache", "--audio", files[0],
+                          "--language", "en"])
+    feats = models.audio_features.log_mel_features(
+        [models.audio_files.read_audio(files[0])])[0][:, :, :100]
+    with torch.no_grad():
+        out = model.generate(torch.as_tensor(feats), language="en")
+    assert got == _tokenizer().batch_decode(out, skip_special_tokens=True)
+    line = _error(capsys, ["--model", path, "--audio", files[1], "--language", "en"])
+    assert "3.00 s" in line and "1 s windows" in line and "--truncate" in line, line
+    truncated = _lines(capsys, ["--model", path, "--no-compile-cache", "--audio", files[1],
+                                "--language", "en", "--truncate"])
+    feats = models.audio_features.log_mel_features(
+        [models.audio_files.read_audio(files[1])[:16000]])[0][:, :, :100]
+    with torch.no_grad():
+        out = model.generate(torch.as_tensor(feats), language="en")
+    assert truncated == _tokenizer().batch_decode(out, skip_special_tokens=True)

@@ -95,8 +95,8 @@ class SpecialIds:
             decoder start, which cannot be None).
         source_bos: an encoder-decoder's `bos_token_id`, which starts the source text: the
             tokenizer adds it and the model never reads it, so reading drops it, and
-            writing gives it as "start" (the start id, BART), "null" (Marian) or "absent"
-            (not written, T5).
+            writing gives it as "start" (the start id, BART), "eos" (the end id: Whisper's
+            <|endoftext|>), "null" (Marian) or "absent" (not written, T5).
         null_is_none: an explicit null in config.json stays None (T5, BERT, RoBERTa);
             otherwise it means the default, as `ConfigReader.take` reads every field.
     """
@@ -105,7 +105,7 @@ class SpecialIds:
     eos: int | None = None
     start: int | Literal["pad", "eos"] | None = None
     start_key: str = "bos_token_id"
-    source_bos: Literal["start", "null", "absent"] = "absent"
+    source_bos: Literal["start", "eos", "null", "absent"] = "absent"
     null_is_none: bool = False
 
     def read(self, r: ConfigReader) -> dict:
@@ -152,7 +152,7 @@ class SpecialIds:
     def write(self, cfg: TransformerConfig) -> dict:
         out = {"pad_token_id": cfg.pad_id, "eos_token_id": cfg.eos_id, self.start_key: cfg.bos_id}
         if self.source_bos != "absent":
-            out["bos_token_id"] = cfg.bos_id if self.source_bos == "start" else None
+            out["bos_token_id"] = {"start": cfg.bos_id, "eos": cfg.eos_id}.get(self.source_bos)
         return out
 
 

@@ -29,7 +29,9 @@ evaluation: accepted and not read, as `median_filter_width` (word timestamps) an
 
 Special ids: our `bos_id` is `decoder_start_token_id` (<|startoftranscript|>); pad and eos
 are config.json's (WhisperConfig's defaults 50256). `bos_token_id` (<|endoftext|>) is never
-read by the model: dropped when reading, not written. The decoder prompt (language, task,
+read by the model: dropped when reading, and written as the end id (as every published
+Whisper config.json holds it), so transformers does not fill in its default 50256 where the
+vocabulary is smaller. The decoder prompt (language, task,
 <|notimestamps|>) and the suppressed tokens are generation defaults
 (generation_config.json).
 """
@@ -80,7 +82,8 @@ MAP = ConfigMap(
     unread=("init_std", "apply_spec_augment", "mask_time_prob", "mask_time_length",
             "mask_time_min_masks", "mask_feature_prob", "mask_feature_length",
             "mask_feature_min_masks", "median_filter_width", "classifier_proj_size"),
-    ids=SpecialIds(pad=50256, eos=50256, start=50257, start_key=DECODER_START))
+    ids=SpecialIds(pad=50256, eos=50256, start=50257, start_key=DECODER_START,
+                   source_bos="eos"))
 DEFAULT_AUDIO = AudioInput()                       # WhisperConfig's 80 mels, 1500 positions
 
 
