@@ -87,10 +87,10 @@ def parse_arm(spec: str) -> tuple[str, str, dict]:
     return spec, name, overrides
 
 
-def data_keys(task: str, data: str | None) -> dict:
-    """The dataset keys of `task`'s runs."""
+def data_keys(task: str, data: str | None, data_dir: str = "") -> dict:
+    """The dataset keys of `task`'s runs (`data_dir`: toy's TFDS directory)."""
     if task == "toy":
-        return {"dataset": "toy_translation"}
+        return {"dataset": "toy_translation", "data_dir": data_dir}
     if not data:
         raise SystemExit("--task corpus needs --data DIR (python -m bench.corpus --out DIR)")
     files = ",".join(os.path.join(data, f"{s}.tsv") for s in ("train", "validation", "test"))
@@ -224,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
                                 description=__doc__.split("\n")[0])
     p.add_argument("--task", choices=("toy", "corpus"), default="toy")
     p.add_argument("--data", default=None, help="corpus: python -m bench.corpus's --out")
+    p.add_argument("--data-dir", default="", help="toy: the TFDS data directory")
     p.add_argument("--out", required=True, help="the base run and the arms' workdirs")
     p.add_argument("--arms", nargs="+", default=["tf", "mrt"])
     p.add_argument("--budget", type=float, default=60.0, help="charged seconds per arm")
@@ -245,8 +246,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("each arm once")
 
     base_dir = os.path.join(args.out, "base")
-    base = base_config(args.task, data_keys(args.task, args.data), steps=args.base_steps,
-                       seconds=args.base_seconds)
+    base = base_config(args.task, data_keys(args.task, args.data, args.data_dir),
+                       steps=args.base_steps, seconds=args.base_seconds)
     for item in filter(None, args.base_overrides.split(",")):
         set_key(base, *item.split("=", 1))
     if not os.path.exists(os.path.join(base_dir, "summary.json")):
