@@ -171,9 +171,10 @@ class Arm:
             self.times.append(dt)
             self.charged += dt
 
-    def finish(self) -> dict:
-        """Saves, exports and releases the run; its `arm` line."""
-        validation = self.validation()
+    def finish(self, *, validate: bool = True) -> dict:
+        """Saves, exports and releases the run; its `arm` line (with the validation loss
+        unless not `validate`)."""
+        validation = self.validation() if validate else {}
         self.run.save(self.step, self.state, self.iterator)
         self.run.export(self.state)
         self.run.writer.close()
@@ -194,9 +195,9 @@ def race(arms: list[Arm], *, budget: float, slice_s: float) -> None:
 
 
 def score(workdir: str, pairs: list[tuple[str, ...]], *, average_last: int | None,
-          beam_size: int, length_penalty: float) -> dict:
-    """Beam and greedy BLEU and exact match of the model a run exports (its newest
-    checkpoint averaged as the run averages, or over `average_last`)."""
+          beam_size: int, length_penalty: float, greedy: bool = True) -> dict:
+    """Beam (and unless not `greedy`, greedy) BLEU and exact match of the model a run
+    exports (its newest checkpoint averaged as the run averages, or over `average_last`)."""
     saved = checkpoint.restore_model(workdir)
     experiment = saved.experiment
     count = average_last or experiment.get("average_last_checkpoints", 1)
@@ -207,11 +208,12 @@ def score(workdir: str, pairs: list[tuple[str, ...]], *, average_last: int | Non
                   max_new_tokens=experiment["max_decode_length"])
     beam = evaluate.translate(model, saved.params, saved.tokenizer, sources,
                               beam_size=beam_size, length_penalty=length_penalty, **limits)
-    greedy = evaluate.translate(model, saved.params, saved.tokenizer, sources, **limits)
     out = {"pairs": len(pairs), "step": saved.step}
     out.update({f"beam_{k}": v for k, v in evaluate.scores(beam, references, "both").items()})
-    out.update({f"greedy_{k}": v for k, v in
-                evaluate.scores(greedy, references, "both").items()})
+    if greedy:
+        hyps = evaluate.translate(model, saved.params, saved.tokenizer, sources, **limits)
+        out.update({f"greedy_{k}": v for k, v in
+                    evaluate.scores(hyps, references, "both").items()})
     return {k: round(v, 4) if isinstance(v, float) else v for k, v in out.items()}
 
 
