@@ -58,8 +58,8 @@ with its start, not across invocations (the load changes the steps a budget buys
       90 s an arm, --lr 3e-4: tf 17.3 (127 steps), mrt 17.1 (56), mrt alpha 0.05 17.2
         (57), scst 16.2 (58); greedy: tf 16.2, mrt 15.4, scst 14.7
 
-A sequence-level step (4 samples a source, scored on the host) cost 2.2-2.4 teacher-forced
-steps of the start's batch and 14 of its own 8 rows: at equal seconds it made half the
+A sequence-level step (4 samples a source, scored on the host) cost 2.0-2.4 teacher-forced
+steps of the start's batch and 15 of its own 8 rows: at equal seconds it made half the
 updates or fewer, and no setting tried gained over continued teacher forcing.
 """
 
