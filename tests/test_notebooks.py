@@ -20,7 +20,7 @@ BUDGET_S = 120      # the issue's limit per notebook on 2 CPU cores, with defaul
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["attention_masks", "kv_cache_and_scan", "translate_toy",
-                                  "pretrained_seq2seq", "masked_lm"])
+                                  "pretrained_seq2seq", "masked_lm", "sequence_training"])
 def test_notebook_runs_top_to_bottom(name, tmp_path, data_dir, monkeypatch):
     monkeypatch.delenv("XLA_FLAGS", raising=False)
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
