@@ -133,35 +133,73 @@ def hf_load(path: str):
 
 
 class Checkpoint:
-    """One tiny transformers model, saved: `path`, `model`, `tokens`, `logits`."""
+    """One tiny transformers causal LM with random weights, saved: `model_type`, `expect`
+    (what the loaded config must say), `path`, `model`, `tokens`, `logits`, `state`.
 
-    def __init__(self, name: str, root: str, seed: int):
-        model_type, fields, self.expect = CASES[name]
-        self.model_type = model_type
-        hf_cfg = getattr(transformers, CONFIG_CLASSES[model_type])(
+    Args:
+        case: (model_type, the transformers config class's name, its fields, expect).
+        path: the directory it is saved to.
+        seed: the seed of its weights and tokens.
+    """
+
+    def __init__(self, case: tuple, path: str, seed: int):
+        self.model_type, class_name, fields, self.expect = case
+        hf_cfg = getattr(transformers, class_name)(
             **copy.deepcopy(fields), attn_implementation="eager")   # it edits dicts given
         torch.manual_seed(seed)
         self.model = randomize(transformers.AutoModelForCausalLM.from_config(hf_cfg), seed)
         assert self.model.config._attn_implementation == "eager"
-        self.path = os.path.join(root, name)
+        self.path = path
         self.model.save_pretrained(self.path, safe_serialization=True)
         self.tokens = random_tokens(hf_cfg.vocab_size, seed)
         self.logits = hf_logits(self.model, self.tokens)
         self.state = state_of(self.model)
 
 
-@functools.cache
-def checkpoint(name: str, root: str) -> Checkpoint:
-    """The case's checkpoint under `root`, built once per test process (tests only read it:
-    one that edits a file edits a copy)."""
-    return Checkpoint(name, root, seed=list(CASES).index(name))
+def checkpoints(cases: dict, folder: str, first_seed: int = 0):
+    """A table of cases as (the session fixture `ckpt`, `build`): `ckpt(name)` is case
+    `name`'s `Checkpoint` under the session's `folder`, and `build(name, root)` the same
+    under `root`; each is built once per test process, seeded `first_seed` + the case's
+    index (tests only read it: one that edits a file edits a copy).
+
+    Args:
+        cases: name -> (model_type, config class name, fields, expect), as `Checkpoint`.
+        folder: the folder under pytest's base temporary directory.
+        first_seed: the first case's seed.
+    """
+
+    @functools.cache
+    def build(name: str, root: str) -> Checkpoint:
+        return Checkpoint(cases[name], os.path.join(root, name),
+                          seed=first_seed + list(cases).index(name))
+
+    @pytest.fixture(scope="session")
+    def ckpt(tmp_path_factory):
+        root = str(tmp_path_factory.getbasetemp() / folder)
+        return lambda name: build(name, root)
+
+    return ckpt, build
 
 
-@pytest.fixture(scope="session")
-def ckpt(tmp_path_factory):
-    """ckpt(name): the case's checkpoint, built the first time a test asks for it."""
-    root = str(tmp_path_factory.getbasetemp() / "hf_checkpoints")
-    return lambda name: checkpoint(name, root)
+ckpt, checkpoint = checkpoints(
+    {name: (model_type, CONFIG_CLASSES[model_type], fields, expect)
+     for name, (model_type, fields, expect) in CASES.items()}, "hf_checkpoints")
+
+
+def assert_loads_with_transformers_logits(c: Checkpoint, atol: float = ATOL, **options):
+    """Loads checkpoint `c` (with `models.load`'s `options`) and checks its model type, the
+    fields `c.expect` names, the special ids of `SPECIAL`, finite weights and transformers'
+    teacher-forced logits within `atol`. Returns (the loaded model, its `helpers.fns`)."""
+    pre = models.load(c.path, **options)
+    assert pre.model_type == c.model_type
+    for field, value in c.expect.items():
+        assert getattr(pre.config, field) == value, field
+    assert (pre.config.pad_id, pre.config.bos_id, pre.config.eos_id) == (4, 1, 2)
+    chex.assert_tree_all_finite(pre.params)
+    f = helpers.fns(pre.config)
+    np.testing.assert_allclose(f.forward(pre.params, jnp.asarray(c.tokens)), c.logits,
+                               atol=atol, rtol=0)
+    return pre, f
 
 
 highest_precision = helpers.highest_precision      # re-exported: the files that import it

@@ -16,16 +16,13 @@ transformers' logits and models.save back to its tensors.
 from __future__ import annotations
 
 import copy
-import functools
 import math
-import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import decode
 import models
 from models.kernels import attend
 from models.masks import MaskSpec, positions_like
@@ -219,45 +216,14 @@ CASES = {
 }
 
 
-class Checkpoint:
-    """One tiny transformers model, saved: `path`, `model`, `tokens`, `logits`, `state`."""
-
-    def __init__(self, name: str, root: str, seed: int):
-        self.model_type, class_name, fields, self.expect = CASES[name]
-        hf_cfg = getattr(transformers, class_name)(**copy.deepcopy(fields),
-                                                   attn_implementation="eager")
-        torch.manual_seed(seed)
-        self.model = ph.randomize(transformers.AutoModelForCausalLM.from_config(hf_cfg), seed)
-        self.path = os.path.join(root, name)
-        self.model.save_pretrained(self.path, safe_serialization=True)
-        self.tokens = ph.random_tokens(hf_cfg.vocab_size, seed)
-        self.logits = ph.hf_logits(self.model, self.tokens)
-        self.state = ph.state_of(self.model)
-
-
-@functools.cache
-def _checkpoint(name: str, root: str) -> Checkpoint:
-    return Checkpoint(name, root, seed=400 + list(CASES).index(name))
-
-
-@pytest.fixture(scope="session")
-def ckpt(tmp_path_factory):
-    root = str(tmp_path_factory.getbasetemp() / "hf_checkpoints_gemma2")
-    return lambda name: _checkpoint(name, root)
+ckpt, _ = ph.checkpoints(CASES, "hf_checkpoints_gemma2", first_seed=400)
 
 
 @pytest.mark.parametrize("name", CASES)
 def test_loaded_model_gives_transformers_logits_forward_prefill_and_steps(
         name, ckpt, highest_precision):
     c = ckpt(name)
-    pre = models.load(c.path)
-    assert pre.model_type == c.model_type
-    for field, value in c.expect.items():
-        assert getattr(pre.config, field) == value, field
-    assert (pre.config.pad_id, pre.config.bos_id, pre.config.eos_id) == (4, 1, 2)
-    f = fns(pre.config)
-    np.testing.assert_allclose(f.forward(pre.params, jnp.asarray(c.tokens)), c.logits,
-                               atol=ATOL, rtol=0)
+    pre, f = ph.assert_loads_with_transformers_logits(c, atol=ATOL)
     ph.assert_ragged_prefill_then_steps(f, pre.params, c, atol=ATOL)
     scanned = models.load(c.path, scan_layers=True)
     fs = fns(scanned.config)
@@ -270,22 +236,7 @@ def test_loaded_model_gives_transformers_logits_forward_prefill_and_steps(
 def test_greedy_generate_on_a_ragged_batch_equals_transformers_generate(
         name, ckpt, highest_precision):
     c = ckpt(name)
-    pre = models.load(c.path)
-    n_new = 10
-    lens = ph.PROMPT_LENS
-    prompts = np.where(np.arange(ph.T)[None, :] < lens[:, None], c.tokens, 3)[:, :8]
-    ours = decode.generate(pre.model, pre.params, prompts, lens.astype(np.int32),
-                           max_new_tokens=n_new)
-    for b, n in enumerate(lens):
-        with torch.no_grad():
-            theirs = c.model.generate(
-                torch.as_tensor(c.tokens[b:b + 1, :n], dtype=torch.long),
-                attention_mask=torch.ones((1, int(n)), dtype=torch.long),
-                max_new_tokens=n_new, do_sample=False, num_beams=1, eos_token_id=2,
-                pad_token_id=4)[0, n:].numpy()
-        length = int(ours.lengths[b])
-        np.testing.assert_array_equal(np.asarray(ours.tokens[b, :length]), theirs,
-                                      err_msg=f"row {b}")
+    ph.assert_greedy_equals_generate(models.load(c.path), c, filler=3)
 
 
 @pytest.mark.parametrize("name", CASES)

@@ -13,10 +13,8 @@ and the mixtral-8x7b and qwen3-30b-a3b presets have transformers' parameter coun
 from __future__ import annotations
 
 import copy
-import functools
 import os
 
-import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -34,8 +32,6 @@ from tests.pretrained_helpers import (
     edit_config,
     hf_load,
     hf_logits,
-    random_tokens,
-    randomize,
     set_fields,
     stack_layers,
     state_of,
@@ -76,31 +72,7 @@ CASES = {
 }
 
 
-class Checkpoint:
-    """One tiny transformers model, saved: `path`, `model`, `tokens`, `logits`, `state`."""
-
-    def __init__(self, name: str, root: str, seed: int):
-        self.model_type, class_name, fields, self.expect = CASES[name]
-        hf_cfg = getattr(transformers, class_name)(**copy.deepcopy(fields),
-                                                   attn_implementation="eager")
-        torch.manual_seed(seed)
-        self.model = randomize(transformers.AutoModelForCausalLM.from_config(hf_cfg), seed)
-        self.path = os.path.join(root, name)
-        self.model.save_pretrained(self.path, safe_serialization=True)
-        self.tokens = random_tokens(hf_cfg.vocab_size, seed)
-        self.logits = hf_logits(self.model, self.tokens)
-        self.state = state_of(self.model)
-
-
-@functools.cache
-def _checkpoint(name: str, root: str) -> Checkpoint:
-    return Checkpoint(name, root, seed=500 + list(CASES).index(name))
-
-
-@pytest.fixture(scope="session")
-def ckpt(tmp_path_factory):
-    root = str(tmp_path_factory.getbasetemp() / "hf_checkpoints_moe")
-    return lambda name: _checkpoint(name, root)
+ckpt, _ = ph.checkpoints(CASES, "hf_checkpoints_moe", first_seed=500)
 
 
 def test_save_pretrained_writes_each_expert_apart(ckpt):
@@ -120,15 +92,7 @@ def test_save_pretrained_writes_each_expert_apart(ckpt):
 def test_loaded_moe_gives_transformers_logits_forward_prefill_and_steps(
         name, ckpt, highest_precision):
     c = ckpt(name)
-    pre = models.load(c.path)
-    assert pre.model_type == c.model_type
-    for field, value in c.expect.items():
-        assert getattr(pre.config, field) == value, field
-    assert (pre.config.pad_id, pre.config.bos_id, pre.config.eos_id) == (4, 1, 2)
-    chex.assert_tree_all_finite(pre.params)
-    f = fns(pre.config)
-    np.testing.assert_allclose(f.forward(pre.params, jnp.asarray(c.tokens)), c.logits,
-                               atol=ATOL, rtol=0)
+    pre, f = ph.assert_loads_with_transformers_logits(c, atol=ATOL)
     ph.assert_ragged_prefill_then_steps(f, pre.params, c, atol=ATOL)
     dense = models.load(c.path, moe_dispatch="dense")
     np.testing.assert_allclose(fns(dense.config).forward(dense.params, c.tokens), c.logits,

@@ -12,7 +12,6 @@ phi3-mini preset has transformers' parameter count for Phi-3-mini's published co
 from __future__ import annotations
 
 import copy
-import functools
 import os
 
 import jax
@@ -20,7 +19,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import decode
 import models
 from models.pretrained import FAMILIES
 from tests import pretrained_helpers as ph
@@ -35,8 +33,6 @@ from tests.pretrained_helpers import (
     edit_config,
     hf_load,
     hf_logits,
-    random_tokens,
-    randomize,
     set_fields,
     state_of,
     torch,
@@ -70,42 +66,15 @@ CASES = {
 }
 
 
-class Checkpoint:
-    def __init__(self, name: str, root: str, seed: int):
-        fields, self.expect = CASES[name]
-        hf_cfg = transformers.Phi3Config(**copy.deepcopy(fields), attn_implementation="eager")
-        torch.manual_seed(seed)
-        self.model = randomize(transformers.AutoModelForCausalLM.from_config(hf_cfg), seed)
-        self.path = os.path.join(root, name)
-        self.model.save_pretrained(self.path, safe_serialization=True)
-        self.tokens = random_tokens(hf_cfg.vocab_size, seed)
-        self.logits = hf_logits(self.model, self.tokens)
-        self.state = state_of(self.model)
-
-
-@functools.cache
-def _checkpoint(name: str, root: str) -> Checkpoint:
-    return Checkpoint(name, root, seed=400 + list(CASES).index(name))
-
-
-@pytest.fixture(scope="session")
-def ckpt(tmp_path_factory):
-    root = str(tmp_path_factory.getbasetemp() / "hf_checkpoints_phi3")
-    return lambda name: _checkpoint(name, root)
+ckpt, _ = ph.checkpoints({name: ("phi3", "Phi3Config", *case) for name, case in CASES.items()},
+                         "hf_checkpoints_phi3", first_seed=400)
 
 
 @pytest.mark.parametrize("name", CASES)
 def test_loaded_phi3_gives_transformers_logits_forward_prefill_and_steps(
         name, ckpt, highest_precision):
     c = ckpt(name)
-    pre = models.load(c.path)
-    assert pre.model_type == "phi3"
-    for field, value in c.expect.items():
-        assert getattr(pre.config, field) == value, field
-    assert (pre.config.pad_id, pre.config.bos_id, pre.config.eos_id) == (4, 1, 2)
-    f = fns(pre.config)
-    np.testing.assert_allclose(f.forward(pre.params, jnp.asarray(c.tokens)), c.logits,
-                               atol=ATOL, rtol=0)
+    pre, f = ph.assert_loads_with_transformers_logits(c, atol=ATOL)
     P = int(PROMPT_LENS.max())
     cache = models.KVCache.create(pre.config, 2, 16)
     logits, cache = f.prefill(pre.params, jnp.asarray(c.tokens[:, :P]),
@@ -134,20 +103,8 @@ def test_greedy_generate_on_a_ragged_batch_equals_transformers_generate(
     # original_max_position_embeddings (all keys then rotate by the long factors); ours
     # keeps the cache (see models.rope_scaling.LongRopeScaling), so the LongRoPE case stops
     # at 8 tokens.
-    n_new = 2 if name == "phi3-longrope" else 10
-    prompts = np.where(np.arange(T)[None, :] < PROMPT_LENS[:, None], c.tokens, 3)[:, :8]
-    ours = decode.generate(pre.model, pre.params, prompts, PROMPT_LENS.astype(np.int32),
-                           max_new_tokens=n_new)
-    for b, n in enumerate(PROMPT_LENS):
-        with torch.no_grad():
-            theirs = c.model.generate(
-                torch.as_tensor(c.tokens[b:b + 1, :n], dtype=torch.long),
-                attention_mask=torch.ones((1, int(n)), dtype=torch.long),
-                max_new_tokens=n_new, do_sample=False, num_beams=1, eos_token_id=2,
-                pad_token_id=4)[0, n:].numpy()
-        length = int(ours.lengths[b])
-        np.testing.assert_array_equal(np.asarray(ours.tokens[b, :length]), theirs,
-                                      err_msg=f"row {b}")
+    ph.assert_greedy_equals_generate(pre, c, filler=3,
+                                     n_new=2 if name == "phi3-longrope" else 10)
 
 
 @pytest.mark.parametrize("name", CASES)

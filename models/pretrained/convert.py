@@ -118,6 +118,10 @@ def read_params(weights: Weights, family: Family, cfg: TransformerConfig,
         if shapes != [expected[p] for p in ours]:
             # The shapes the file should hold, in its own layout (empty arrays: no data).
             want = rule.layout.to_theirs([np.empty(expected[p], np.float32) for p in ours], cfg)
+            if all(a.shape == w.shape for a, w in zip(read, want, strict=True)):
+                raise AssertionError(   # the file is as expected: the rule is what is wrong
+                    f"{family.model_type}: the rule for {', '.join(theirs)} turns tensors of the "
+                    f"expected shapes into {shapes}, not {[expected[p] for p in ours]} (a bug)")
             bad = ", ".join(f"{k} has shape {tuple(a.shape)}, the config expects "
                             f"{tuple(w.shape)}" for k, a, w in zip(theirs, read, want, strict=True))
             raise UserError(f"{family.model_type} checkpoint {weights.directory}: {bad} (for "
