@@ -225,7 +225,7 @@ def test_encoder_positions_must_be_whispers_sinusoids(case, tmp_path):
     models.load(_rewrite_positions(c, tmp_path / "torch", torch_table))    # torch's own: loads
     wrong = torch_table.copy()
     wrong[3, 5] += 0.01
-    with pytest.raises(ValueError, match="embed_positions"):
+    with pytest.raises(ValueError, match="embed_positions.*is not Whisper.s sinusoids"):
         models.load(_rewrite_positions(c, tmp_path / "wrong", wrong))
 
 

@@ -113,6 +113,8 @@ def read_params(weights: Weights, family: Family, cfg: TransformerConfig,
         try:
             arrays = rule.layout.to_ours(read, cfg)
             shapes = [tuple(a.shape) for a in arrays]
+        except UserError:                   # a layout's own refusal (Whisper's positions)
+            raise
         except (ValueError, IndexError):    # a reshape, split or axis the tensor cannot take
             shapes = None
         if shapes != [expected[p] for p in ours]:
