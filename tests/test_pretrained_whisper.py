@@ -409,9 +409,14 @@ def test_the_generation_configs_suppressed_tokens_change_what_is_generated(speak
     (dict(max_new_tokens=40), ["max_new_tokens=40"]),
 ])
 def test_what_transcription_cannot_do_is_refused_by_name(options, words, speaking):
+    assert_transcribe_refuses(speaking["multilingual"][1], options, words)
+
+
+def assert_transcribe_refuses(pre, options: dict, words) -> None:
+    """`transcribe(pre, ..., **options)` on one row raises a UserError naming `words`."""
     from decode.whisper import transcribe
-    _, pre = speaking["multilingual"]
-    with pytest.raises(ValueError) as info:
+    from models.errors import UserError
+    with pytest.raises(UserError) as info:
         transcribe(pre, random_features(CASES["tiny"], batch=1), **options)
     for word in words:
         assert word in str(info.value)
