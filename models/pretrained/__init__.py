@@ -205,8 +205,8 @@ def load(path: str, *, adapter: str | None = None, merge: bool = False,
         mesh: a (data, fsdp, tensor) `jax.sharding.Mesh`: each array is put onto its
             shards as it is read (by its logical axes and `rules`, default
             `models.axes.DEFAULT_RULES`), so no device holds the whole model.
-        allow_non_finite: load weights holding NaN or Inf (a warning names each such
-            tensor and its counts) instead of refusing them.
+        allow_non_finite: load weights (the base's and the adapter's) holding NaN or Inf
+            (a warning names each such tensor and its counts) instead of refusing them.
         runtime: how to run the model, not what it computes: `dtype` (compute),
             `param_dtype` (default float32), `scan_layers`, `remat`, dropout rates.
 
@@ -235,7 +235,8 @@ def load(path: str, *, adapter: str | None = None, merge: bool = False,
     adapted, adapters = None, {}
     if adapter is not None:
         adapted, adapters = peft.read(adapter, family, cfg, base_dir=path, base_hf=hf,
-                                      check_base_name=check_base_name)
+                                      check_base_name=check_base_name,
+                                      allow_non_finite=allow_non_finite)
     shardings = None
     if mesh is not None:
         shardings = axes.param_shardings(build(cfg.replace(lora=adapted)), mesh,
@@ -328,13 +329,14 @@ def save_adapter(path: str, config: TransformerConfig, params, *,
 
 
 def read_adapter(adapter: str, base: str, *, check_base_name: bool = True,
-                 **runtime) -> tuple[lora.LoraConfig, dict]:
+                 allow_non_finite: bool = False, **runtime) -> tuple[lora.LoraConfig, dict]:
     """(the `LoraConfig`, the adapter tree) of a PEFT adapter directory for the base model
-    directory `base` (`runtime` as in `load`); `models.lora.join` the tree with the base's
-    parameters. `load(base, adapter=adapter)` is this plus the base."""
+    directory `base` (`runtime` and `allow_non_finite` as in `load`); `models.lora.join`
+    the tree with the base's parameters. `load(base, adapter=adapter)` is this plus the
+    base."""
     family, cfg, hf = read_config(base, **runtime)
     return peft.read(adapter, family, cfg, base_dir=base, base_hf=hf,
-                     check_base_name=check_base_name)
+                     check_base_name=check_base_name, allow_non_finite=allow_non_finite)
 
 
 def _family_for(config: TransformerConfig, model_type: str | None) -> Family:

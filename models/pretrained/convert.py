@@ -125,7 +125,7 @@ def read_weights(weights: Weights, family: Family, cfg: TransformerConfig,
             if not jnp.issubdtype(a.dtype, jnp.floating):      # bfloat16 included
                 raise UserError(f"{family.model_type} checkpoint tensor {k} holds "
                                  f"{a.dtype}, not floating-point weights")
-            non_finite += _non_finite(k, a)
+            non_finite += non_finite_counts(k, a)
         try:
             arrays = rule.layout.to_ours(read, cfg)
             shapes = [tuple(a.shape) for a in arrays]
@@ -148,17 +148,30 @@ def read_weights(weights: Weights, family: Family, cfg: TransformerConfig,
         if not ours:                        # checked by its layout, held by no parameter
             tables.update({k: np.asarray(a, cfg.param_dtype)
                            for k, a in zip(theirs, read, strict=True)})
-    if non_finite:
-        what = (f"{family.model_type} checkpoint {weights.directory} has {len(non_finite)} "
-                f"tensor(s) holding NaN or Inf: {'; '.join(non_finite[:6])}"
-                + (f" and {len(non_finite) - 6} more" if len(non_finite) > 6 else ""))
-        if not allow_non_finite:
-            raise UserError(what + " (models.load(..., allow_non_finite=True) loads them)")
-        warnings.warn(what, UserWarning, stacklevel=3)
+    check_finite(f"{family.model_type} checkpoint {weights.directory}", non_finite,
+                 allow=allow_non_finite)
     return tree.params, tables
 
 
-def _non_finite(key: str, a: np.ndarray) -> list[str]:
+def check_finite(where: str, non_finite: list[str], *, allow: bool) -> None:
+    """Refuses the tensors of `where` (a checkpoint, an adapter) that hold NaN or Inf,
+    each named with its counts (`non_finite_counts` of every tensor read), or with `allow`
+    warns naming them (the caller of `models.load` sees the warning).
+
+    Raises:
+        UserError: unless `allow`, when `non_finite` names any tensor.
+    """
+    if not non_finite:
+        return
+    what = (f"{where} has {len(non_finite)} tensor(s) holding NaN or Inf: "
+            f"{'; '.join(non_finite[:6])}"
+            + (f" and {len(non_finite) - 6} more" if len(non_finite) > 6 else ""))
+    if not allow:
+        raise UserError(what + " (models.load(..., allow_non_finite=True) loads them)")
+    warnings.warn(what, UserWarning, stacklevel=4)
+
+
+def non_finite_counts(key: str, a: np.ndarray) -> list[str]:
     """[] for a finite tensor, else ["key: n NaN, m Inf of size values"]."""
     if np.isfinite(a).all():
         return []
