@@ -398,6 +398,37 @@ def test_tensors_the_base_cannot_take_are_refused(edit, words, llama_adapter):
     _refused(base, _edit_tensors(out, edit), *words)
 
 
+def _poison_adapter(t: dict) -> None:
+    """Two NaN in one lora_B, one -Inf in one lora_A."""
+    t[Q.format(1, "B")][5, :2] = np.nan
+    t[Q.format(0, "A")][3, 7] = -np.inf
+
+
+def test_adapter_tensors_holding_nan_or_inf_are_named_with_counts_unless_allowed(
+        llama_adapter):
+    base, out = llama_adapter
+    clean = models.load(base, adapter=out)
+    _edit_tensors(out, _poison_adapter)
+    with pytest.raises(UserError) as info:
+        models.load(base, adapter=out)
+    message = str(info.value)
+    assert f"adapter {out} has 2 tensor(s) holding NaN or Inf" in message, message
+    assert f"{Q.format(0, 'A')}: 0 NaN, 1 Inf of 128 values" in message, message
+    assert f"{Q.format(1, 'B')}: 2 NaN, 0 Inf of 192 values" in message, message
+    assert "allow_non_finite=True" in message
+    with pytest.raises(UserError, match=r"lora_B.weight: 2 NaN"):
+        read_adapter(out, base)
+    with pytest.warns(UserWarning, match=r"adapter .*lora_A.weight: 0 NaN, 1 Inf") as caught:
+        pre = models.load(base, adapter=out, allow_non_finite=True)
+    assert caught[0].filename == __file__            # pointed at the caller of models.load
+    query = pre.params["decoder"]["layer_0"]["self_attention"]["query"]
+    clean_query = clean.params["decoder"]["layer_0"]["self_attention"]["query"]
+    assert int(np.isinf(np.asarray(query["lora_a"])).sum()) == 1
+    chex.assert_trees_all_equal(query["kernel"], clean_query["kernel"])   # the base untouched
+    b1 = np.asarray(pre.params["decoder"]["layer_1"]["self_attention"]["query"]["lora_b"])
+    assert int(np.isnan(b1).sum()) == 2
+
+
 def test_a_module_peft_would_not_select_or_another_rank_is_refused(llama_adapter, tmp_path):
     base, out = llama_adapter
     again, third = (str(shutil.copytree(out, tmp_path / n)) for n in ("again", "third"))

@@ -29,6 +29,7 @@ from tests.pretrained_helpers import assert_same_params, assert_same_tensors, st
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
+safetensors_numpy = pytest.importorskip("safetensors.numpy")
 highest_precision = ph.highest_precision                     # the shared fixture
 
 ATOL = 1e-4
@@ -227,6 +228,63 @@ def test_encoder_positions_must_be_whispers_sinusoids(case, tmp_path):
     wrong[3, 5] += 0.01
     with pytest.raises(ValueError, match="embed_positions.*is not Whisper.s sinusoids"):
         models.load(_rewrite_positions(c, tmp_path / "wrong", wrong))
+
+
+POSITIONS = "model.encoder.embed_positions.weight"
+
+
+def _tensors(path: str) -> dict[str, np.ndarray]:
+    return safetensors_numpy.load_file(os.path.join(path, "model.safetensors"))
+
+
+def test_load_then_save_of_transformers_own_file_is_bit_for_bit(tmp_path):
+    """transformers' own init and save (torch's sinusoids, a few float32 units from the
+    table we compute), our load, our save given the tables the load kept: every tensor of
+    our file is transformers', bit for bit, its encoder positions included."""
+    fields = CASES["tiny"]
+    theirs_dir = str(tmp_path / "theirs")
+    torch.manual_seed(0)
+    transformers.WhisperForConditionalGeneration(
+        transformers.WhisperConfig(**fields)).save_pretrained(theirs_dir)
+    theirs = _tensors(theirs_dir)
+    ours_table = whisper_sinusoids(fields["max_source_positions"], fields["d_model"])
+    assert not np.array_equal(theirs[POSITIONS], ours_table)     # else this test proves nothing
+    pre = models.load(theirs_dir)
+    assert list(pre.tables) == [POSITIONS]
+    ours_dir = str(tmp_path / "ours")
+    models.save(ours_dir, pre.config, pre.params, generation=pre.generation, tables=pre.tables)
+    ours = _tensors(ours_dir)
+    assert sorted(ours) == sorted(theirs)
+    for key, want in theirs.items():
+        got = ours[key]
+        assert (got.dtype, got.shape) == (want.dtype, want.shape), key
+        assert got.tobytes() == want.tobytes(), f"{key} differs"
+    # Without the tables: the table we compute, every other tensor the same.
+    models.save(str(tmp_path / "computed"), pre.config, pre.params)
+    computed = _tensors(str(tmp_path / "computed"))
+    np.testing.assert_array_equal(computed.pop(POSITIONS), ours_table)
+    for key, got in computed.items():
+        assert got.tobytes() == theirs[key].tobytes(), f"{key} differs"
+
+
+def test_save_refuses_tables_that_loading_would_refuse(case, tmp_path):
+    c = case("tiny")
+    pre = models.load(c.path)
+    wrong = dict(pre.tables)
+    wrong[POSITIONS] = wrong[POSITIONS].copy()
+    wrong[POSITIONS][3, 5] += 0.01                          # not Whisper's sinusoids
+    with pytest.raises(models.errors.UserError,
+                       match="embed_positions.*is not Whisper.s sinusoids"):
+        models.save(str(tmp_path / "wrong"), pre.config, pre.params, tables=wrong)
+    longer = pre.config.replace(audio=AudioInput(c.fields["num_mel_bins"], 24))
+    with pytest.raises(models.errors.UserError, match=r"shape \(12, 32\).*shape \(24, 32\)"):
+        models.save(str(tmp_path / "other"), longer, pre.params, tables=pre.tables)
+    with pytest.raises(models.errors.UserError,
+                       match="tables= holds model.decoder.embed_tokens.weight, but whisper "
+                             "writes only model.encoder.embed_positions.weight"):
+        models.save(str(tmp_path / "unknown"), pre.config, pre.params,
+                    tables={**pre.tables, "model.decoder.embed_tokens.weight": np.zeros(3)})
+    assert not os.path.exists(tmp_path / "wrong") and not os.path.exists(tmp_path / "other")
 
 
 def test_audio_encoder_refuses_wrong_features_and_source_masks(case):

@@ -2,15 +2,19 @@
 WhisperFeatureExtractor, and reading audio files (models.audio_files): the same features
 to float32 tolerance for 80 and 128 mel bins, a batch the same as its examples one at a
 time, the mask of real frames, long audio refused or truncated, and named errors for files
-that cannot be read. Audio files are made in temporary directories."""
+that cannot be read or hold fewer frames than their header promises. Audio files are made
+in temporary directories."""
 
 from __future__ import annotations
+
+import struct
 
 import numpy as np
 import pytest
 
 from models.audio_features import N_FRAMES, N_SAMPLES, SAMPLING_RATE, log_mel_features
-from models.audio_files import read_audio
+from models.audio_files import read_audio, wav_header_frames
+from models.errors import UserError
 
 transformers = pytest.importorskip("transformers")
 soundfile = pytest.importorskip("soundfile")
@@ -112,3 +116,58 @@ def test_missing_and_unreadable_files_are_named(tmp_path):
     soundfile.write(empty, np.zeros(0, np.float32), SAMPLING_RATE)
     with pytest.raises(ValueError, match="no samples"):
         read_audio(empty)
+
+
+def _with_junk_chunk(raw: bytes) -> bytes:
+    """A WAV with an odd-sized chunk (3 bytes and its pad byte) before its data chunk."""
+    i = raw.index(b"data")
+    out = raw[:i] + b"JUNK" + struct.pack("<I", 3) + b"abc\0" + raw[i:]
+    return out[:4] + struct.pack("<I", len(out) - 8) + out[8:]
+
+
+@pytest.mark.parametrize("subtype, channels, junk", [("PCM_16", 1, False), ("FLOAT", 2, True)],
+                         ids=["pcm16-mono", "float-stereo-junk-chunk"])
+def test_a_wav_cut_short_is_refused_naming_the_file_and_both_frame_counts(subtype, channels,
+                                                                           junk, tmp_path):
+    """A truncated download: the header promises 12000 frames, the file holds fewer (which
+    libsndfile alone reads without a word)."""
+    wave = np.tile(_waves()[1][:12_000, None], (1, channels))
+    full = tmp_path / "full.wav"
+    soundfile.write(str(full), wave, SAMPLING_RATE, subtype=subtype)
+    raw = full.read_bytes()
+    raw = _with_junk_chunk(raw) if junk else raw
+    whole = tmp_path / "whole.wav"
+    whole.write_bytes(raw)
+    np.testing.assert_array_equal(read_audio(str(whole)), read_audio(str(full)))  # reads whole
+    cut = tmp_path / "cut.wav"
+    cut.write_bytes(raw[:len(raw) // 2 + 1])
+    frame_bytes = channels * (2 if subtype == "PCM_16" else 4)
+    held = (len(raw) // 2 + 1 - raw.index(b"data") - 8) // frame_bytes
+    assert soundfile.info(str(cut)).frames == held                # what libsndfile would read
+    with pytest.raises(UserError, match=rf"audio file '{cut}' is cut short: its header "
+                                        rf"promises 12000 frames, it holds {held} "):
+        read_audio(str(cut))
+
+
+def test_a_flac_cut_short_is_refused_naming_the_file_and_both_frame_counts(tmp_path):
+    full = tmp_path / "full.flac"
+    soundfile.write(str(full), _waves()[1][:12_000], SAMPLING_RATE, format="FLAC")
+    cut = tmp_path / "cut.flac"
+    cut.write_bytes(full.read_bytes()[:full.stat().st_size // 2])
+    with pytest.raises(UserError, match=rf"audio file '{cut}' is cut short: its header "
+                                        r"promises 12000 frames, the first \d+ were read "
+                                        r"before the reader failed"):
+        read_audio(str(cut))
+
+
+def test_a_wav_of_unknown_length_as_a_pipe_writes_it_reads_whole(tmp_path):
+    """ffmpeg writing to a pipe cannot seek back: its data size says 0xFFFFFFFF."""
+    path = tmp_path / "streamed.wav"
+    wave = _waves()[1][:12_000]
+    soundfile.write(str(path), wave, SAMPLING_RATE, subtype="FLOAT")
+    raw = bytearray(path.read_bytes())
+    i = raw.index(b"data")
+    raw[4:8] = raw[i + 4:i + 8] = struct.pack("<I", 0xFFFFFFFF)
+    path.write_bytes(bytes(raw))
+    assert wav_header_frames(str(path)) is None
+    np.testing.assert_array_equal(read_audio(str(path)), wave)

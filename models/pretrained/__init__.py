@@ -1,8 +1,10 @@
 """Models in and out of the one on-disk form: a Hugging Face layout directory.
 
     pre = models.load("path/to/dir")          # config.json + safetensors + tokenizer files
-    pre.model, pre.config, pre.params, pre.tokenizer, pre.generation
+    pre.model, pre.config, pre.params, pre.tokenizer, pre.generation, pre.tables
     models.save("out", pre.config, pre.params, pre.tokenizer)
+    models.save("out", pre.config, pre.params, pre.tokenizer, generation=pre.generation,
+                tables=pre.tables)                  # the directory again, bit for bit
 
     pre = models.load("base", adapter="adapter")    # a PEFT LoRA adapter: config.lora set
     pre = models.load("base", adapter="adapter", merge=True)     # folded into the weights
@@ -81,7 +83,7 @@ from models.pretrained import (
     whisper,
     zoo,
 )
-from models.pretrained.convert import read_params, theirs_tensors
+from models.pretrained.convert import read_weights, theirs_tensors
 from models.pretrained.family import Family, Inexpressible
 from models.pretrained.files import (
     Weights,
@@ -130,6 +132,10 @@ class Pretrained:
         tokenizer: the directory's tokenizer, or None when it has no tokenizer files.
         generation: the decoding defaults the directory gives.
         model_type: config.json's model_type (kept when saving it again).
+        tables: the file's tensors that the config determines and no parameter holds,
+            {file key: numpy array of `param_dtype`} exactly as read (Whisper's encoder
+            positions, which the model computes; empty for most types): `save(...,
+            tables=pre.tables)` writes them back instead of recomputing them.
     """
 
     model: nn.Module
@@ -138,6 +144,7 @@ class Pretrained:
     tokenizer: Tokenizer | None
     generation: GenerationDefaults
     model_type: str
+    tables: dict = dataclasses.field(default_factory=dict)
 
 
 def family_of(hf: dict, path: str) -> Family:
@@ -198,8 +205,8 @@ def load(path: str, *, adapter: str | None = None, merge: bool = False,
         mesh: a (data, fsdp, tensor) `jax.sharding.Mesh`: each array is put onto its
             shards as it is read (by its logical axes and `rules`, default
             `models.axes.DEFAULT_RULES`), so no device holds the whole model.
-        allow_non_finite: load weights holding NaN or Inf (a warning names each such
-            tensor and its counts) instead of refusing them.
+        allow_non_finite: load weights (the base's and the adapter's) holding NaN or Inf
+            (a warning names each such tensor and its counts) instead of refusing them.
         runtime: how to run the model, not what it computes: `dtype` (compute),
             `param_dtype` (default float32), `scan_layers`, `remat`, dropout rates.
 
@@ -228,27 +235,29 @@ def load(path: str, *, adapter: str | None = None, merge: bool = False,
     adapted, adapters = None, {}
     if adapter is not None:
         adapted, adapters = peft.read(adapter, family, cfg, base_dir=path, base_hf=hf,
-                                      check_base_name=check_base_name)
+                                      check_base_name=check_base_name,
+                                      allow_non_finite=allow_non_finite)
     shardings = None
     if mesh is not None:
         shardings = axes.param_shardings(build(cfg.replace(lora=adapted)), mesh,
                                          rules or axes.DEFAULT_RULES)
         adapters = jax.device_put(adapters, lora.split(shardings)[1])
     with Weights(path) as weights:
-        params = lora.join(read_params(weights, family, cfg, shardings,
-                                       allow_non_finite=allow_non_finite), adapters)
+        params, tables = read_weights(weights, family, cfg, shardings,
+                                      allow_non_finite=allow_non_finite)
+    params = lora.join(params, adapters)
     cfg, generation = with_generation(path, hf, cfg)     # an encoder-decoder's start id
     cfg = cfg.replace(lora=adapted)
     if merge:
         cfg, params = lora.merge(cfg, params)
     return Pretrained(model=build(cfg), config=cfg, params=params,
                       tokenizer=load_tokenizer(path, missing_ok=True),
-                      generation=generation, model_type=family.model_type)
+                      generation=generation, model_type=family.model_type, tables=tables)
 
 
 def save(path: str, config: TransformerConfig, params, tokenizer: Tokenizer | None = None, *,
          model_type: str | None = None, generation: GenerationDefaults | None = None,
-         max_shard_bytes: int = 2 << 30) -> str:
+         tables: dict | None = None, max_shard_bytes: int = 2 << 30) -> str:
     """Writes a model directory that `load` (and, for a Hugging Face model type,
     transformers) reads back to the same tensors. Written to a temporary directory, then
     renamed into place: a crash leaves the old directory or the new one. The last file
@@ -259,6 +268,9 @@ def save(path: str, config: TransformerConfig, params, tokenizer: Tokenizer | No
         model_type: the type to write as (default: the first in `SAVE_ORDER` that
             expresses `config`; the project's own type expresses every config).
         generation: decoding defaults for generation_config.json.
+        tables: the tables a load kept (`Pretrained.tables`): written as the file held
+            them, so a load then save is bit for bit (default: computed from the config,
+            within the float rounding `load` accepts).
         max_shard_bytes: larger weights are split into shards with an index.
 
     Returns:
@@ -266,7 +278,8 @@ def save(path: str, config: TransformerConfig, params, tokenizer: Tokenizer | No
 
     Raises:
         UserError: `config.lora` set (fold the adapters in with `models.lora.merge`, or
-            save them alone with `models.save_adapter`).
+            save them alone with `models.save_adapter`); a table the type does not take
+            from `tables`, or one `load` would refuse for `config` (named).
     """
     if config.lora is not None:
         raise UserError("models.save writes a plain model, but config.lora is set: merge "
@@ -281,7 +294,7 @@ def save(path: str, config: TransformerConfig, params, tokenizer: Tokenizer | No
           "architectures": fields.get("architectures", list(family.architectures))}
     with atomic.replaced_dir(path) as tmp:
         write_json(os.path.join(tmp, "config.json"), hf)
-        write_weights(tmp, theirs_tensors(family, config, params), max_shard_bytes)
+        write_weights(tmp, theirs_tensors(family, config, params, tables), max_shard_bytes)
         write_generation(tmp, generation)
         if tokenizer is not None:
             tokenizer.save(tmp)
@@ -316,13 +329,14 @@ def save_adapter(path: str, config: TransformerConfig, params, *,
 
 
 def read_adapter(adapter: str, base: str, *, check_base_name: bool = True,
-                 **runtime) -> tuple[lora.LoraConfig, dict]:
+                 allow_non_finite: bool = False, **runtime) -> tuple[lora.LoraConfig, dict]:
     """(the `LoraConfig`, the adapter tree) of a PEFT adapter directory for the base model
-    directory `base` (`runtime` as in `load`); `models.lora.join` the tree with the base's
-    parameters. `load(base, adapter=adapter)` is this plus the base."""
+    directory `base` (`runtime` and `allow_non_finite` as in `load`); `models.lora.join`
+    the tree with the base's parameters. `load(base, adapter=adapter)` is this plus the
+    base."""
     family, cfg, hf = read_config(base, **runtime)
     return peft.read(adapter, family, cfg, base_dir=base, base_hf=hf,
-                     check_base_name=check_base_name)
+                     check_base_name=check_base_name, allow_non_finite=allow_non_finite)
 
 
 def _family_for(config: TransformerConfig, model_type: str | None) -> Family:

@@ -12,6 +12,11 @@ Reading checks the whole file against the table before converting anything:
 - every tensor read must be finite: NaN and Inf are counted per tensor and named, as an
   error unless the caller allows them (`allow_non_finite`, then as a warning).
 
+A tensor that a rule reads and checks but no parameter holds (Whisper's encoder positions,
+a function of the config) is kept as the file holds it (`read_weights`' tables), so a save
+given those tables writes the file's own values back, bit for bit, instead of recomputing
+them (`theirs_tensors(..., tables=)`).
+
 Tensors are read, converted and cast one at a time on the host and each
 parameter is put on the device as soon as it is whole (stacked, scanned parameters when
 their rule is done), so the host holds the parameters once, plus at most one rule's arrays.
@@ -70,9 +75,19 @@ def _key_resolver(family: Family, present: set[str], needed: set[str]):
 
 def read_params(weights: Weights, family: Family, cfg: TransformerConfig,
                 shardings=None, *, allow_non_finite: bool = False) -> dict:
-    """The model's parameter tree (jax arrays of `cfg.param_dtype`) from `weights`, each
-    array put on its sharding as it is read when `shardings` (a tree like the params') is
-    given, else on the default device.
+    """The parameter tree of `read_weights` (its arguments, its errors)."""
+    return read_weights(weights, family, cfg, shardings,
+                        allow_non_finite=allow_non_finite)[0]
+
+
+def read_weights(weights: Weights, family: Family, cfg: TransformerConfig,
+                 shardings=None, *, allow_non_finite: bool = False) -> tuple[dict, dict]:
+    """(the model's parameter tree, its tables) from `weights`. The tree's leaves are jax
+    arrays of `cfg.param_dtype`, each put on its sharding as it is read when `shardings` (a
+    tree like the params') is given, else on the default device. The tables are the
+    tensors the rules read and check but no parameter holds, {file key: numpy array of
+    `cfg.param_dtype`} as the file holds them (Whisper's encoder positions; empty for most
+    families): what `theirs_tensors(..., tables=)` writes back.
 
     Args:
         allow_non_finite: load tensors holding NaN or Inf (with a warning naming them)
@@ -99,6 +114,7 @@ def read_params(weights: Weights, family: Family, cfg: TransformerConfig,
     initial = initial_params(cfg, [p for _, theirs, ours in entries if set(theirs) <= plan.fresh
                                    for p in ours]) if plan.fresh else {}
     tree = ParamTree(cfg, shardings)
+    tables = {}
     non_finite = []                       # "key: n NaN, m Inf of size" of every such tensor
     for rule, theirs, ours in entries:
         if set(theirs) <= plan.fresh:
@@ -109,7 +125,7 @@ def read_params(weights: Weights, family: Family, cfg: TransformerConfig,
             if not jnp.issubdtype(a.dtype, jnp.floating):      # bfloat16 included
                 raise UserError(f"{family.model_type} checkpoint tensor {k} holds "
                                  f"{a.dtype}, not floating-point weights")
-            non_finite += _non_finite(k, a)
+            non_finite += non_finite_counts(k, a)
         try:
             arrays = rule.layout.to_ours(read, cfg)
             shapes = [tuple(a.shape) for a in arrays]
@@ -129,17 +145,33 @@ def read_params(weights: Weights, family: Family, cfg: TransformerConfig,
             raise UserError(f"{family.model_type} checkpoint {weights.directory}: {bad} (for "
                              f"{', '.join(ours)})")
         tree.place(ours, arrays)
-    if non_finite:
-        what = (f"{family.model_type} checkpoint {weights.directory} has {len(non_finite)} "
-                f"tensor(s) holding NaN or Inf: {'; '.join(non_finite[:6])}"
-                + (f" and {len(non_finite) - 6} more" if len(non_finite) > 6 else ""))
-        if not allow_non_finite:
-            raise UserError(what + " (models.load(..., allow_non_finite=True) loads them)")
-        warnings.warn(what, UserWarning, stacklevel=3)
-    return tree.params
+        if not ours:                        # checked by its layout, held by no parameter
+            tables.update({k: np.asarray(a, cfg.param_dtype)
+                           for k, a in zip(theirs, read, strict=True)})
+    check_finite(f"{family.model_type} checkpoint {weights.directory}", non_finite,
+                 allow=allow_non_finite)
+    return tree.params, tables
 
 
-def _non_finite(key: str, a: np.ndarray) -> list[str]:
+def check_finite(where: str, non_finite: list[str], *, allow: bool) -> None:
+    """Refuses the tensors of `where` (a checkpoint, an adapter) that hold NaN or Inf,
+    each named with its counts (`non_finite_counts` of every tensor read), or with `allow`
+    warns naming them (the caller of `models.load` sees the warning).
+
+    Raises:
+        UserError: unless `allow`, when `non_finite` names any tensor.
+    """
+    if not non_finite:
+        return
+    what = (f"{where} has {len(non_finite)} tensor(s) holding NaN or Inf: "
+            f"{'; '.join(non_finite[:6])}"
+            + (f" and {len(non_finite) - 6} more" if len(non_finite) > 6 else ""))
+    if not allow:
+        raise UserError(what + " (models.load(..., allow_non_finite=True) loads them)")
+    warnings.warn(what, UserWarning, stacklevel=4)
+
+
+def non_finite_counts(key: str, a: np.ndarray) -> list[str]:
     """[] for a finite tensor, else ["key: n NaN, m Inf of size values"]."""
     if np.isfinite(a).all():
         return []
@@ -279,11 +311,34 @@ def _check_fixed(weights: Weights, family: Family, fixed: dict[str, np.ndarray])
                 "this project regenerates it and cannot load a different one")
 
 
-def theirs_tensors(family: Family, cfg: TransformerConfig,
-                   params) -> Iterator[tuple[str, np.ndarray]]:
+def theirs_tensors(family: Family, cfg: TransformerConfig, params,
+                   tables: dict | None = None) -> Iterator[tuple[str, np.ndarray]]:
     """(file key, array) of every tensor the family's file holds, from our parameters
-    (converted on the host, one rule at a time)."""
-    for rule, theirs, ours in _expanded(family.rules(cfg), cfg):
+    (converted on the host, one rule at a time).
+
+    Args:
+        tables: tensors no parameter holds, as a load read them (`read_weights`): written
+            as given (cast to `cfg.param_dtype`) instead of computed from the config, once
+            the rule that reads them accepts them for `cfg`.
+
+    Raises:
+        UserError: naming a table the family does not write from a table, or one that
+            its rule refuses for `cfg`, as loading refuses it.
+    """
+    tables = dict(tables or {})
+    entries = list(_expanded(family.rules(cfg), cfg))
+    known = {k for _, theirs, ours in entries if not ours for k in theirs}
+    if set(tables) - known:
+        raise UserError(f"tables= holds {_show(set(tables) - known)}, but {family.model_type}"
+                        f" writes only {_show(known) if known else 'no tensor'} from a table "
+                        "(everything else from the parameters)")
+    for rule, theirs, ours in entries:
+        if not ours and tables.keys() >= set(theirs):
+            kept = [np.asarray(tables[k]) for k in theirs]
+            rule.layout.to_ours(kept, cfg)            # refused as loading would refuse it
+            yield from ((k, a.astype(cfg.param_dtype)) for k, a in zip(theirs, kept,
+                                                                        strict=True))
+            continue
         arrays = []
         for path in ours:
             slot, index = our_slot(path, cfg)

@@ -14,7 +14,8 @@ Reading derives the `LoraConfig` from the tensors present (targets fully qualifi
 honouring `rank_pattern`, `alpha_pattern` and `use_rslora`; and refuses by name what this
 project would compute differently from PEFT (`check_fields`), tensors of modules the base
 does not have or PEFT would not select, tensors that are not LoRA's A and B, shapes another
-base gave, and an adapter on only some layers of a stack.
+base gave, an adapter on only some layers of a stack, and tensors holding NaN or Inf (as the
+base's are refused, with the same `allow_non_finite` escape).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from models.config import TransformerConfig
 from models.errors import UserError, is_int
 from models.lora import LoraConfig, alpha_for, scale, split
 from models.pretrained import peft_checks
-from models.pretrained.convert import ParamTree, leaf_at
+from models.pretrained.convert import ParamTree, check_finite, leaf_at, non_finite_counts
 from models.pretrained.family import Family
 from models.pretrained.files import read_json, write_json
 from models.pretrained.mapping import expected_shape, our_slot, parameter_shapes
@@ -205,14 +206,21 @@ def is_adapter_dir(path: str) -> bool:
 
 
 def read(adapter_dir: str, family: Family, cfg: TransformerConfig, *, base_dir: str,
-         base_hf: dict, check_base_name: bool = True) -> tuple[LoraConfig, dict]:
+         base_hf: dict, check_base_name: bool = True,
+         allow_non_finite: bool = False) -> tuple[LoraConfig, dict]:
     """(the LoraConfig, the adapter tree) of a PEFT adapter directory for the base model
     `cfg` of `family` (read from `base_dir`, whose config.json is `base_hf`). The tree has
     the model's layout (scanned or not) and `cfg.param_dtype`; `join` it with the base's
     parameters.
 
+    Args:
+        allow_non_finite: load tensors holding NaN or Inf (a warning names each one and
+            its counts) instead of refusing the adapter, as `models.load` does for a base.
+
     Raises:
-        UserError: naming the field, tensor or shape that this base cannot load exactly.
+        UserError: naming the field, tensor or shape that this base cannot load exactly,
+            and (unless `allow_non_finite`) every tensor holding NaN or Inf, with its
+            counts.
         FileNotFoundError: naming the missing directory or file.
     """
     hf = _read_config(adapter_dir)
@@ -225,6 +233,9 @@ def read(adapter_dir: str, family: Family, cfg: TransformerConfig, *, base_dir: 
     found = peft_checks.present_modules(tensors, family, cfg, fields, adapter_dir)
     for module, names in found.items():
         _check_shapes(module, names, tensors, fields, adapter_dir)
+    check_finite(f"adapter {adapter_dir}",
+                 [c for k in sorted(tensors) for c in non_finite_counts(k, tensors[k])],
+                 allow=allow_non_finite)
     blocks = _read_blocks(meta, found, tensors, fields)
     shapes: dict[tuple, tuple[int, float]] = {}
     for module, names in found.items():

@@ -15,9 +15,12 @@ max_source_positions and d_model (`models.audio.whisper_sinusoids`), which we co
 stored one must equal ours to the float32 rounding of its angles (a few units in the last
 place of S radians, about 1e-4 at S = 1500, the differences between float32 exp and sin
 implementations) or to the file dtype's rounding, else the checkpoint is refused naming the
-tensor. `models.save` writes the table we compute, so transformers loads every tensor it
-expects and gives our logits; a checkpoint saved by torch reads back with its table
-replaced by ours (the one tensor of a round trip that may differ, within that tolerance).
+tensor. The model computes its own table (no parameter holds it); the loader keeps the
+file's, exactly as stored (`Pretrained.tables`), and `models.save(..., tables=pre.tables)`
+writes it back, so a load then save of a published Whisper is bit for bit. Without
+`tables`, `models.save` writes the table we compute (within that tolerance of torch's), so
+transformers still finds every tensor it expects and gives our logits. A table given to
+save passes the same check as one loaded (another model's table is refused by name).
 
 Refused by name: scale_embedding=True, encoder_layerdrop / decoder_layerdrop > 0
 (training-time layer dropping this project does not run), use_weighted_layer_sum=True (the
@@ -199,8 +202,9 @@ def _check_positions(xs, cfg):
     return []
 
 
-# The encoder's fixed positions: checked when reading (no parameter of ours holds them) and
-# written as we compute them, so transformers finds every tensor it expects.
+# The encoder's fixed positions: checked when reading (no parameter of ours holds them, the
+# loader keeps the file's as a table) and written from that table when a save is given it,
+# else as we compute them, so transformers finds every tensor it expects.
 POSITION_RULE = Rule(POSITIONS, (), Layout(
     _check_positions,
     lambda ours, cfg: [whisper_sinusoids(cfg.audio.max_source_positions,
