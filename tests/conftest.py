@@ -1,14 +1,16 @@
 """One strict test environment: 4 fake CPU devices for pmap, rank promotion raises."""
 
+import atexit
 import os
+import shutil
 import tempfile
 
 # Before JAX is imported anywhere: simulate 4 devices so multi-device code runs on CPU, and
 # compile for speed of compilation, not of the code: with tiny configs XLA's CPU compiler is
 # most of the suite's time, and these two flags halve it (LLVM -O0, classic loop fusions).
 # What a program computes does not depend on them; tolerances are unchanged.
-TEST_XLA_FLAGS = ("--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0 "
-                  "--xla_cpu_use_fusion_emitters=false")
+FAST_COMPILE_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+TEST_XLA_FLAGS = "--xla_force_host_platform_device_count=4 " + FAST_COMPILE_XLA_FLAGS
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + TEST_XLA_FLAGS).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The command lines keep compiled executables in the user's cache directory: the ones the
@@ -20,12 +22,20 @@ import pytest  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
+# Each module drops its compiled programs after it (below), so a worker's memory stays
+# bounded; the persistent compilation cache keeps them on disk for the modules after it,
+# which compile many of the same programs again (the same tiny presets, the same argument
+# checks). One directory per test process: two workers never write the same entry at once.
+COMPILED = tempfile.mkdtemp(prefix="zoo-test-xla-")
+jax.config.update("jax_compilation_cache_dir", COMPILED)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+atexit.register(shutil.rmtree, COMPILED, ignore_errors=True)
+
 
 @pytest.fixture(autouse=True)
 def _no_process_wide_compile_cache(monkeypatch):
-    """A command line run in the test process does not turn the persistent compilation
-    cache on for the rest of the process (tests/test_cli.py runs them as processes to
-    test the cache)."""
+    """A command line run in the test process leaves the process's compilation cache as
+    the suite set it (tests/test_cli.py runs them as processes to test the user's cache)."""
     import models
     monkeypatch.setattr(models, "use_compile_cache", lambda given=None: None)
 
