@@ -44,8 +44,11 @@ Modules:
     whisper     Whisper transcription (`transcribe`: the checkpoint's prompt and suppressed
                 tokens, greedy or beam search as transformers runs it); `whisper_cli` its
                 command line (`--audio`)
-    __main__    `python -m decode`: argument parsing over `request`, `text`, `encoder_cli`,
-                `whisper_cli`
+    source      the model `python -m decode` names (--config, --model, --workdir,
+                --draft-model); `cli_request` its request: a directory's defaults, then
+                the flags given
+    __main__    `python -m decode`: argument parsing over `source`, `cli_request`, `text`,
+                `encoder_cli`, `whisper_cli`
 """
 
 from decode.beam import BeamOutput, beam_search, beam_search_arguments
