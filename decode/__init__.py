@@ -28,7 +28,8 @@ Modules:
     generate, beam   the two public calls, each a `setup.DecodeCall` over one jitted
                 computation; `runner` (`run`) chooses between them by strategy
     setup       their shared set-up (checks, a request merged with keywords, placement)
-                and the callable-and-lowerable call object
+                and the callable-and-lowerable call object; `trace_cache` keeps their
+                traced programs once per machine when the compilation cache is on
     sampling, checks   their arguments, checked
     loop        the sampling loop, model-free; `beam_steps` beam search's steps
     processors  logits processors, the token constraints among them; `ngrams` the
