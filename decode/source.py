@@ -14,6 +14,7 @@ that is missing or damaged, and an adapter on a preset, are the user's mistakes
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 
@@ -21,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 import models
+from decode import trace_cache
 from decode.runner import Draft
 from models.errors import UserError
 from models.pretrained.generation import GenerationDefaults
@@ -44,16 +46,23 @@ def note(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _random_params(model, key, *tokens):
+    return model.init(key, *tokens)["params"]
+
+
 def load(args):
     """(model, params, tokenizer or None, the decoding defaults) of the chosen source."""
     if args.config:
         cfg = models.get_config(args.config)
         model = models.build(cfg)
         dummy = jnp.full((1, 4), 3, jnp.int32)
-        params = jax.jit(model.init)(jax.random.key(args.seed),
-                                     *((dummy, dummy) if cfg.is_encoder_decoder else (dummy,)))
+        tokens = (dummy, dummy) if cfg.is_encoder_decoder else (dummy,)
+        # Initialised by a program stored once per machine (`decode.trace_cache`).
+        params = trace_cache.call("init", _random_params,
+                                  (model, jax.random.key(args.seed), *tokens), {})
         eos = None if cfg.eos_id is None else (cfg.eos_id,)
-        return model, params["params"], None, GenerationDefaults(eos_ids=eos)
+        return model, params, None, GenerationDefaults(eos_ids=eos)
     path = model_source(args)
     if args.adapter and args.config:
         raise UserError("--adapter adapts a model directory (--model), not a preset")
