@@ -27,10 +27,14 @@ default for a library user, and the test suite's), an argument is traced (inside
 `jit`, `grad` or `vmap`), an array spans several devices, a mesh is in effect (a
 `jax.sharding` mesh, `models.axes.sharded_activations`), a model's class is not one of
 `models` (a subclass of your own: its code is not in the key), a static value has no
-stable description (a repr naming an address), or `jax.export` cannot keep the program. A stored
-file that cannot be read is a miss and is written again. What the key cannot see is code
-changed while a process runs (a function of `models` or `decode` monkeypatched): turn the
-cache off for that (`--no-compile-cache`).
+stable description (a repr naming an address), or `jax.export` cannot keep the program.
+A stored file that cannot be read is a miss and is written again. What the key cannot see
+is code changed while a process runs (a function of `models` or `decode` monkeypatched):
+turn the cache off for that (`--no-compile-cache`).
+
+On CPU, calling a stored program first initialises JAX's LAPACK kernels, which imports
+scipy (about 0.15 s, once per process): most of what a second process's first call still
+costs besides reading its executable.
 """
 
 from __future__ import annotations
