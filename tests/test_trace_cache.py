@@ -55,10 +55,9 @@ def _assert_same(a, b):
 
 
 CALLS = [
-    ("decoder_only", decode.generate, dict(max_new_tokens=5)),
     ("decoder_only", decode.generate, dict(max_new_tokens=5, temperature=0.8, top_p=0.9,
-                                            banned_ids=(4,), rng=jax.random.key(1))),
-    ("encoder_decoder", decode.generate, dict(max_new_tokens=5, no_repeat_ngram_size=2)),
+                                            banned_ids=(4,), no_repeat_ngram_size=2,
+                                            rng=jax.random.key(1))),
     ("encoder_decoder", decode.beam_search, dict(max_new_tokens=5, beam_size=3)),
 ]
 
@@ -85,28 +84,30 @@ def test_the_key_holds_the_shapes_the_static_values_the_options_and_the_source(
         stored, monkeypatch, tmp_path, fresh_environment):
     model, params, prompts, lengths = setup("decoder_only")
 
-    def run(**options):
-        return decode.generate(model, params, prompts, lengths, **options)
+    def path(prompts=prompts, lengths=lengths, max_new_tokens=4, temperature=0.5):
+        args, static = decode.generate.arguments(
+            model, params, prompts, lengths, max_new_tokens=max_new_tokens,
+            temperature=temperature, rng=jax.random.key(0))
+        return trace_cache._key("generate", args, static).path(str(stored))
 
-    run(max_new_tokens=4)
-    run(max_new_tokens=4)                                     # the same key: one file
-    run(max_new_tokens=3)                                     # a static value
-    decode.generate(model, params, prompts[:1], lengths[:1], max_new_tokens=4)   # a shape
-    with jax.default_matmul_precision("highest"):             # a JAX option in effect
-        run(max_new_tokens=4)
-    assert len(_files(stored)) == 4
+    first = path()
+    assert path() == first                                      # the same call, the same key
+    assert path(temperature=0.7) == first                       # a traced value: the same
+    others = {path(max_new_tokens=3),                           # a static value
+              path(prompts[:1], lengths[:1])}                   # a shape
+    with jax.default_matmul_precision("highest"):               # a JAX option in effect
+        others.add(path())
+    assert first not in others and len(others) == 3
     # The project's source: one byte changed in a traced package is a new key.
     package = tmp_path / "package"
     package.mkdir()
     (package / "layer.py").write_text("x = 1\n")
     monkeypatch.setattr(trace_cache, "_PACKAGES", (*trace_cache._PACKAGES, str(package)))
     trace_cache._environment.cache_clear()
-    key = trace_cache._key("generate", *decode.generate.arguments(
-        model, params, prompts, lengths, max_new_tokens=4))
-    before = key.path(str(stored))
+    before = path()
     (package / "layer.py").write_text("x = 2\n")
     trace_cache._environment.cache_clear()
-    assert key.path(str(stored)) != before
+    assert path() != before
 
 
 def test_traced_and_sharded_calls_and_meshes_are_not_stored(stored):
