@@ -2,7 +2,8 @@
 
 Compile once per machine: the first `decode.generate` and `decode.beam_search` calls in a
 process that starts with an empty persistent compilation cache, then in a second process
-with the same shapes that finds the first one's executables (`models.use_compile_cache`).
+with the same shapes that finds the first one's executables (`models.use_compile_cache`)
+and traced programs (`decode.trace_cache`: it neither traces nor lowers the model again).
 Each process is a fresh interpreter and times, per strategy, its first call (tracing,
 compilation or a cache hit, and one run) and a second call (the run alone); the
 difference, `start_s`, is what starting costs. One JSON line per process and strategy,

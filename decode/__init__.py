@@ -28,7 +28,8 @@ Modules:
     generate, beam   the two public calls, each a `setup.DecodeCall` over one jitted
                 computation; `runner` (`run`) chooses between them by strategy
     setup       their shared set-up (checks, a request merged with keywords, placement)
-                and the callable-and-lowerable call object
+                and the callable-and-lowerable call object; `trace_cache` keeps their
+                traced programs once per machine when the compilation cache is on
     sampling, checks   their arguments, checked
     loop        the sampling loop, model-free; `beam_steps` beam search's steps
     processors  logits processors, the token constraints among them; `ngrams` the
@@ -44,8 +45,11 @@ Modules:
     whisper     Whisper transcription (`transcribe`: the checkpoint's prompt and suppressed
                 tokens, greedy or beam search as transformers runs it); `whisper_cli` its
                 command line (`--audio`)
-    __main__    `python -m decode`: argument parsing over `request`, `text`, `encoder_cli`,
-                `whisper_cli`
+    source      the model `python -m decode` names (--config, --model, --workdir,
+                --draft-model); `cli_request` its request: a directory's defaults, then
+                the flags given
+    __main__    `python -m decode`: argument parsing over `source`, `cli_request`, `text`,
+                `encoder_cli`, `whisper_cli`
 """
 
 from decode.beam import BeamOutput, beam_search, beam_search_arguments

@@ -64,33 +64,27 @@ input or a file, or a missing optional dependency (one `error:` line on stderr; 
 adds the traceback); 1 for an internal error, a bug in this project or a library under it
 (the traceback, then one `error: internal error ...` line).
 """
-# (This docstring is the --help text.) The generation half is argument parsing over a
-# `decode.DecodeRequest` (the directory's, then the flags given) and the text service
-# `decode.TextDecoder`; the encoder-only half is `decode.encoder_cli`.
+# (This docstring is the --help text.) Argument parsing only: the model comes from
+# `decode.source`, the generation request from `decode.cli_request` (the directory's
+# `decode.DecodeRequest`, then the flags given), the text service is `decode.TextDecoder`;
+# the encoder-only half is `decode.encoder_cli`, the audio half `decode.whisper_cli`.
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import functools
 import re
 import sys
 import traceback
 
 import jax
-import jax.numpy as jnp
 
 import models
-from decode import encoder_cli, whisper_cli
-from decode.defaults import generation_strategy, unapplied
-from decode.request import DecodeRequest
-from decode.runner import Draft
-from decode.text import Batching, LengthLimit, TextDecoder, length_limit, one_line
+from decode import cli_request, encoder_cli, source, whisper_cli
+from decode.cli_request import DEFAULT_NEW_TOKENS, DEFAULTS
+from decode.text import Batching, TextDecoder, one_line
 from models.errors import UserError
-from models.pretrained.generation import GenerationDefaults
 
-DEFAULT_NEW_TOKENS = 32        # when neither the command line nor the directory gives one
-# decode's own beam settings (beam size 4, GNMT's alpha 0.6) where the directory names none.
-DEFAULTS = DecodeRequest()
 INTERNAL = "internal error (a bug in jax-transformer-zoo or a library it uses)"
 
 
@@ -198,101 +192,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _note(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
-def _load(args):
-    """(model, params, tokenizer or None, the decoding defaults) of the chosen source."""
-    if args.config:
-        cfg = models.get_config(args.config)
-        model = models.build(cfg)
-        dummy = jnp.full((1, 4), 3, jnp.int32)
-        params = jax.jit(model.init)(jax.random.key(args.seed),
-                                     *((dummy, dummy) if cfg.is_encoder_decoder else (dummy,)))
-        eos = None if cfg.eos_id is None else (cfg.eos_id,)
-        return model, params["params"], None, GenerationDefaults(eos_ids=eos)
-    path = encoder_cli.model_source(args)
-    if args.adapter and args.config:
-        raise UserError("--adapter adapts a model directory (--model), not a preset")
-    try:
-        pre = models.load(path, adapter=args.adapter)
-    except FileNotFoundError as e:
-        hint = (f" (a run exports it when it finishes; python -m train.export --workdir "
-                f"{args.workdir} writes it from a checkpoint)" if args.workdir else "")
-        raise UserError(f"{e}{hint}") from None
-    lora = pre.config.lora
-    _note(f"# {path}: {pre.model_type}, {pre.config.architecture}"
-          + ("" if lora is None else f", adapters of rank {lora.rank} on {list(lora.targets)}")
-          + ("" if pre.tokenizer else "; no tokenizer: token ids in and out"))
-    return pre.model, pre.params, pre.tokenizer, pre.generation
-
-
-def _with_new_tokens(args, gen: GenerationDefaults) -> GenerationDefaults:
-    """The directory's defaults with the number of new tokens the command line decodes:
-    --max-new-tokens, else the directory's max_new_tokens, else (no max_length either)
-    32. Like max_new_tokens in transformers, it wins over max_length."""
-    n = args.max_new_tokens or gen.max_new_tokens
-    if n is None and gen.max_length is None:
-        n = DEFAULT_NEW_TOKENS
-    return dataclasses.replace(gen, max_new_tokens=n)
-
-
-def _limit(args, gen: GenerationDefaults, cfg) -> LengthLimit:
-    """The longest input the model takes with the new tokens (`gen` from
-    `_with_new_tokens`, whose max_new_tokens is None only where max_length is set):
-    refused, or cut with a warning under --truncate."""
-    if cfg.is_encoder_decoder and gen.max_new_tokens is None and gen.max_length <= 1:
-        raise UserError(f"the directory's max_length={gen.max_length} leaves no new token "
-                        "after the start token; pass --max-new-tokens")
-    limit = length_limit(cfg, gen.max_new_tokens, max_length=gen.max_length)
-    return dataclasses.replace(limit, overlong="cut" if args.truncate else "refuse",
-                               advice="shorten it or pass --truncate")
-
-
-def _given_ids(args) -> dict:
-    """The id flags given, as request fields: "none" / no value turn a default off."""
-    changes = {}
-    if args.eos_id is not None:
-        changes["eos_id"] = tuple(args.eos_id) or None
-    for name in ("forced_bos_id", "forced_eos_id"):
-        value = getattr(args, name)
-        if value is not None:
-            changes[name] = None if value < 0 else value
-    if args.banned_ids is not None:
-        changes["banned_ids"] = tuple(args.banned_ids)
-    return changes
-
-
-def request_for(args, gen: GenerationDefaults, cfg, prompt_len: int) -> DecodeRequest:
-    """The request for a batch whose longest input has `prompt_len` tokens: the
-    directory's (`DecodeRequest.from_generation`), then decode's own beam settings where
-    the directory names none, then the flags given (`gen` is `_with_new_tokens`').
-
-        file {num_beams: 4, length_penalty: 2.0, max_length: 20}, flags --beam-size 2, an
-        encoder-decoder -> strategy "beam", beam_size 2, length_penalty 2.0,
-        length_normalization "hf", max_new_tokens 19 (max_length counts the start token)
-    """
-    request = DecodeRequest.from_generation(gen, cfg, prompt_len=prompt_len)
-    from_file = gen.num_beams is not None or gen.length_penalty is not None
-    norm = args.length_normalization or ("hf" if from_file else "gnmt")
-    alpha = request.length_penalty if norm == "hf" else DEFAULTS.length_penalty
-    beams = gen.num_beams if gen.num_beams and gen.num_beams > 1 else DEFAULTS.beam_size
-    request = request.replace(
-        strategy=args.strategy or generation_strategy(gen), length_normalization=norm,
-        length_penalty=alpha if args.length_penalty is None else args.length_penalty,
-        beam_size=args.beam_size or beams, **_given_ids(args))
-    request = request.override(
-        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-        repetition_penalty=args.repetition_penalty, min_new_tokens=args.min_new_tokens,
-        no_repeat_ngram_size=args.no_repeat_ngram_size)
-    if request.strategy == "beam" and request.beam_size > cfg.vocab_size:
-        given = "--beam-size" if args.beam_size else "the directory's num_beams"
-        raise UserError(f"{given} {request.beam_size} exceeds the vocabulary "
-                        f"({cfg.vocab_size} tokens)")
-    return request
-
-
 def run(args) -> None:
     parser = build_parser()
     whisper_cli.check_flags(args, parser)
@@ -301,32 +200,19 @@ def run(args) -> None:
         return
     encoder_cli.check_flags(args, parser)
     lines = args.text or sys.stdin.read().splitlines()
-    model, params, tok, gen = _load(args)
+    model, params, tok, gen = source.load(args)
     cfg = model.config
     encoder_cli.check_model_fits(args, cfg)
     if args.fill_mask or args.classify:
         encoder_cli.run(args, model, params, tok, lines)
         return
-    strategy = args.strategy or generation_strategy(gen)
-    if strategy == "beam" and args.repetition_penalty is not None:
-        raise UserError("--repetition-penalty applies to greedy decoding and sampling; beam "
-                        "search has none")
-    skipped = unapplied(gen, strategy=strategy)
-    if skipped:
-        _note(f"warning: generation settings not applied: {', '.join(skipped)}")
-    gen = _with_new_tokens(args, gen)
-    draft = None
-    if args.draft_model:
-        if strategy == "beam":
-            raise UserError("--draft-model speeds up greedy decoding and sampling, not beam "
-                            "search")
-        pre = models.load(args.draft_model)
-        draft = Draft(pre.model, pre.params, args.draft_tokens)
-    service = TextDecoder(model, params, tok, limit=_limit(args, gen, cfg),
+    strategy = cli_request.checked_strategy(args, gen)
+    gen = cli_request.with_new_tokens(args, gen)
+    draft = source.load_draft(args, strategy)
+    service = TextDecoder(model, params, tok, limit=cli_request.input_limit(args, gen, cfg),
                           batching=Batching(size=args.batch_size), draft=draft)
-    outputs = service.decode(lines, lambda prompt_len: request_for(args, gen, cfg, prompt_len),
-                             rng=jax.random.key(args.seed))
-    for text in outputs:
+    request_for = functools.partial(cli_request.request_for, args, gen, cfg)
+    for text in service.decode(lines, request_for, rng=jax.random.key(args.seed)):
         print(one_line(text), flush=True)
 
 

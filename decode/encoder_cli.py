@@ -16,9 +16,9 @@ max_len before anything runs; a blank line gives a blank line.
 from __future__ import annotations
 
 import argparse
-import os
 
 from decode import encoder, encoder_text
+from decode.source import model_source
 from decode.text import one_line, token_ids
 from models.config import TransformerConfig
 from models.errors import UserError
@@ -35,19 +35,6 @@ GENERATION_FLAGS = ("strategy", "max_new_tokens", "temperature", "top_p", "min_p
 def task_flag(args) -> str | None:
     """"--fill-mask", "--classify", or None (generation)."""
     return "--fill-mask" if args.fill_mask else "--classify" if args.classify else None
-
-
-def model_source(args) -> str:
-    """What the command line decodes with, as messages name it."""
-    if args.config:
-        return f"the preset {args.config}"
-    if args.model:
-        return args.model
-    run = args.workdir.rstrip("/")
-    # A run that trained adapters exports them (RUN/adapter), and RUN/model only merged.
-    if not os.path.isdir(f"{run}/model") and os.path.isdir(f"{run}/adapter"):
-        return f"{run}/adapter"
-    return f"{run}/model"
 
 
 def _flag(dest: str) -> str:

@@ -15,7 +15,9 @@ keywords, the compilation's key. `DecodeCall` holds the two functions:
     decode.generate.lower(...)        computation.lower(*args, **static)   (jax.stages.Lowered)
     decode.generate.arguments(...)    (args, static)
 
-so running and lowering check the same arguments the same way. Parameters sharded over a
+so running and lowering check the same arguments the same way. With the persistent
+compilation cache on, running goes through `decode.trace_cache`, which stores the traced
+program for later processes (and runs the same computation). Parameters sharded over a
 mesh add `cache_sharding` to `static` (`decode.placement`); unsharded calls never have the
 key, so their compilations are keyed as they always are.
 """
@@ -27,7 +29,7 @@ from collections.abc import Callable
 
 import jax
 
-from decode import checks, placement
+from decode import checks, placement, trace_cache
 from decode.processors import Constraints
 from decode.request import DecodeRequest
 from models.errors import UserError
@@ -123,7 +125,7 @@ class DecodeCall:
     def __call__(self, model, params, prompts, lengths, request: DecodeRequest | None = None,
                  **options):
         args, static = self.arguments(model, params, prompts, lengths, request, **options)
-        return self.computation(*args, **static)
+        return trace_cache.call(self.__name__, self.computation, args, static)
 
     def lower(self, model, params, prompts, lengths, request: DecodeRequest | None = None,
               **options) -> jax.stages.Lowered:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import numpy as np
 
 import models
-from decode import encoder_cli
+from decode.source import model_source
 from decode.text import one_line
 from decode.whisper import WhisperSettings, transcribe
 from models.audio_features import SAMPLING_RATE, window_features, window_seconds
@@ -67,7 +67,7 @@ def check_flags(args, parser) -> None:
 
 
 def _load(args):
-    path = encoder_cli.model_source(args)
+    path = model_source(args)
     pre = models.load(path)
     if pre.config.audio is None:
         raise UserError(f"--audio needs a Whisper model (an audio encoder); {path} is "

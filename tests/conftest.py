@@ -37,7 +37,9 @@ def _no_process_wide_compile_cache(monkeypatch):
     """A command line run in the test process leaves the process's compilation cache as
     the suite set it (tests/test_cli.py runs them as processes to test the user's cache)."""
     import models
+    from models import compile_cache
     monkeypatch.setattr(models, "use_compile_cache", lambda given=None: None)
+    monkeypatch.setattr(compile_cache, "_trace_directory", None)   # nor stores programs
 
 
 @pytest.fixture(autouse=True, scope="module")
