@@ -14,11 +14,16 @@ the candidates are chosen, as in transformers' beam search. Only the self-attent
 is reordered (gathered by parent beam); the encoder's cross-attention keys/values stay one
 row per source, shared by its beams.
 
-A source stops once its W-th best finished score beats anything an alive beam can still
-reach (an exact bound, `beam_steps.cannot_improve`; transformers' `early_stopping=True`
-stops as soon as W beams have finished, so the best beam here scores at least as high as
-transformers'); once all have stopped, the remaining iterations call no model. At the end the alive
-beams join the finished pool, so a source whose beams never ended still returns W.
+When a source stops is `early_stopping`, one of transformers' three rules
+(`beam_steps.STOPPINGS`): "never" (the default) once its W-th best finished score beats
+anything an alive beam can still reach (an exact bound, `beam_steps.cannot_improve`);
+False (transformers' default) once W have finished and the W-th scores at least the best
+alive beam at its current length; True as soon as W have finished. The rule is traced:
+changing it never recompiles. A stopped source takes no more finished beams, so with
+"hf" normalisation each rule gives transformers' beams; the exact stop's best beam scores
+at least as high as the other two's. Once all sources have stopped, the remaining
+iterations call no model. At the end the alive beams of the sources not stopped join the
+finished pool, so a source whose beams never ended still returns W.
 
 Like `generate`, `beam_search` is a `decode.setup.DecodeCall`: a call is
 `_beam_search(*args, **static)` with `args, static = decode.beam_search_arguments(...)`
@@ -39,7 +44,14 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from decode import checks, ngrams
-from decode.beam_steps import NORMALIZATIONS, beam_init, beam_loop, finalize
+from decode.beam_steps import (
+    NORMALIZATIONS,
+    STOPPINGS,
+    beam_init,
+    beam_loop,
+    finalize,
+    stopping_rule,
+)
 from decode.model_fns import (
     BEAM_CACHES,
     decoder_prefix,
@@ -80,6 +92,7 @@ class BeamInputs:
         alpha: float32[] the length penalty.
         constraints: the token constraints (`decode.processors.Constraints`).
         renormalize: bool[] transformers' renormalize_logits.
+        stopping: int32[] the stopping rule, an index in `beam_steps.STOPPINGS`.
     """
 
     prompts: Int[Array, "B P"]
@@ -87,6 +100,7 @@ class BeamInputs:
     alpha: Float[Array, ""]
     constraints: Constraints
     renormalize: Array
+    stopping: Int[Array, ""]
 
 
 @functools.partial(jax.jit, static_argnames=("model", "beam_size", "max_new_tokens", "cache_len",
@@ -111,7 +125,7 @@ def _beam_search(model, params, inputs: BeamInputs, *, beam_size, max_new_tokens
     state = beam_loop(model_step_fn(model, params, cache_sharding), state, alpha=inputs.alpha,
                       eos_ids=eos_ids, normalization=normalization,
                       constraints=constraints if constrained else None,
-                      renormalize=inputs.renormalize)
+                      renormalize=inputs.renormalize, stopping=inputs.stopping)
     return BeamOutput(*finalize(state, inputs.alpha, output_pad_id(model.config), normalization))
 
 
@@ -143,6 +157,11 @@ def beam_search_arguments(model: nn.Module, params, prompts, lengths,
             renormalize_logits: a log_softmax again after the constraints, transformers'
                 renormalize_logits (a traced bool; False by default). It changes the scores
                 only where a constraint removed probability mass.
+            early_stopping: when a source stops, transformers' values (traced: changing
+                it never recompiles): "never" (default), once no alive beam can beat its
+                W-th finished one (exact); False, once W beams have finished and the W-th
+                scores at least the best alive one at its current length (transformers'
+                default); True, once W beams have finished.
             beam_cache: how the beams' keys and values are kept (static): "table"
                 (default; `models.BeamKVCache`: they never move, an ancestry table
                 follows the beams) or "gathered" (every beam its own cache rows, gathered
@@ -170,7 +189,7 @@ def _keyword_arguments(model: nn.Module, params, prompts, lengths, *, beam_size:
                        eos_id: int | tuple[int, ...] | str | None = "config",
                        forced_bos_id=None, forced_eos_id=None, banned_ids=(), min_new_tokens=0,
                        no_repeat_ngram_size=0, renormalize_logits=False,
-                       cache_len: int | None = None,
+                       early_stopping: bool | str = "never", cache_len: int | None = None,
                        beam_cache: str = "table") -> tuple[tuple, dict]:
     """`beam_search_arguments` on its keywords alone (their defaults are the keyword API's)."""
     cfg = model.config
@@ -200,7 +219,9 @@ def _keyword_arguments(model: nn.Module, params, prompts, lengths, *, beam_size:
     renormalize = checks.as_array(renormalize_logits)
     if renormalize.shape != () or renormalize.dtype != bool:
         raise UserError(f"renormalize_logits must be a bool, got {renormalize_logits!r}")
-    inputs = BeamInputs(shared.prompts, shared.lengths, alpha, shared.constraints, renormalize)
+    stopping = np.int32(STOPPINGS.index(stopping_rule(early_stopping)))
+    inputs = BeamInputs(shared.prompts, shared.lengths, alpha, shared.constraints, renormalize,
+                        stopping)
     return (model, params, inputs), {**shared.static, "beam_size": beam_size,
                                      "normalization": length_normalization,
                                      "beam_cache": beam_cache}
@@ -222,7 +243,7 @@ Args:
     **options: `max_new_tokens` (required, here or in the request), `beam_size`,
         `length_penalty`, `length_normalization`, `eos_id`, `forced_bos_id`,
         `forced_eos_id`, `banned_ids`, `min_new_tokens`, `no_repeat_ngram_size`,
-        `renormalize_logits`, `cache_len`, `beam_cache`, each documented in
+        `renormalize_logits`, `early_stopping`, `cache_len`, `beam_cache`, each documented in
         `decode.beam_search_arguments`, which checks them; each wins over the request's
         field.
 

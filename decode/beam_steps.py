@@ -35,17 +35,22 @@ counts the new tokens, the end token included, and not the decoder's prompt or s
 
     log-prob -6.0 at length 4, alpha 1:  gnmt -6.0 / 1.5 = -4.0;   hf -6.0 / 4 = -1.5
 
-Three stopping rules (`STOPPINGS`, static), each transformers' `early_stopping` value:
+Three stopping rules (`STOPPINGS`), each one of transformers' `early_stopping` values
+(`EARLY_STOPPING`, `stopping_rule`):
 
     "exact"      no alive beam can still beat the W-th finished one (`cannot_improve`);
-                 transformers' early_stopping="never" (where log-prob sums are <= 0)
+                 transformers' early_stopping="never" (log-prob sums are <= 0, so its
+                 bound, the best alive sum at max_length when alpha > 0 and at the current
+                 length otherwise, is this one)
     "heuristic"  the pool is full and its W-th score is at least the best alive sum at
                  its current length (`heuristic_stop`); transformers' default, False
     "full"       the pool is full (W finished); transformers' early_stopping=True
 
-A source that is done takes no more finished sequences, and its alive beams do not join
-the pool at the end (`finalize`), so with "heuristic" and "full" the result is exactly
-transformers', which may score below the exact search's.
+A rule is a name (static) or its index in `STOPPINGS` (int32[], traced: one compilation
+serves all three, `decode.beam_search`'s way). A source that is done takes no more
+finished sequences, and its alive beams do not join the pool at the end (`finalize`), so
+with "heuristic" and "full" the result is exactly transformers', which may score below
+the exact search's.
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ from __future__ import annotations
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jaxtyping import Array, Bool, Float, Int
 
@@ -65,7 +71,22 @@ from models.numerics import NO_SEQUENCE_SCORE
 NORMALIZATIONS = ("gnmt", "hf")
 STOPPINGS = ("exact", "heuristic", "full")
 # transformers' early_stopping values -> the stopping rule that reproduces them.
-HF_EARLY_STOPPING = {"never": "exact", False: "heuristic", True: "full"}
+EARLY_STOPPING = {"never": "exact", False: "heuristic", True: "full"}
+
+
+def stopping_rule(early_stopping, name: str = "early_stopping") -> str:
+    """The `STOPPINGS` rule of one of transformers' early_stopping values, True, False or
+    "never"; anything else (1, "true", None) is refused naming `name` and the value.
+
+        stopping_rule("never") -> "exact";  stopping_rule(False) -> "heuristic"
+        stopping_rule(1)       -> UserError: early_stopping=1 must be True, False or 'never'
+    """
+    if isinstance(early_stopping, (bool, np.bool_)):
+        return EARLY_STOPPING[bool(early_stopping)]
+    if isinstance(early_stopping, str) and early_stopping == "never":
+        return EARLY_STOPPING["never"]
+    raise UserError(f"{name}={early_stopping!r} must be True, False or 'never' "
+                    "(transformers' early_stopping values)")
 
 
 def gnmt_penalty(length, alpha: float):
@@ -268,16 +289,34 @@ def heuristic_stop(finished_scores_BW, alive_logprobs_BW, penalty_now):
     return full_B & (finished_scores_BW[:, -1] >= alive_logprobs_BW[:, 0] / penalty_now)
 
 
-def stops(stopping: str, finished_scores_BW, alive_logprobs_BW, penalty_now, penalty_last):
-    """bool[B]: the sources the rule `stopping` (`STOPPINGS`) stops after this step."""
-    if stopping == "exact":
-        return cannot_improve(finished_scores_BW, alive_logprobs_BW, penalty_now,
-                              penalty_last)
-    if stopping == "heuristic":
-        return heuristic_stop(finished_scores_BW, alive_logprobs_BW, penalty_now)
-    if stopping == "full":
-        return finished_scores_BW[:, -1] > NO_SEQUENCE_SCORE / 2
-    raise UserError(f"stopping={stopping!r} must be one of {STOPPINGS}")
+def stops(stopping, finished_scores_BW, alive_logprobs_BW, penalty_now, penalty_last):
+    """bool[B]: the sources the rule `stopping` stops after this step: a `STOPPINGS` name
+    (static), or its index in `STOPPINGS` (int32[], traced: the three are computed and
+    the index picks one)."""
+    def rule(name):
+        if name == "exact":
+            return cannot_improve(finished_scores_BW, alive_logprobs_BW, penalty_now,
+                                  penalty_last)
+        if name == "heuristic":
+            return heuristic_stop(finished_scores_BW, alive_logprobs_BW, penalty_now)
+        return finished_scores_BW[:, -1] > NO_SEQUENCE_SCORE / 2          # "full"
+
+    if isinstance(stopping, str):
+        check_stopping(stopping)
+        return rule(stopping)
+    return jnp.select([stopping == i for i in range(len(STOPPINGS) - 1)],
+                      [rule(name) for name in STOPPINGS[:-1]], rule(STOPPINGS[-1]))
+
+
+def check_stopping(stopping) -> None:
+    """A `STOPPINGS` name, or an int32[] index of one (not checked when traced)."""
+    if isinstance(stopping, str):
+        if stopping not in STOPPINGS:
+            raise UserError(f"stopping={stopping!r} must be one of {STOPPINGS}")
+    elif getattr(stopping, "shape", None) != () or not jnp.issubdtype(stopping.dtype,
+                                                                        jnp.integer):
+        raise TypeError(f"stopping must be one of {STOPPINGS} or an int32[] index of one, "
+                        f"got {stopping!r}")
 
 
 def cannot_improve(finished_scores_BW, alive_logprobs_BW, penalty_now, penalty_last):
@@ -326,7 +365,7 @@ def follow(cache, parent_BW):
 
 def choose(s: BeamState, *, alpha, eos_E, normalization: str = "gnmt",
            constraints: Constraints | None = None, renormalize=False,
-           stopping: str = "exact"):
+           stopping: str | Array = "exact"):
     """Everything one iteration does but the model: the steps listed in the module
     docstring up to `cache_rows`. A source already done takes no finished sequence, and
     the last iteration stops none (at the end every source not done before it takes its
@@ -363,7 +402,7 @@ def choose(s: BeamState, *, alpha, eos_E, normalization: str = "gnmt",
 
 def beam_step(step_fn, s: BeamState, *, alpha, eos_E, normalization: str = "gnmt",
               constraints: Constraints | None = None, renormalize=False,
-              stopping: str = "exact") -> BeamState:
+              stopping: str | Array = "exact") -> BeamState:
     """One iteration: `choose` the new beams, `follow` them in the cache, and the model's
     step on their tokens for the next logits, unless every source is done or this was the
     last token (`decode.loop.maybe_step`: no model call then). Once every source is done an
@@ -388,13 +427,13 @@ def beam_step(step_fn, s: BeamState, *, alpha, eos_E, normalization: str = "gnmt
 
 def beam_loop(step_fn, state: BeamState, *, alpha, eos_ids, normalization: str = "gnmt",
               constraints: Constraints | None = None, renormalize=False,
-              stopping: str = "exact") -> BeamState:
+              stopping: str | Array = "exact") -> BeamState:
     """Runs N = alive_tokens.shape[-1] iterations of `beam_step` as a `lax.scan`; an
     iteration where every source is done changes nothing and calls no model.
     `constraints` (with R = B * W rows of min_new_tokens) apply to every step's log-probs;
-    None applies none. `stopping` is one of `STOPPINGS` (static)."""
-    if stopping not in STOPPINGS:
-        raise UserError(f"stopping={stopping!r} must be one of {STOPPINGS}")
+    None applies none. `stopping` is a `STOPPINGS` name (static) or its index (int32[],
+    traced)."""
+    check_stopping(stopping)
     N = state.alive_tokens.shape[-1]
     eos_E = None if eos_ids is None else jnp.asarray(sorted(set(eos_ids)), jnp.int32)
 

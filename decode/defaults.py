@@ -24,6 +24,8 @@ a batch and counts the padding, so P is the batch's longest prompt):
     repetition_penalty       repetition_penalty (greedy and sampling: beam search has none)
     length_penalty           length_penalty with length_normalization "hf" (default 1.0)
     renormalize_logits       renormalize_logits (it changes only beam scores)
+    early_stopping           early_stopping: true, false or "never" (default false, as in
+                             transformers; a request's own default is "never")
 
 `unapplied(gen, strategy=...)` names the settings that would change transformers' output
 and that a request does not carry (sampling with do_sample, stop strings, group beam
@@ -44,8 +46,8 @@ def request_fields(generation: GenerationDefaults, config: TransformerConfig, *,
                    prompt_len: int | None = None) -> dict:
     """The `decode.DecodeRequest` fields `generation` sets (the module docstring maps
     them), with transformers' defaults for the beam settings: beam size 1, length penalty
-    1.0 under "hf" normalisation. `DecodeRequest.from_generation` documents the
-    arguments and the errors.
+    1.0 under "hf" normalisation, early_stopping False. `DecodeRequest.from_generation`
+    documents the arguments and the errors.
 
         encoder-decoder, max_length 142, min_length 56, forced_bos 0
         -> {"max_new_tokens": 141, "min_new_tokens": 55, "forced_bos_id": 0, ...}
@@ -57,7 +59,8 @@ def request_fields(generation: GenerationDefaults, config: TransformerConfig, *,
         repetition_penalty=1.0 if g.repetition_penalty is None else g.repetition_penalty,
         beam_size=g.num_beams or 1,
         length_penalty=1.0 if g.length_penalty is None else g.length_penalty,
-        length_normalization="hf", renormalize_logits=bool(g.renormalize_logits))
+        length_normalization="hf", renormalize_logits=bool(g.renormalize_logits),
+        early_stopping=False if g.early_stopping is None else g.early_stopping)
     if g.forced_bos_id is not None:
         # transformers forces it when the decoder's input is one token long.
         if _prompt_len(config, prompt_len, "forced_bos_token_id") == 1:
@@ -121,10 +124,6 @@ def unapplied(generation: GenerationDefaults, *, strategy: str = "greedy") -> tu
     if strategy == "beam":
         if generation.repetition_penalty not in (None, 1.0):
             names.append("repetition_penalty")
-        # transformers' early stopping (True: stop once num_beams have finished; False: a
-        # heuristic bound); here the stop is exact and scores at least as high.
-        if raw.get("early_stopping", "never") != "never":
-            names.append("early_stopping")
     return tuple(f"{k}={raw.get(k, getattr(generation, k, None))!r}" for k in names)
 
 

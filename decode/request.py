@@ -29,7 +29,7 @@ import numbers
 
 import numpy as np
 
-from decode.beam_steps import NORMALIZATIONS
+from decode.beam_steps import NORMALIZATIONS, stopping_rule
 from decode.checks import CONFIG_EOS, check_in_range
 from decode.defaults import STRATEGIES, request_fields
 from models.checks import is_concrete
@@ -63,6 +63,12 @@ class DecodeRequest:
         length_normalization: "gnmt", log-prob / ((5 + len) / 6) ** alpha, or "hf",
             transformers' log-prob / len ** alpha ("beam" only).
         renormalize_logits: a log_softmax again after the constraints ("beam" only).
+        early_stopping: when a source's beam search stops ("beam" only), transformers'
+            three rules: "never" (the default), once no alive beam can beat the W-th
+            finished one, an exact stop; False (transformers' default), once W have
+            finished and the W-th scores at least the best alive beam at its current
+            length; True, once W have finished. A model directory's comes from its
+            generation_config.json (`from_generation`).
 
     Raises:
         UserError: a value of the wrong type or out of range, naming the field, the value
@@ -86,6 +92,7 @@ class DecodeRequest:
     length_penalty: float = 0.6
     length_normalization: str = "gnmt"
     renormalize_logits: bool = False
+    early_stopping: bool | str = "never"
 
     def __post_init__(self):
         if self.strategy not in STRATEGIES:
@@ -114,7 +121,8 @@ class DecodeRequest:
                             if self.length_normalization == "gnmt" else
                             _number(self.length_penalty, "length_penalty", -np.inf, np.inf,
                                     lo_open=True, hi_open=True)),
-            renormalize_logits=_bool(self.renormalize_logits, "renormalize_logits"))
+            renormalize_logits=_bool(self.renormalize_logits, "renormalize_logits"),
+            early_stopping=_early_stopping(self.early_stopping))
         for name, value in checked.items():
             object.__setattr__(self, name, value)
 
@@ -162,7 +170,8 @@ class DecodeRequest:
 
     def beam_options(self) -> dict:
         """The request as keyword arguments of `decode.beam_search` ("beam"): those of
-        `generate_options` but the sampling values, and the beam settings.
+        `generate_options` but the sampling values, and the beam settings
+        (`renormalize_logits` when True, `early_stopping` when not "never").
 
             DecodeRequest(strategy="beam", beam_size=2, max_new_tokens=8)
             -> {"eos_id": "config", "max_new_tokens": 8, "beam_size": 2,
@@ -180,6 +189,8 @@ class DecodeRequest:
                        length_normalization=self.length_normalization)
         if self.renormalize_logits:
             options["renormalize_logits"] = True
+        if self.early_stopping != "never":
+            options["early_stopping"] = self.early_stopping
         return options
 
     def _common_options(self) -> dict:
@@ -199,7 +210,7 @@ class DecodeRequest:
                         prompt_len: int | None = None) -> DecodeRequest:
         """The request a model directory's decoding defaults give (`decode.defaults` maps
         each setting), with transformers' defaults where the file sets none: beam size 1,
-        length penalty 1.0 under "hf" normalisation.
+        length penalty 1.0 under "hf" normalisation, early_stopping False.
 
         Args:
             generation: `models.load(path).generation`.
@@ -212,10 +223,12 @@ class DecodeRequest:
             UserError: a decoder-only setting that counts the prompt without prompt_len, or
                 a max_length that leaves no new token.
 
-            encoder-decoder, num_beams 4, max_length 142, min_length 56, forced_bos 0
+            encoder-decoder, num_beams 4, max_length 142, min_length 56, forced_bos 0,
+            early_stopping true
             -> DecodeRequest(strategy="beam", beam_size=4, max_new_tokens=141,
                              min_new_tokens=55, forced_bos_id=0, length_penalty=1.0,
-                             length_normalization="hf", eos_id=..., ...)
+                             length_normalization="hf", early_stopping=True, eos_id=...,
+                             ...)
         """
         return cls(**request_fields(generation, config, prompt_len=prompt_len))
 
@@ -278,6 +291,13 @@ def _bool(value, name: str) -> bool:
     if not isinstance(value, (bool, np.bool_)):
         raise UserError(f"{name}={value!r} must be True or False")
     return bool(value)
+
+
+def _early_stopping(value) -> bool | str:
+    """True, False or "never" (`decode.beam_steps.stopping_rule` refuses anything else)."""
+    value = _one(value, "early_stopping")
+    stopping_rule(value)
+    return bool(value) if isinstance(value, np.bool_) else value
 
 
 def _token_or_none(value, name: str) -> int | None:

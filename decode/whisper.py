@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Int
 
-from decode.beam_steps import HF_EARLY_STOPPING, beam_init, beam_loop, finalize
+from decode.beam_steps import beam_init, beam_loop, finalize, stopping_rule
 from decode.loop import decode_loop, initial_state
 from decode.model_fns import model_step_fn, output_pad_id
 from decode.processors import Constraints, SamplingParams, Strategy
@@ -72,7 +72,7 @@ class WhisperSettings:
         num_beams: beams (1: greedy, transformers' default).
         length_penalty: alpha of beam search's log-prob / length ** alpha (1.0).
         early_stopping: transformers' beam stopping rule: False (its default), True or
-            "never" (`decode.beam_steps.HF_EARLY_STOPPING`).
+            "never" (`decode.beam_steps.EARLY_STOPPING`).
     """
 
     start_id: int
@@ -111,7 +111,8 @@ class WhisperSettings:
             language=raw.get("language"), task=raw.get("task"),
             num_beams=raw.get("num_beams") or 1,
             length_penalty=1.0 if raw.get("length_penalty") is None else raw["length_penalty"],
-            early_stopping=raw.get("early_stopping", False))
+            early_stopping=(False if raw.get("early_stopping") is None
+                            else raw["early_stopping"]))
 
 
 def language_id(settings: WhisperSettings, language: str) -> int:
@@ -332,7 +333,7 @@ def transcribe(pre, features, *, language: str | None = None, task: str | None =
             pre.model, pre.params, features, jnp.asarray(prompts), **common,
             alpha=_alpha(settings.length_penalty if length_penalty is None
                          else length_penalty),
-            beam_size=int(beams), stopping=_stopping(settings.early_stopping))
+            beam_size=int(beams), stopping=stopping_rule(settings.early_stopping))
     return WhisperOutput(jnp.asarray(prompts), tokens, lengths)
 
 
@@ -341,11 +342,3 @@ def _alpha(length_penalty) -> jnp.ndarray:
             not np.isfinite(length_penalty):
         raise UserError(f"length_penalty={length_penalty!r} must be a finite number")
     return jnp.float32(length_penalty)
-
-
-def _stopping(early_stopping) -> str:
-    """transformers' early_stopping (False, True or "never") as a `STOPPINGS` rule."""
-    for value, rule in HF_EARLY_STOPPING.items():
-        if early_stopping is value or (isinstance(value, str) and early_stopping == value):
-            return rule
-    raise UserError(f"early_stopping={early_stopping!r} must be False, True or 'never'")

@@ -9,6 +9,7 @@ per test process, with its logits (fp32, eager attention) on a fixed batch of to
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import json
 import os
@@ -373,6 +374,79 @@ def seq2seq_ckpt(tmp_path_factory):
     """seq2seq_ckpt(name): the encoder-decoder case's checkpoint, built once."""
     root = str(tmp_path_factory.getbasetemp() / "hf_seq2seq_checkpoints")
     return lambda name: seq2seq_checkpoint(name, root)
+
+
+# ---------------------------------------------------------------------------------------------
+# Decoding checkpoints (greedy and beam search against transformers' `generate`).
+#
+# A random tied model mostly repeats its last token and never ends before a forced end, so
+# every search would agree trivially. Each decoding checkpoint is the case's with its end
+# token's logit bias raised to the 10th percentile of the end token's shortfall along
+# transformers' greedy paths: sequences then end after 1 to N_NEW tokens, and the length
+# penalty changes which beam wins. (T5 has no logits bias: its checkpoints decode as they
+# are.)
+
+N_NEW = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class Decoding:
+    """A decoding checkpoint: `path`, the transformers `model`, and a ragged batch of four
+    sources `src` (the case's two and two others of the same lengths), lengths `src_lens`."""
+
+    path: str
+    model: object
+    src: np.ndarray
+    src_lens: np.ndarray
+
+
+def hf_generate(model, src, src_lens, **options):
+    """transformers' `generate` without its cache: the same tokens, and transformers 5.23's
+    decoder cache is built for `num_layers` (the encoder's) layers, too few for a T5 with a
+    deeper decoder (t5-v1.1 here)."""
+    mask = np.arange(src.shape[1])[None, :] < np.asarray(src_lens)[:, None]
+    with torch.no_grad():
+        return model.generate(
+            input_ids=torch.as_tensor(src, dtype=torch.long),
+            attention_mask=torch.as_tensor(mask, dtype=torch.long),
+            do_sample=False, max_new_tokens=N_NEW, use_cache=False, **options)
+
+
+@functools.cache
+def decoding_checkpoint(c, path: str) -> Decoding:
+    model = copy.deepcopy(c.model)
+    other = np.random.default_rng(7).integers(0, model.config.vocab_size, c.src.shape)
+    src = np.concatenate([c.src, other.astype(np.int32)])
+    src_lens = np.tile(c.src_lens, 2)
+    bias = getattr(model, "final_logits_bias", None)
+    if bias is not None:
+        eos = model.generation_config.eos_token_id
+        out = hf_generate(model, src, src_lens, num_beams=1, output_scores=True,
+                           return_dict_in_generate=True)
+        scores = torch.stack(out.scores[:-1])                # before the forced end
+        shortfall = (scores.max(-1).values - scores[..., eos]).flatten().numpy()
+        with torch.no_grad():
+            bias[0, eos] += float(np.percentile(shortfall, 10))
+    model.save_pretrained(path, safe_serialization=True)
+    return Decoding(path, model, src, src_lens)
+
+
+@pytest.fixture(scope="session")
+def decoding_ckpt(seq2seq_ckpt, tmp_path_factory):
+    """decoding_ckpt(name): the encoder-decoder case's decoding checkpoint, built once."""
+    root = tmp_path_factory.getbasetemp() / "hf_seq2seq_decoding"
+    return lambda name: decoding_checkpoint(seq2seq_ckpt(name), str(root / name))
+
+
+def their_new_tokens(row: np.ndarray, pad_id: int, eos_ids) -> np.ndarray:
+    """One row of transformers' output without its decoder start token and the padding
+    after its end."""
+    new = row[1:]
+    ends = np.flatnonzero(np.isin(new, eos_ids))
+    if len(ends):
+        assert np.all(new[ends[0] + 1:] == pad_id)
+        new = new[:ends[0] + 1]
+    return new
 
 
 # ---------------------------------------------------------------------------------------------

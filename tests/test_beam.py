@@ -153,7 +153,14 @@ def test_beam_search_bad_input():
     before = decode.beam._beam_search._cache_size()
     decode.beam_search(f.model, params, p, n, length_penalty=0.3, max_new_tokens=4)
     decode.beam_search(f.model, params, p, n, length_penalty=1.7, max_new_tokens=4)
-    assert decode.beam._beam_search._cache_size() == before + 1   # alpha is traced
+    for early_stopping in (True, False):
+        decode.beam_search(f.model, params, p, n, length_penalty=1.7, max_new_tokens=4,
+                           early_stopping=early_stopping)
+    assert decode.beam._beam_search._cache_size() == before + 1   # alpha, the rule traced
+    for bad in (1, "true", None):
+        with pytest.raises(ValueError, match=rf"early_stopping={bad!r} must be True, False "
+                                             r"or 'never'"):
+            decode.beam_search(f.model, params, p, n, max_new_tokens=4, early_stopping=bad)
     with pytest.raises(ValueError, match=r"length_penalty=-1 is outside \[0.0, inf\)"):
         decode.beam_search(f.model, params, p, n, length_penalty=-1.0, max_new_tokens=4)
     decode.beam_search(f.model, params, p, n, length_penalty=-1.0, max_new_tokens=4,

@@ -298,12 +298,12 @@ def test_finetuning_a_marian_lowers_the_loss_scores_bleu_and_its_export_decodes(
         ours = np.asarray(pre.model.apply({"params": pre.params}, src, tgt_in))
     np.testing.assert_allclose(ours, expected, atol=1e-4, rtol=0)
     # It decodes as transformers' generate does with the directory's generation config (2
-    # beams, pad banned, the end forced at the last step) and its exact stopping rule
-    # (early_stopping="never"; its default stops on a bound that may miss a better beam).
+    # beams, pad banned, the end forced at the last step, and transformers' default
+    # stopping rule, early_stopping=False, since the file names none).
     sources = ["the red cat sees a fish", "a dog", "small cat sees red fish small"]
     with torch.no_grad():
         hf_out = hf.generate(**hf_tok(sources, return_tensors="pt", padding=True),
-                             max_new_tokens=12, early_stopping="never")
+                             max_new_tokens=12)
     capsys.readouterr()
     assert decode_cli.main(["--model", export, "--strategy", "beam", "--max-new-tokens", "12",
                             *sources]) == 0

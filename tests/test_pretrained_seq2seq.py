@@ -13,8 +13,6 @@ token for token, and beam search finds the same best beams or better-scoring one
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 import functools
 import json
 import os
@@ -35,6 +33,7 @@ from tests import pretrained_helpers as ph
 from tests.helpers import fns, tiny
 from tests.pretrained_helpers import (
     ATOL,
+    N_NEW,
     SEQ2SEQ_CASES,
     B,
     S,
@@ -43,13 +42,16 @@ from tests.pretrained_helpers import (
     assert_same_tensors,
     copy_dir,
     edit_config,
+    hf_generate,
     hf_seq2seq_load,
     hf_seq2seq_logits,
     stack_layers,
+    their_new_tokens,
     torch,
 )
 
 seq2seq_ckpt, highest_precision = ph.seq2seq_ckpt, ph.highest_precision   # shared fixtures
+decoding_ckpt = ph.decoding_ckpt
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
 PREFILL = 4                        # decoder inputs prefilled; the other T - 4 are steps
@@ -376,73 +378,8 @@ def test_marian_position_tables_in_a_file_must_be_the_sinusoids_we_regenerate(
 # ---------------------------------------------------------------------------------------------
 # 7-8. Decoding against transformers' `generate`.
 #
-# A random tied model mostly repeats its last token and never ends before a forced end, so
-# every search would agree trivially. Each decoding checkpoint is the case's with its end
-# token's logit bias raised to the 10th percentile of the end token's shortfall along
-# transformers' greedy paths: sequences then end after 1 to N_NEW tokens, and the length
-# penalty changes which beam wins. (T5 has no logits bias: its checkpoints decode as they
-# are.)
-
-N_NEW = 8
-
-
-@dataclasses.dataclass(frozen=True)
-class Decoding:
-    """A decoding checkpoint: `path`, the transformers `model`, and a ragged batch of four
-    sources `src` (the case's two and two others of the same lengths), lengths `src_lens`."""
-
-    path: str
-    model: object
-    src: np.ndarray
-    src_lens: np.ndarray
-
-
-def _hf_generate(model, src, src_lens, **options):
-    """transformers' `generate` without its cache: the same tokens, and transformers 5.23's
-    decoder cache is built for `num_layers` (the encoder's) layers, too few for a T5 with a
-    deeper decoder (t5-v1.1 here)."""
-    mask = np.arange(src.shape[1])[None, :] < np.asarray(src_lens)[:, None]
-    with torch.no_grad():
-        return model.generate(
-            input_ids=torch.as_tensor(src, dtype=torch.long),
-            attention_mask=torch.as_tensor(mask, dtype=torch.long),
-            do_sample=False, max_new_tokens=N_NEW, use_cache=False, **options)
-
-
-@functools.cache
-def _decoding_checkpoint(c, path: str) -> Decoding:
-    model = copy.deepcopy(c.model)
-    other = np.random.default_rng(7).integers(0, model.config.vocab_size, c.src.shape)
-    src = np.concatenate([c.src, other.astype(np.int32)])
-    src_lens = np.tile(c.src_lens, 2)
-    bias = getattr(model, "final_logits_bias", None)
-    if bias is not None:
-        eos = model.generation_config.eos_token_id
-        out = _hf_generate(model, src, src_lens, num_beams=1, output_scores=True,
-                           return_dict_in_generate=True)
-        scores = torch.stack(out.scores[:-1])                # before the forced end
-        shortfall = (scores.max(-1).values - scores[..., eos]).flatten().numpy()
-        with torch.no_grad():
-            bias[0, eos] += float(np.percentile(shortfall, 10))
-    model.save_pretrained(path, safe_serialization=True)
-    return Decoding(path, model, src, src_lens)
-
-
-@pytest.fixture(scope="session")
-def decoding_ckpt(seq2seq_ckpt, tmp_path_factory):
-    root = tmp_path_factory.getbasetemp() / "hf_seq2seq_decoding"
-    return lambda name: _decoding_checkpoint(seq2seq_ckpt(name), str(root / name))
-
-
-def _their_new_tokens(row: np.ndarray, pad_id: int, eos_ids) -> np.ndarray:
-    """One row of transformers' output without its decoder start token and the padding
-    after its end."""
-    new = row[1:]
-    ends = np.flatnonzero(np.isin(new, eos_ids))
-    if len(ends):
-        assert np.all(new[ends[0] + 1:] == pad_id)
-        new = new[:ends[0] + 1]
-    return new
+# The decoding checkpoints (`pretrained_helpers.decoding_ckpt`) are the cases' with their
+# end token's logit bias raised, so that sequences end after 1 to N_NEW tokens.
 
 
 @pytest.mark.parametrize("name", SEQ2SEQ_CASES)
@@ -457,12 +394,12 @@ def test_greedy_generate_on_a_ragged_batch_equals_transformers_generate(
     options = {**request.replace(strategy="greedy").generate_options(), "max_new_tokens": N_NEW}
     eos = list(pre.generation.eos_ids or ())
     ours = decode.generate(pre.model, pre.params, d.src, d.src_lens, **options)
-    theirs = _hf_generate(d.model, d.src, d.src_lens, num_beams=1).numpy()
+    theirs = hf_generate(d.model, d.src, d.src_lens, num_beams=1).numpy()
     assert np.all(theirs[:, 0] == pre.config.bos_id)
     for b in range(len(d.src)):
         n = int(ours.lengths[b])
         np.testing.assert_array_equal(np.asarray(ours.tokens[b, :n]),
-                                      _their_new_tokens(theirs[b], pre.config.pad_id, eos),
+                                      their_new_tokens(theirs[b], pre.config.pad_id, eos),
                                       err_msg=f"row {b}")
         assert np.all(np.asarray(ours.tokens[b, n:]) == pre.config.pad_id)
     print(f"{name}: greedy lengths {np.asarray(ours.lengths).tolist()}")
@@ -498,8 +435,9 @@ def _our_scores(pre, src, lens, seqs: list[np.ndarray], alpha: float, options: d
 def test_beam_search_finds_transformers_best_beams_or_better_scoring_ones(
         name, decoding_ckpt, highest_precision, record_property):
     """transformers' `early_stopping=True` stops a source once W beams have finished; ours
-    stops when no alive beam can still win, so where the best beams differ ours must score
-    at least as high (both scored by our model)."""
+    with "never" stops when no alive beam can still win, so where the best beams differ
+    ours must score at least as high (both scored by our model). (Each rule against its
+    own transformers' counterpart: tests/test_beam_stopping.py.)"""
     d = decoding_ckpt(name)
     pre = models.load(d.path)
     request = decode.DecodeRequest.from_generation(pre.generation, pre.config)
@@ -511,11 +449,11 @@ def test_beam_search_finds_transformers_best_beams_or_better_scoring_ones(
     for alpha in ALPHAS:
         ours = decode.beam_search(pre.model, pre.params, d.src, d.src_lens, **{
             **options, "beam_size": BEAM, "max_new_tokens": N_NEW, "length_penalty": alpha,
-            "length_normalization": "hf"})
-        theirs = _hf_generate(d.model, d.src, d.src_lens, num_beams=BEAM, length_penalty=alpha,
+            "length_normalization": "hf", "early_stopping": "never"})
+        theirs = hf_generate(d.model, d.src, d.src_lens, num_beams=BEAM, length_penalty=alpha,
                               early_stopping=True).numpy()
         best = [np.asarray(ours.tokens[b, 0, :int(ours.lengths[b, 0])]) for b in range(rows)]
-        their_best = [_their_new_tokens(theirs[b], pre.config.pad_id, eos) for b in range(rows)]
+        their_best = [their_new_tokens(theirs[b], pre.config.pad_id, eos) for b in range(rows)]
         scores = _our_scores(pre, d.src, d.src_lens, best + their_best, alpha, options)
         # The scorer agrees with beam search's own scores of its best beams.
         np.testing.assert_allclose(scores[:rows], ours.scores[:, 0], atol=1e-4, rtol=1e-5)

@@ -12,6 +12,7 @@ import pytest
 
 import decode
 from decode import DecodeRequest
+from decode.beam_steps import STOPPINGS
 from decode.generate import _generate
 from models.errors import UserError
 from tests.helpers import fns, tiny
@@ -54,6 +55,9 @@ BAD = [
      r"length_penalty=nan is outside \(-inf, inf\)"),
     (dict(length_normalization="none"), r"length_normalization='none' must be one of"),
     (dict(renormalize_logits="yes"), r"renormalize_logits='yes' must be True or False"),
+    (dict(early_stopping="always"), r"early_stopping='always' must be True, False or 'never'"),
+    (dict(early_stopping=0), r"early_stopping=0 must be True, False or 'never'"),
+    (dict(early_stopping=None), r"early_stopping=None must be True, False or 'never'"),
 ]
 
 
@@ -70,6 +74,8 @@ def test_values_are_normalised_and_hf_takes_any_length_penalty():
     assert type(r.temperature) is float and type(r.top_k) is int
     assert DecodeRequest(eos_id=np.array([2, 9])).eos_id == (2, 9)
     assert DecodeRequest(eos_id=None).eos_id is None and DecodeRequest().eos_id == "config"
+    assert DecodeRequest().early_stopping == "never"              # the exact stop
+    assert DecodeRequest(early_stopping=np.bool_(True)).early_stopping is True
     assert r == DecodeRequest(eos_id=(3,), banned_ids=(4, 5), temperature=0.5, top_k=7,
                               length_penalty=-0.5, length_normalization="hf")
 
@@ -138,11 +144,14 @@ def test_beam_search_with_a_request_equals_the_same_keywords(arch):
     model, params, prompts, lengths = setup(arch)
     keywords = dict(max_new_tokens=6, beam_size=3, length_penalty=1.5,
                     length_normalization="hf", banned_ids=(4, 9), forced_eos_id=11,
-                    min_new_tokens=2, renormalize_logits=True)
+                    min_new_tokens=2, renormalize_logits=True, early_stopping=True)
     request = DecodeRequest(strategy="beam", **keywords)
-    _, by_keywords = decode.beam_search_arguments(model, params, prompts, lengths, **keywords)
-    _, by_request = decode.beam_search_arguments(model, params, prompts, lengths, request)
+    (*_, kw_inputs), by_keywords = decode.beam_search_arguments(model, params, prompts,
+                                                                 lengths, **keywords)
+    (*_, inputs), by_request = decode.beam_search_arguments(model, params, prompts, lengths,
+                                                            request)
     assert by_request == by_keywords
+    assert int(inputs.stopping) == int(kw_inputs.stopping) == STOPPINGS.index("full")
     chex.assert_trees_all_equal(decode.beam_search(model, params, prompts, lengths, request),
                                 decode.beam_search(model, params, prompts, lengths, **keywords))
     # The sampling values and the repetition penalty are not beam search's: not applied.

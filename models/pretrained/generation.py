@@ -28,6 +28,9 @@ from models.errors import UserError, is_int
 from models.pretrained.files import read_json, write_json
 
 FILE = "generation_config.json"
+# transformers' beam-search stopping rules: stop once num_beams have finished (true), a
+# heuristic bound (false, its default), only when no beam can improve ("never").
+EARLY_STOPPING = (True, False, "never")
 
 # transformers' GenerationConfig fields: what config.json may hold for an old checkpoint.
 FIELDS = frozenset({
@@ -66,6 +69,8 @@ class GenerationDefaults:
         no_repeat_ngram_size: no n-gram of this size occurs twice (0 or None: off).
         repetition_penalty: CTRL's penalty (1.0 or None: off).
         renormalize_logits: a log_softmax after the constraints (beam scores), or None.
+        early_stopping: beam search's stopping rule, True, False or "never"
+            (`EARLY_STOPPING`), or None (transformers' default is False).
         raw: the file's fields as read (config.json's generation fields for an old
             checkpoint without the file), so that saving writes them back; a field above
             left at its default keeps raw's value when saved.
@@ -85,6 +90,7 @@ class GenerationDefaults:
     no_repeat_ngram_size: int | None = None
     repetition_penalty: float | None = None
     renormalize_logits: bool | None = None
+    early_stopping: bool | str | None = None
     raw: dict = dataclasses.field(default_factory=dict)
 
     @classmethod
@@ -133,7 +139,8 @@ class GenerationDefaults:
             min_length=fields.int("min_length", 0), min_new_tokens=fields.int("min_new_tokens", 0),
             no_repeat_ngram_size=fields.int("no_repeat_ngram_size", 0),
             repetition_penalty=fields.number("repetition_penalty", positive=True),
-            renormalize_logits=fields.bool("renormalize_logits"), raw=dict(raw))
+            renormalize_logits=fields.bool("renormalize_logits"),
+            early_stopping=fields.early_stopping(), raw=dict(raw))
 
     def to_json(self) -> dict:
         """generation_config.json's contents: `raw` with the typed fields written over it
@@ -158,7 +165,8 @@ class GenerationDefaults:
                            ("min_length", self.min_length), ("min_new_tokens", self.min_new_tokens),
                            ("no_repeat_ngram_size", self.no_repeat_ngram_size),
                            ("repetition_penalty", self.repetition_penalty),
-                           ("renormalize_logits", self.renormalize_logits)):
+                           ("renormalize_logits", self.renormalize_logits),
+                           ("early_stopping", self.early_stopping)):
             if value is not None:
                 out[key] = value
         return out
@@ -304,6 +312,14 @@ class _Fields:
         if value is not None and not isinstance(value, bool):
             raise self._error(name, "true or false")
         return value
+
+    def early_stopping(self) -> bool | str | None:
+        """true, false or "never"; 1, "true" and the like are refused (transformers would
+        read 1 as neither true nor "never": its default rule)."""
+        value = self.raw.get("early_stopping")
+        if value is None or isinstance(value, bool) or value == "never":
+            return value
+        raise self._error("early_stopping", 'true, false or "never"')
 
     def _check_id(self, name: str, value: int) -> None:
         if not 0 <= value < self.vocab_size:
