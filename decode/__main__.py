@@ -161,6 +161,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="beam only: gnmt, log-prob / ((5 + len) / 6) ** alpha; hf, log-prob "
                         "/ len ** alpha (default: hf when the directory sets num_beams or "
                         "length_penalty, else gnmt)")
+    p.add_argument("--early-stopping", type=cli_request.stopping_rule, default=None,
+                   metavar="true|false|never", help=cli_request.stopping_rule.__doc__)
     p.add_argument("--eos-id", type=int, nargs="*", default=None,
                    help="end token id(s); default the model's; give none to never stop")
     p.add_argument("--forced-bos-id", type=_id_or_none, default=None, metavar="ID|none",

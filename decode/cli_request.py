@@ -15,6 +15,7 @@ batch's longest input. `args` is the parsed command line (`decode.__main__.build
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 
 from decode.defaults import generation_strategy, unapplied
@@ -79,6 +80,26 @@ def _given_ids(args) -> dict:
     return changes
 
 
+def stopping_rule(text: str):
+    """beam only: a source stops once its beams have all finished (true), once the worst
+    finished beam beats the best alive one (false), or only when no alive beam can still
+    improve on them (never); default: the directory's rule, else never"""
+    rules = {"true": True, "false": False, "never": "never"}
+    if text not in rules:
+        raise argparse.ArgumentTypeError(f"{text!r} must be true, false or never")
+    return rules[text]
+
+
+def _early_stopping(args, gen: GenerationDefaults, request: DecodeRequest):
+    """The flag's rule, else the directory's (transformers' False when the directory sets
+    beam settings but no rule), else decode's own exact stop ("never")."""
+    if args.early_stopping is not None:
+        return args.early_stopping
+    from_file = (gen.num_beams is not None or gen.length_penalty is not None
+                 or gen.early_stopping is not None)
+    return request.early_stopping if from_file else DEFAULTS.early_stopping
+
+
 def request_for(args, gen: GenerationDefaults, cfg: TransformerConfig,
                 prompt_len: int) -> DecodeRequest:
     """The request for a batch whose longest input has `prompt_len` tokens: the
@@ -97,7 +118,8 @@ def request_for(args, gen: GenerationDefaults, cfg: TransformerConfig,
     request = request.replace(
         strategy=args.strategy or generation_strategy(gen), length_normalization=norm,
         length_penalty=alpha if args.length_penalty is None else args.length_penalty,
-        beam_size=args.beam_size or beams, **_given_ids(args))
+        beam_size=args.beam_size or beams, early_stopping=_early_stopping(args, gen, request),
+        **_given_ids(args))
     request = request.override(
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
         repetition_penalty=args.repetition_penalty, min_new_tokens=args.min_new_tokens,

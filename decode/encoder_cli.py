@@ -28,8 +28,9 @@ DEFAULT_FILLERS = 5            # --fill-mask's fillers per mask when --top-k is 
 # What only generation reads: refused with --fill-mask / --classify (--top-k with --classify).
 GENERATION_FLAGS = ("strategy", "max_new_tokens", "temperature", "top_p", "min_p",
                     "repetition_penalty", "beam_size", "length_penalty",
-                    "length_normalization", "eos_id", "forced_bos_id", "forced_eos_id",
-                    "banned_ids", "min_new_tokens", "no_repeat_ngram_size", "truncate")
+                    "length_normalization", "early_stopping", "eos_id", "forced_bos_id",
+                    "forced_eos_id", "banned_ids", "min_new_tokens", "no_repeat_ngram_size",
+                    "truncate")
 
 
 def task_flag(args) -> str | None:

@@ -38,7 +38,7 @@ from models.errors import UserError
 DEFAULT_BEAMS = 4      # --strategy beam with neither --beam-size nor the directory's num_beams
 # Flags only text generation reads: refused with --audio (each away from its default).
 TEXT_ONLY = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty",
-             "length_normalization", "eos_id", "forced_bos_id", "forced_eos_id",
+             "length_normalization", "early_stopping", "eos_id", "forced_bos_id", "forced_eos_id",
              "banned_ids", "min_new_tokens", "no_repeat_ngram_size", "draft_model",
              "adapter", "fill_mask", "classify")
 

@@ -329,3 +329,27 @@ def test_a_cache_directory_that_cannot_be_made_is_a_warning(tmp_path, capsys):
     assert use_compile_cache(str(blocker / "xla")) in (None, before)
     if before is None:
         assert "warning: no compilation cache: cannot create" in capsys.readouterr().err
+
+
+def test_decode_cli_beam_stopping_rule_is_the_flags_then_the_directorys_then_never():
+    """--early-stopping true|false|never wins; a directory with beam settings but no rule
+    gets transformers' False (what its generate does); the project's own models, which set
+    none, keep decode's exact stop ("never")."""
+    from decode import cli_request
+    from models import get_config
+    from models.pretrained.generation import GenerationDefaults
+    cfg = get_config("gpt-tiny")
+    parser = decode_cli.build_parser()
+
+    def rule(flags: list[str], gen: GenerationDefaults):
+        args = parser.parse_args(["--config", "gpt-tiny", "--strategy", "beam", *flags])
+        return cli_request.request_for(args, gen, cfg, prompt_len=4).early_stopping
+
+    own = GenerationDefaults()
+    bart = GenerationDefaults(num_beams=4, early_stopping=True)
+    marian = GenerationDefaults(num_beams=4)
+    assert [rule([], g) for g in (own, bart, marian)] == ["never", True, False]
+    for text, value in (("true", True), ("false", False), ("never", "never")):
+        assert [rule(["--early-stopping", text], g) for g in (own, bart, marian)] == [value] * 3
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--config", "gpt-tiny", "--early-stopping", "yes"])
