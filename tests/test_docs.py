@@ -136,10 +136,13 @@ def _marker(page: str, number: int, text: str, problems: list[str]) -> dict:
     return {k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()}
 
 
-def parse(page: str) -> tuple[list[Block], list[str]]:
-    """The fenced blocks of `page` (relative to the repository) and the problems found."""
-    with open(os.path.join(ROOT, page), encoding="utf-8") as f:
-        lines = f.read().split("\n")
+def parse(page: str, text: str | None = None) -> tuple[list[Block], list[str]]:
+    """The fenced blocks of `page` (relative to the repository; `text`, its contents when
+    given) and the problems found."""
+    if text is None:
+        with open(os.path.join(ROOT, page), encoding="utf-8") as f:
+            text = f.read()
+    lines = text.split("\n")
     blocks, problems = [], []
     pending = None                       # (line number, marker fields) awaiting its fence
     i = 0
@@ -220,6 +223,36 @@ def test_every_code_block_carries_exactly_one_marker_that_applies_to_it():
     problems += [f"{b.name}: needs {d}, which no block provides" for b in BLOCKS
                  for d in b.needs if d not in PROVIDERS]
     assert not problems, "\n".join(problems)
+
+
+def test_the_checks_refuse_what_would_let_a_block_escape_or_drift():
+    """A page made here: each mistake is named with its line."""
+    page = "\n".join([
+        "```bash", "python -m decode --help", "```",                        # 1: no marker
+        "<!-- run; replace `nowhere` with `x` -->", "```python", "x = 1", "```",   # 4
+        "<!-- run; append `--a` to python -m train -->", "```bash", "ls", "```",   # 8
+        "<!-- run; frobnicate -->", "```bash", "ls", "```",                 # 12
+        "<!-- skip -->", "```python", "x = 1", "```",                       # 16
+        "<!-- run -->", "```text", "out", "```",                            # 20
+        "<!-- run -->", "", "text between", "```bash", "ls", "```",         # 24, 27
+        "```console", "$ ls", "```",                                        # 30
+        "<!-- run -->", "<!-- skip: twice -->", "```bash", "ls", "```",     # 33
+        "<!-- run -->"])                                                    # 38
+    _, problems = parse("page.md", page)
+    expected = ["page.md:1: a ```bash block without a marker",
+                "page.md:5: `nowhere` (a replace clause) is not in the block",
+                "page.md:9: its marker changes python -m train, which this block does not start",
+                "page.md:12: unknown clause 'frobnicate'",
+                "page.md:16: a skip marker gives its reason",
+                "page.md:21: a marker above a ```text block",
+                "page.md:24: a marker must be the line right above its block's fence",
+                "page.md:27: a ```bash block without a marker",           # so it is unmarked
+                "page.md:30: fence language 'console'",
+                "page.md:33: a marker with no code block under it",
+                "page.md:38: a marker with no code block under it"]
+    assert len(problems) == len(expected), "\n".join(problems)
+    for want, got in zip(expected, problems, strict=True):
+        assert got.startswith(want), (want, got)
 
 
 def test_readme_fits_a_screen_and_the_index_lists_every_page():
