@@ -114,6 +114,22 @@ def test_batches_hold_each_clips_features_and_its_transcript_behind_the_prompt(
         16 - len(row))
 
 
+def test_the_same_clips_in_another_folder_are_their_own_dataset(data_dir, tmp_path):
+    """A speech example holds its clip's absolute path and its `file:line`: a copy of the
+    same files elsewhere (the first one since deleted, say) must not be read from the first
+    one's prepared dataset."""
+    import shutil
+    from train import data
+    first = data.load_dataset("local_speech", data_dir, data_files=(TRAIN, VALIDATION))
+    copy = shutil.copytree(CLIPS, tmp_path / "speech")
+    files = tuple(str(copy / f) for f in ("train.tsv", "validation.tsv"))
+    second = data.load_dataset("local_speech", data_dir, data_files=files)
+    text, path, origin = second.example("validation", 0)
+    assert (text, path, origin) == ("hello world", str(copy / "hello.flac"), f"{files[1]}:1")
+    assert first.example("validation", 0)[2] == f"{VALIDATION}:1"
+    assert second.digest == first.digest          # the same contents: the same digest
+
+
 @pytest.mark.slow
 def test_fine_tuning_lowers_the_loss_and_the_export_transcribes(whisper_dir, data_dir,
                                                                 tmp_path):

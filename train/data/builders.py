@@ -164,7 +164,7 @@ GENERATED = {
 
 @dataclasses.dataclass
 class LocalFilesConfig(tfds.core.BuilderConfig):
-    """Paths of local files; the config name is a hash of their contents (see `local_config`).
+    """Paths of local files; the config name hashes their places and contents (`local_config`).
 
     Attributes:
         files: the absolute paths, in the order given.
@@ -177,7 +177,11 @@ class LocalFilesConfig(tfds.core.BuilderConfig):
 
 
 def local_config(files: tuple[str, ...] | list[str]) -> LocalFilesConfig:
-    """A config named by the SHA-256 of the files' contents, so edits re-prepare.
+    """A config named by the SHA-256 of the files' absolute paths and contents, so an edit
+    re-prepares, and so does the same file elsewhere: a speech example holds the absolute
+    path of its clip and its `file:line`, which a copy in another folder
+    must not inherit from the first one prepared. `digest` hashes the contents alone (a moved
+    file keeps the dataset's digest).
 
     Raises:
         FileNotFoundError / IsADirectoryError: naming the first path that is not a file.
@@ -195,8 +199,9 @@ def local_config(files: tuple[str, ...] | list[str]) -> LocalFilesConfig:
                 one.update(block)
         digest.update(b"\0")
         each.append(one.hexdigest())
-    return LocalFilesConfig(name=f"files_{digest.hexdigest()[:16]}",
-                            files=tuple(os.path.abspath(p) for p in files),
+    where = tuple(os.path.abspath(p) for p in files)
+    name = hashlib.sha256(repr((where, digest.hexdigest())).encode()).hexdigest()[:16]
+    return LocalFilesConfig(name=f"files_{name}", files=where,
                             digest=digest.hexdigest(), file_digests=tuple(each))
 
 
