@@ -98,12 +98,14 @@ class Handle:
         self._engine._wake()
 
     def result(self) -> tuple[str, list[int], Event]:
-        """Blocks until the end: (the text, the token ids, the final event)."""
-        text, ids, last = [], [], None
+        """Blocks until the end: (the text, the token ids, the final event); the final
+        event's `logprobs` are every token's."""
+        text, ids, logprobs, last = [], [], [], None
         for last in self.events():
             text.append(last.text)
             ids.extend(last.token_ids)
-        return "".join(text), ids, last
+            logprobs.extend(last.logprobs)
+        return "".join(text), ids, dataclasses.replace(last, logprobs=tuple(logprobs))
 
 
 @dataclasses.dataclass(eq=False)
@@ -464,29 +466,29 @@ class Engine:
     def _prefill(self, chunks: list[tuple[_Live, int]]) -> None:
         rows = [live for live, _ in chunks]
         feeds = [live.pending[:n] for live, n in chunks]
-        tokens = self._step(self._rows(rows, self.prefill_chunk, feeds, all_slots=False),
-                            False)
+        tokens, logprobs = self._step(
+            self._rows(rows, self.prefill_chunk, feeds, all_slots=False), False)
         for i, (live, n) in enumerate(chunks):
             live.length += n
             live.pending = live.pending[n:]
             if not live.pending:
-                self._new_token(live, int(tokens[i]))
+                self._new_token(live, int(tokens[i]), float(logprobs[i]))
 
     def _decode(self, rows: list[_Live]) -> None:
-        tokens = self._step(self._rows(rows, 1, [x.pending for x in rows], all_slots=True),
-                            True)
+        tokens, logprobs = self._step(
+            self._rows(rows, 1, [x.pending for x in rows], all_slots=True), True)
         for live in rows:
             live.length += 1
             live.pending = []
-            self._new_token(live, int(tokens[live.slot]))
+            self._new_token(live, int(tokens[live.slot]), float(logprobs[live.slot]))
 
-    def _step(self, rows: device.StepRows, all_slots: bool) -> np.ndarray:
-        tokens, _, self._state = device.run_step(self.model, self.params, self._state, rows,
-                                                 all_slots=all_slots)
+    def _step(self, rows: device.StepRows, all_slots: bool) -> tuple[np.ndarray, np.ndarray]:
+        tokens, logprobs, self._state = device.run_step(self.model, self.params, self._state,
+                                                        rows, all_slots=all_slots)
         self.steps += 1
-        return np.asarray(jax.device_get(tokens))
+        return jax.device_get((tokens, logprobs))
 
-    def _new_token(self, live: _Live, token: int) -> None:
+    def _new_token(self, live: _Live, token: int, logprob: float) -> None:
         now = time.perf_counter()
         if live.last_time is None:
             self.metrics.observe_ttft(now - live.arrived)
@@ -500,15 +502,16 @@ class Engine:
         live.generated.append(token)
         live.pending = [token]
         delta, stopped = live.text.add(token)
+        made = dict(token=token, logprob=logprob, delta=delta)
         if stopped:
-            self._finish(live, "stop", token=token, delta=delta)
+            self._finish(live, "stop", **made)
         elif len(live.generated) >= live.max_new:
-            self._finish(live, "length", token=token, delta=delta + live.text.flush())
+            self._finish(live, "length", **{**made, "delta": delta + live.text.flush()})
         else:
-            live.handle._push(Event(token_ids=(token,), text=delta))
+            live.handle._push(Event(token_ids=(token,), logprobs=(logprob,), text=delta))
 
-    def _finish(self, live: _Live, reason: str, *, token: int | None = None, delta: str = "",
-                error: str | None = None) -> None:
+    def _finish(self, live: _Live, reason: str, *, token: int | None = None,
+                logprob: float = 0.0, delta: str = "", error: str | None = None) -> None:
         if live.slot is not None:
             self.pool.release(live.slot)
             self._slots[live.slot] = None
@@ -518,8 +521,9 @@ class Engine:
         usage = Usage(len(live.source or live.prompt), len(live.generated))
         self.metrics.request_finished(reason)
         self.metrics.add_tokens(usage.prompt_tokens, usage.completion_tokens)
-        live.handle._push(Event(token_ids=() if token is None else (token,), text=delta,
-                                finish_reason=reason, usage=usage, error=error))
+        made = {} if token is None else dict(token_ids=(token,), logprobs=(logprob,))
+        live.handle._push(Event(**made, text=delta, finish_reason=reason, usage=usage,
+                                error=error))
 
     # --- compilation ----------------------------------------------------------------------
 
