@@ -99,6 +99,9 @@ class Engine:
         self.num_pages = check_positive_int(num_pages, "num_pages")
         self.metrics = metrics if metrics is not None else _NoMetrics()
         self.pool = PagePool(self.num_pages, self.page_size, self.max_slots, pages_per_slot)
+        # The page-table widths a decode step compiles for: powers of two, then all.
+        self.page_buckets = sorted({min(1 << i, pages_per_slot)
+                                    for i in range(pages_per_slot.bit_length() + 1)})
         self._source_len = cfg.max_len if cfg.is_encoder_decoder else None
         self._state = device.create_state(cfg, slots=self.max_slots, num_pages=self.num_pages,
                                           page_size=self.page_size,
@@ -289,11 +292,12 @@ class Engine:
         self._waiting.appendleft(live)
 
     def _rows(self, rows: list[Live], width: int, feeds: list[list[int]], *,
-              all_slots: bool, R: int | None = None) -> device.StepRows:
+              all_slots: bool, R: int | None = None, M: int | None = None) -> device.StepRows:
         """The `StepRows` of `rows` feeding `feeds`: row r is slot r when `all_slots`, else
-        the rows in order, padded to `R` (default: the bucket of their count)."""
+        the rows in order, padded to `R` (default: the bucket of their count); each row's
+        first `M` page-table entries (default: all)."""
         R = self.max_slots if all_slots else (R or _bucket(len(rows)))
-        M = self.pool.table.shape[1]
+        M = M or self.pool.table.shape[1]
         a = dict(slots=np.full((R,), self.max_slots, np.int32),
                  tokens=np.zeros((R, width), np.int32), n_new=np.zeros((R,), np.int32),
                  lengths=np.zeros((R,), np.int32),
@@ -310,7 +314,7 @@ class Engine:
             a["slots"][r] = live.slot
             a["tokens"][r, :len(feed)] = feed
             a["n_new"][r], a["lengths"][r] = len(feed), live.length
-            a["page_table"][r] = self.pool.table[live.slot]
+            a["page_table"][r] = self.pool.table[live.slot, :M]
             a["generated_from"][r], a["generated"][r] = len(live.prompt), len(live.generated)
             a["seed"][r] = live.seed
             values[:, r], penalties[:, r] = live.sampling, live.penalties
@@ -332,8 +336,13 @@ class Engine:
                 self._new_token(live, int(tokens[i]), float(logprobs[i]))
 
     def _decode(self, rows: list[Live]) -> None:
+        """One token for each row, attending over as many pages as the longest row holds
+        (rounded up to a power of two, `page_buckets`): a step's attention reads what is in
+        flight, not every slot's full window."""
+        held = max(self.pool.held(x.slot) for x in rows)
+        M = next(m for m in self.page_buckets if m >= held)
         tokens, logprobs = self._step(
-            self._rows(rows, 1, [x.pending for x in rows], all_slots=True), True)
+            self._rows(rows, 1, [x.pending for x in rows], all_slots=True, M=M), True)
         for live in rows:
             live.length += 1
             live.pending = []
@@ -387,13 +396,13 @@ class Engine:
     def _warm_up(self) -> None:
         """Compiles the decode step and every prompt-chunk bucket, writing nothing (every
         row a padding row), so no request waits for a compile."""
-        shapes = [(self.max_slots, 1, True)]
+        shapes = [(self.max_slots, 1, True, M) for M in self.page_buckets]
         R = 1
         while R <= self.max_slots:
-            shapes.append((R, self.prefill_chunk, False))
+            shapes.append((R, self.prefill_chunk, False, None))
             R *= 2
-        for R, width, all_slots in shapes:
-            self._step(self._rows([], width, [], all_slots=all_slots, R=R), all_slots)
+        for R, width, all_slots, M in shapes:
+            self._step(self._rows([], width, [], all_slots=all_slots, R=R, M=M), all_slots)
         self.compiled_shapes = len(shapes)
 
 
