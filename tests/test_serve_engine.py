@@ -179,7 +179,7 @@ def test_a_full_queue_refuses_with_queue_full():
      "token id 999 is outside the vocabulary"),
     (dict(ids=(5,), request=decode.DecodeRequest(strategy="beam")), "beam search"),
     (dict(ids=(5,), request=decode.DecodeRequest(max_new_tokens=8, banned_ids=(3,))),
-     "banned_ids=.3,.: the engine does not apply"),
+     r"banned_ids=\(3,\): the engine bans the same ids for every request, \(\)"),
     (dict(ids=(5,), request=decode.DecodeRequest(max_new_tokens=8, min_new_tokens=2)),
      "min_new_tokens=2"),
     (dict(ids=(5,), presence_penalty=3.0), r"presence_penalty=3.0 is outside \[-2.0, 2.0\]"),
