@@ -248,26 +248,44 @@ class Engine:
         if arrivals and self.config.is_encoder_decoder:
             self._encode(arrivals)
 
-    def _encode(self, arrivals: list[Live]) -> None:
-        R = _bucket(len(arrivals))
+    def _encode(self, arrivals: list[Live], R: int | None = None,
+                width: int | None = None) -> None:
+        """Encodes the arrivals' sources together into their slots' cross-attention
+        regions: R rows (the bucket of their count), each source right-padded to `width`
+        (the bucket of the longest, `source_widths`); Whisper's features are one window."""
+        R = R or self._row_bucket(len(arrivals))
+        slots = np.full((R,), self.max_slots, np.int32)
+        for r, live in enumerate(arrivals):
+            slots[r] = live.slot
         if self.config.audio is not None:
-            features = np.zeros((R, *arrivals[0].features.shape), np.float32)
-            slots = np.full((R,), self.max_slots, np.int32)
+            audio = self.config.audio
+            features = np.zeros((R, audio.num_mel_bins, 2 * audio.max_source_positions),
+                                np.float32)
             for r, live in enumerate(arrivals):
-                features[r], slots[r] = live.features, live.slot
+                features[r] = live.features
             self._state = device.admit_sources(self.model, self.params, self._state, slots,
                                                features, cache_sharding=self._sharding)
             return
-        width = min(max(8, _bucket(max(len(x.source) for x in arrivals))), self._source_len)
+        longest = max((len(x.source) for x in arrivals), default=1)
+        width = width or next(w for w in self.source_widths if w >= longest)
         src = np.zeros((R, width), np.int32)
-        lengths = np.zeros((R,), np.int32)
-        slots = np.full((R,), self.max_slots, np.int32)
+        lengths = np.ones((R,), np.int32)             # padding rows: one (ignored) token
         for r, live in enumerate(arrivals):
-            src[r, :len(live.source)], lengths[r], slots[r] = live.source, len(live.source), \
-                live.slot
-        lengths[len(arrivals):] = 1                   # padding rows: one (ignored) token
+            src[r, :len(live.source)], lengths[r] = live.source, len(live.source)
         self._state = device.admit_sources(self.model, self.params, self._state, slots, src,
                                            lengths, cache_sharding=self._sharding)
+
+    def _row_bucket(self, n: int) -> int:
+        """The rows a step of n requests compiles for: the next power of two, at most
+        max_slots."""
+        return min(_bucket(n), self.max_slots)
+
+    @property
+    def source_widths(self) -> list[int]:
+        """The padded source widths the encoder compiles for: powers of two from 16, then
+        the model's window."""
+        return sorted({min(max(16, 1 << i), self._source_len)
+                       for i in range(self._source_len.bit_length() + 1)})
 
     def _plan(self) -> tuple[list[Live], list[tuple[Live, int]]]:
         """The decode rows and the prompt chunks of this iteration, their pages taken
@@ -313,7 +331,7 @@ class Engine:
         """The `StepRows` of `rows` feeding `feeds`: row r is slot r when `all_slots`, else
         the rows in order, padded to `R` (default: the bucket of their count); each row's
         first `M` page-table entries (default: all)."""
-        R = self.max_slots if all_slots else (R or _bucket(len(rows)))
+        R = self.max_slots if all_slots else (R or self._row_bucket(len(rows)))
         M = M or self.pool.table.shape[1]
         a = dict(slots=np.full((R,), self.max_slots, np.int32),
                  tokens=np.zeros((R, width), np.int32), n_new=np.zeros((R,), np.int32),
@@ -413,16 +431,21 @@ class Engine:
     # --- compilation ----------------------------------------------------------------------
 
     def _warm_up(self) -> None:
-        """Compiles the decode step and every prompt-chunk bucket, writing nothing (every
-        row a padding row), so no request waits for a compile."""
-        shapes = [(self.max_slots, 1, True, M) for M in self.page_buckets]
-        R = 1
-        while R <= self.max_slots:
-            shapes.append((R, self.prefill_chunk, False, None))
-            R *= 2
-        for R, width, all_slots, M in shapes:
-            self._step(self._rows([], width, [], all_slots=all_slots, R=R, M=M), all_slots)
-        self.compiled_shapes = len(shapes)
+        """Compiles the decode step (every page-table width), every prompt-chunk bucket and,
+        for an encoder-decoder, the encoder of every arrival bucket and source width, each
+        run once on padding rows that write nothing: no request waits for a compile."""
+        buckets = sorted({self._row_bucket(n) for n in range(1, self.max_slots + 1)})
+        for M in self.page_buckets:
+            self._step(self._rows([], 1, [], all_slots=True, M=M), True)
+        for R in buckets:
+            self._step(self._rows([], self.prefill_chunk, [], all_slots=False, R=R), False)
+        encoders = []
+        if self.config.is_encoder_decoder:
+            widths = [None] if self.config.audio is not None else self.source_widths
+            encoders = [(R, w) for R in buckets for w in widths]
+            for R, width in encoders:
+                self._encode([], R, width)
+        self.compiled_shapes = len(self.page_buckets) + len(buckets) + len(encoders)
 
 
 def _bans(pre, always, first) -> tuple[tuple[int, ...], device.Banned]:

@@ -50,7 +50,7 @@ def _pretrained(family: str) -> Pretrained:
 
 @pytest.fixture(scope="module", params=["decoder_only", "encoder_decoder"])
 def engine(request):
-    engine = Engine(_pretrained(request.param), **SIZES).start()
+    engine = Engine(_pretrained(request.param), **SIZES).start(warmup=False)
     yield engine
     engine.stop(drain=False)
 
@@ -141,6 +141,24 @@ def test_an_end_id_and_a_stop_string_finish_with_stop(engine):
                                                      stop=(stop,))).result()
     assert (text, last.finish_reason) == (whole[:whole.index(stop)], "stop")
     _idle(engine)
+
+
+def test_after_the_warm_up_no_request_waits_for_a_compile():
+    """Every shape a request can need is compiled at start: decode steps of each page-table
+    width, prompt chunks of each row bucket, the encoder of each arrival bucket and source
+    width; then a mix of requests compiles nothing more."""
+    from serve import step
+    engine = Engine(_pretrained("encoder_decoder"), **{**SIZES, "max_slots": 3}).start()
+    # 16 page widths {1, 2, 4, 8, 16}; rows {1, 2, 3}; sources {16, 32, 64} x rows {1, 2, 3}
+    assert engine.compiled_shapes == 5 + 3 + 9
+    compiled = step.run_step._cache_size(), step.admit_sources._cache_size()
+    request = decode.DecodeRequest(max_new_tokens=14, eos_id=None)
+    handles = [engine.submit(serve.Submission(tuple(p), request))
+               for p in _prompts(8, (3, 17, 1, 9, 60, 33, 2))]
+    for h in handles:
+        h.result()
+    assert (step.run_step._cache_size(), step.admit_sources._cache_size()) == compiled
+    engine.stop()
 
 
 def test_cancelled_and_stopped_requests_free_their_slots_and_pages():
