@@ -38,7 +38,6 @@ import jax
 import numpy as np
 
 from decode.placement import cache_sharding
-from decode.processors import SamplingParams
 from models.errors import UserError, check_positive_int
 from serve import step as device
 from serve.api import EngineStopped, Event, QueueFull, Submission, Usage
@@ -68,6 +67,8 @@ class Engine:
             the rest of it goes to prompt chunks.
         prefill_chunk: the most prompt tokens of one request fed in one iteration.
         max_queue: submissions waiting for a slot before `submit` raises `QueueFull`.
+        decode_steps: tokens a decode call makes per row while no request waits for a slot
+            (1: one per call, the host deciding between every two).
         metrics: an object with the `serve.metrics.Metrics` methods (None: none recorded).
         banned_ids: ids no request generates (None: the model directory's own, its
             bad_words_ids or Whisper's suppress_tokens).
@@ -80,8 +81,8 @@ class Engine:
 
     def __init__(self, pre, *, max_slots: int = 8, page_size: int = 16,
                  num_pages: int | None = None, max_tokens_per_step: int = 256,
-                 prefill_chunk: int = 64, max_queue: int = 256, metrics=None,
-                 banned_ids=None, banned_first_ids=None):
+                 prefill_chunk: int = 64, max_queue: int = 256, decode_steps: int = 4,
+                 metrics=None, banned_ids=None, banned_first_ids=None):
         self.model, self.params, self.config = pre.model, pre.params, pre.config
         self.tokenizer, self.generation = pre.tokenizer, pre.generation
         cfg = self.config
@@ -97,6 +98,7 @@ class Engine:
             raise UserError(f"max_tokens_per_step={max_tokens_per_step} must be at least "
                             f"max_slots={max_slots}: every slot feeds a token each step")
         self.max_queue = check_positive_int(max_queue, "max_queue")
+        self.decode_steps = check_positive_int(decode_steps, "decode_steps")
         pages_per_slot = -(-cfg.max_len // self.page_size)
         if num_pages is None:
             num_pages = default_num_pages(cfg, self.max_slots, pages_per_slot, self.page_size)
@@ -333,31 +335,21 @@ class Engine:
         first `M` page-table entries (default: all)."""
         R = self.max_slots if all_slots else (R or self._row_bucket(len(rows)))
         M = M or self.pool.table.shape[1]
-        a = dict(slots=np.full((R,), self.max_slots, np.int32),
-                 tokens=np.zeros((R, width), np.int32), n_new=np.zeros((R,), np.int32),
-                 lengths=np.zeros((R,), np.int32),
-                 page_table=np.full((R, M), self.num_pages, np.int32),
-                 generated_from=np.zeros((R,), np.int32), generated=np.zeros((R,), np.int32),
-                 seed=np.zeros((R,), np.uint32))
-        values = np.zeros((5, R), np.float32)
-        values[2] = values[4] = 1.0                  # top_p and the penalty off
-        penalties = np.zeros((2, R), np.float32)
+        out = device.StepRows.padding(R, width, M, slots=self.max_slots,
+                                      num_pages=self.num_pages)
         if all_slots:
-            a["slots"] = np.arange(R, dtype=np.int32)
+            out.ints[device.INTS.index("slots")] = np.arange(R)
         for i, (live, feed) in enumerate(zip(rows, feeds, strict=True)):
             r = live.slot if all_slots else i
-            a["slots"][r] = live.slot
-            a["tokens"][r, :len(feed)] = feed
-            a["n_new"][r], a["lengths"][r] = len(feed), live.length
-            a["page_table"][r] = self.pool.table[live.slot, :M]
-            a["generated_from"][r], a["generated"][r] = len(live.prompt), len(live.generated)
-            a["seed"][r] = live.seed
-            values[:, r], penalties[:, r] = live.sampling, live.penalties
-        sampling = SamplingParams(temperature=values[0], top_k=values[1].astype(np.int32),
-                                  top_p=values[2], min_p=values[3],
-                                  repetition_penalty=values[4])
-        return device.StepRows(**a, sampling=sampling, presence=penalties[0],
-                               frequency=penalties[1])
+            out.tokens[r, :len(feed)] = feed
+            out.page_table[r] = self.pool.table[live.slot, :M]
+            temperature, top_k, top_p, min_p, penalty = live.sampling
+            out.set(r, slots=live.slot, n_new=len(feed), lengths=live.length,
+                    generated_from=len(live.prompt), generated=len(live.generated),
+                    seed=live.seed, top_k=top_k, temperature=temperature, top_p=top_p,
+                    min_p=min_p, repetition_penalty=penalty, presence=live.penalties[0],
+                    frequency=live.penalties[1])
+        return out
 
     def _prefill(self, chunks: list[tuple[Live, int]]) -> None:
         rows = [live for live, _ in chunks]
@@ -368,25 +360,48 @@ class Engine:
             live.length += n
             live.pending = live.pending[n:]
             if not live.pending:
-                self._new_token(live, int(tokens[i]), float(logprobs[i]))
+                self._new_token(live, int(tokens[0, i]), float(logprobs[0, i]))
 
     def _decode(self, rows: list[Live]) -> None:
-        """One token for each row, attending over as many pages as the longest row holds
-        (rounded up to a power of two, `page_buckets`): a step's attention reads what is in
-        flight, not every slot's full window."""
+        """The next tokens of every decode row, attending over as many pages as the longest
+        row holds (rounded up to a power of two, `page_buckets`): a step reads what is in
+        flight, not every slot's full window. When nothing waits for a slot, one call makes
+        `decode_steps` tokens a row (`serve.step.run_step`'s `steps`), as far as the pool
+        has their pages: the host's work per step, most of a small model's step, is paid
+        once for them all."""
+        steps = self._steps_for(rows)
         held = max(self.pool.held(x.slot) for x in rows)
         M = next(m for m in self.page_buckets if m >= held)
         tokens, logprobs = self._step(
-            self._rows(rows, 1, [x.pending for x in rows], all_slots=True, M=M), True)
+            self._rows(rows, 1, [x.pending for x in rows], all_slots=True, M=M), True,
+            steps=steps)
         for live in rows:
-            live.length += 1
-            live.pending = []
-            self._new_token(live, int(tokens[live.slot]), float(logprobs[live.slot]))
+            for j in range(steps):
+                if live.slot is None:                # it ended: the rest is not its
+                    break
+                live.length += 1
+                live.pending = []
+                self._new_token(live, int(tokens[j, live.slot]), float(logprobs[j, live.slot]))
 
-    def _step(self, rows: device.StepRows, all_slots: bool) -> tuple[np.ndarray, np.ndarray]:
+    def _steps_for(self, rows: list[Live]) -> int:
+        """`decode_steps` when no request waits for a slot and every row has room and pages
+        for that many more positions (taken here); else 1."""
+        k = self.decode_steps
+        if k == 1 or self._waiting or self._incoming:
+            return 1
+        room = self.pool.table.shape[1] * self.page_size
+        if any(x.length + k > room for x in rows):
+            return 1
+        for live in rows:
+            if not self.pool.ensure(live.slot, live.length + k):
+                return 1
+        return k
+
+    def _step(self, rows: device.StepRows, all_slots: bool,
+              steps: int = 1) -> tuple[np.ndarray, np.ndarray]:
         tokens, logprobs, self._state = device.run_step(
             self.model, self.params, self._state, rows, self.banned, all_slots=all_slots,
-            cache_sharding=self._sharding)
+            cache_sharding=self._sharding, steps=steps)
         self.steps += 1
         return jax.device_get((tokens, logprobs))
 
@@ -436,7 +451,8 @@ class Engine:
         run once on padding rows that write nothing: no request waits for a compile."""
         buckets = sorted({self._row_bucket(n) for n in range(1, self.max_slots + 1)})
         for M in self.page_buckets:
-            self._step(self._rows([], 1, [], all_slots=True, M=M), True)
+            for steps in sorted({1, self.decode_steps}):
+                self._step(self._rows([], 1, [], all_slots=True, M=M), True, steps=steps)
         for R in buckets:
             self._step(self._rows([], self.prefill_chunk, [], all_slots=False, R=R), False)
         encoders = []
@@ -445,7 +461,8 @@ class Engine:
             encoders = [(R, w) for R in buckets for w in widths]
             for R, width in encoders:
                 self._encode([], R, width)
-        self.compiled_shapes = len(self.page_buckets) + len(buckets) + len(encoders)
+        self.compiled_shapes = (len(self.page_buckets) * len({1, self.decode_steps})
+                                + len(buckets) + len(encoders))
 
 
 def _bans(pre, always, first) -> tuple[tuple[int, ...], device.Banned]:

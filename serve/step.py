@@ -25,6 +25,7 @@ import functools
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from decode.placement import constrain_cache
@@ -59,35 +60,68 @@ class DeviceState:
     counts: Int[Array, "Sl V"]
 
 
+# The per-row values of a step, packed into one int and one float array: a step sends four
+# arrays to the device, not fifteen (each a transfer of its own, most of a small model's
+# step time on a CPU host).
+INTS = ("slots", "n_new", "lengths", "generated_from", "generated", "seed", "top_k")
+FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence", "frequency")
+# A padding row: no slot, nothing fed, every processor off.
+PADDING = dict(temperature=0.0, top_p=1.0, min_p=0.0, repetition_penalty=1.0, presence=0.0,
+               frequency=0.0)
+
+
 @flax.struct.dataclass
 class StepRows:
     """The R rows of one step (host values, sent with each step).
 
     Attributes:
-        slots: int32[R] each row's slot; >= the slot count for a padding row.
+        ints: int32[7, R], by `INTS`: each row's slot (>= the slot count for a padding
+            row); its real tokens in the block (0: padding row); the positions its slot
+            held before the block; the first position of a generated token (the decoder
+            prompt's length: fed tokens from there on count as generated); the tokens
+            generated so far (the index of the one chosen now); its sampling seed (the
+            bits of a uint32); its top_k.
+        floats: float32[6, R], by `FLOATS`: temperature, top_p, min_p, the repetition
+            penalty, OpenAI's presence and frequency penalties.
         tokens: int32[R, T] each row's block, right-padded.
-        n_new: int32[R] the real tokens of each block (0: padding row).
-        lengths: int32[R] positions each slot held before the block.
         page_table: int32[R, M] each row's pages.
-        generated_from: int32[R] the first position of a generated token (the decoder
-            prompt's length): fed tokens from there on count as generated.
-        generated: int32[R] tokens generated so far (the index of the one chosen now).
-        seed: uint32[R] each row's sampling seed.
-        sampling: the sampling values, [R] each.
-        presence, frequency: float32[R] OpenAI's penalties (0 off).
     """
 
-    slots: Int[Array, " R"]
+    ints: Int[Array, "I R"]
+    floats: Float[Array, "F R"]
     tokens: Int[Array, "R T"]
-    n_new: Int[Array, " R"]
-    lengths: Int[Array, " R"]
     page_table: Int[Array, "R M"]
-    generated_from: Int[Array, " R"]
-    generated: Int[Array, " R"]
-    seed: Array
-    sampling: SamplingParams
-    presence: Float[Array, " R"]
-    frequency: Float[Array, " R"]
+
+    @classmethod
+    def padding(cls, R: int, T: int, M: int, *, slots: int, num_pages: int) -> StepRows:
+        """R padding rows as numpy arrays, for the host to fill row by row."""
+        ints = np.zeros((len(INTS), R), np.int32)
+        ints[INTS.index("slots")] = slots
+        floats = np.array([[PADDING[n]] * R for n in FLOATS], np.float32).reshape(-1, R)
+        return cls(ints, floats, np.zeros((R, T), np.int32),
+                   np.full((R, M), num_pages, np.int32))
+
+    def set(self, r: int, **values) -> None:
+        """Row r's values by name (host side, numpy)."""
+        for name, value in values.items():
+            if name in INTS:
+                self.ints[INTS.index(name), r] = np.array(value, np.uint32).view(np.int32) \
+                    if name == "seed" else value
+            else:
+                self.floats[FLOATS.index(name), r] = value
+
+    def __getattr__(self, name):
+        if name in INTS:
+            return self.ints[INTS.index(name)]
+        if name in FLOATS:
+            return self.floats[FLOATS.index(name)]
+        raise AttributeError(name)
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(temperature=self.temperature, top_k=self.top_k,
+                              top_p=self.top_p, min_p=self.min_p,
+                              repetition_penalty=self.repetition_penalty)
 
 
 def create_state(config, *, slots: int, num_pages: int, page_size: int, pages_per_slot: int,
@@ -144,20 +178,48 @@ def pinned(state: DeviceState, sharding) -> DeviceState:
     return state.replace(cache=constrain_cache(state.cache, sharding))
 
 
-@functools.partial(jax.jit, static_argnames=("model", "all_slots", "cache_sharding"),
+@functools.partial(jax.jit, static_argnames=("model", "all_slots", "cache_sharding", "steps"),
                    donate_argnums=(2,))
 def run_step(model, params, state: DeviceState, rows: StepRows, banned: Banned, *,
-             all_slots: bool = False, cache_sharding=None):
+             all_slots: bool = False, cache_sharding=None, steps: int = 1):
     """Feeds each row its block and chooses its next token: the model's logits, then
     transformers' order (`decode.processors`): the repetition penalty (and OpenAI's
     presence and frequency penalties), the bans, the sampling values.
 
+    With `steps` > 1 (one-token blocks only) it goes on: each row is fed the token it just
+    chose, `steps` times in one computation (`lax.scan`), so the host sends one step's
+    rows and reads `steps` tokens per row. The host gives each row the pages for all of
+    them; a row that ends on the way (an end id, a stop string) ignores the rest.
+
     Returns:
-        (tokens int32[R], logprobs float32[R]: the model's log-probability of each chosen
-        token, before any processor), and the state.
+        (tokens int32[steps, R], logprobs float32[steps, R]: the model's log-probability of
+        each chosen token, before any processor), and the state.
     """
-    R, T = rows.tokens.shape
     state = pinned(state, cache_sharding)
+    if steps == 1:
+        token_R, logprob_R, state = _one_step(model, params, state, rows, banned, all_slots)
+        return token_R[None], logprob_R[None], pinned(state, cache_sharding)
+    if rows.tokens.shape[1] != 1:
+        raise ValueError(f"steps={steps} feeds one token a row; the block is "
+                         f"{rows.tokens.shape[1]} wide")
+
+    def body(carry, _):
+        state, rows = carry
+        token_R, logprob_R, state = _one_step(model, params, state, rows, banned, all_slots)
+        real_R = (rows.n_new > 0).astype(jnp.int32)
+        ints = rows.ints.at[INTS.index("lengths")].add(real_R)
+        ints = ints.at[INTS.index("generated")].add(real_R)
+        rows = rows.replace(ints=ints, tokens=token_R[:, None])
+        return (pinned(state, cache_sharding), rows), (token_R, logprob_R)
+    (state, _), (tokens_SR, logprobs_SR) = jax.lax.scan(body, (state, rows), None,
+                                                        length=steps)
+    return tokens_SR, logprobs_SR, pinned(state, cache_sharding)
+
+
+def _one_step(model, params, state: DeviceState, rows: StepRows, banned: Banned,
+              all_slots: bool):
+    """One step of `run_step`: (tokens int32[R], logprobs float32[R], the state)."""
+    R, T = rows.tokens.shape
     cross_k, cross_v, cross_mask = _cross_rows(state.cache, rows.slots, all_slots)
     cache = state.cache.replace(page_table=rows.page_table, lengths=rows.lengths,
                                 cross_k=cross_k, cross_v=cross_v, cross_mask=cross_mask)
@@ -182,8 +244,9 @@ def run_step(model, params, state: DeviceState, rows: StepRows, banned: Banned, 
     def constrain(x_RV):
         return ban_tokens(ban_tokens(x_RV, banned.always), banned.first[None, :] & first_R1)
     processed_RV = process_logits(penalised_RV, seen_RV, rows.sampling, STRATEGY, constrain)
+    seeds_R = jax.lax.bitcast_convert_type(rows.seed, jnp.uint32)
     keys_R = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.key(s), n))(
-        rows.seed, rows.generated)
+        seeds_R, rows.generated)
     sampled_R = jax.vmap(lambda k, x: jax.random.categorical(k, x))(keys_R, processed_RV)
     greedy_R = select_tokens(processed_RV, None, rows.sampling, Strategy())
     token_R = jnp.where(rows.sampling.temperature > 0, sampled_R.astype(jnp.int32), greedy_R)
@@ -195,7 +258,7 @@ def run_step(model, params, state: DeviceState, rows: StepRows, banned: Banned, 
     state = DeviceState(
         cache=state.cache.replace(k=cache.k, v=cache.v),
         seen=put(state.seen, seen_RV), counts=put(state.counts, counts_RV))
-    return token_R, logprob_R, pinned(state, cache_sharding)
+    return token_R, logprob_R, state
 
 
 @functools.partial(jax.jit, static_argnames=("model", "cache_sharding"), donate_argnums=(2,))

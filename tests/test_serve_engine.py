@@ -108,6 +108,19 @@ def test_every_token_of_every_request_equals_generate(engine):
     _idle(engine)
 
 
+def test_with_nothing_waiting_one_call_makes_four_tokens_a_row(engine):
+    """decode_steps=4 (the default): a lone request's 12 tokens take 3 decode calls (and,
+    decoder-only, the prompt's own step, which makes the first), not 12; the same tokens."""
+    prompt = _prompts(9, (5,))[0]
+    request = decode.DecodeRequest(max_new_tokens=12, eos_id=None)
+    before = engine.steps
+    ids = engine.submit(serve.Submission(tuple(prompt), request)).result()[1]
+    assert ids == _alone(engine, prompt, 12, eos_id=None)
+    prompt_steps = 1 if engine.config.architecture == "decoder_only" else 0
+    assert engine.steps - before == prompt_steps + 3
+    _idle(engine)
+
+
 def test_a_seeded_sampled_request_repeats_whatever_its_batch_mates(engine):
     request = decode.DecodeRequest(strategy="sample", temperature=0.9, top_p=0.95, top_k=50,
                                    max_new_tokens=10, eos_id=None)
@@ -149,8 +162,8 @@ def test_after_the_warm_up_no_request_waits_for_a_compile():
     width; then a mix of requests compiles nothing more."""
     from serve import step
     engine = Engine(_pretrained("encoder_decoder"), **{**SIZES, "max_slots": 3}).start()
-    # 16 page widths {1, 2, 4, 8, 16}; rows {1, 2, 3}; sources {16, 32, 64} x rows {1, 2, 3}
-    assert engine.compiled_shapes == 5 + 3 + 9
+    # page widths {1, 2, 4, 8, 16}; rows {1, 2, 3}; sources {16, 32, 64} x rows {1, 2, 3}
+    assert engine.compiled_shapes == 5 * 2 + 3 + 9       # decode steps of 1 and 4 tokens
     compiled = step.run_step._cache_size(), step.admit_sources._cache_size()
     request = decode.DecodeRequest(max_new_tokens=14, eos_id=None)
     handles = [engine.submit(serve.Submission(tuple(p), request))
