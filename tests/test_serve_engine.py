@@ -137,6 +137,34 @@ def test_a_seeded_sampled_request_repeats_whatever_its_batch_mates(engine):
     _idle(engine)
 
 
+def test_the_repetition_penalty_equals_generates(engine):
+    prompt = _prompts(10, (6,))[0]
+    request = decode.DecodeRequest(max_new_tokens=10, eos_id=None, repetition_penalty=1.8)
+    ids = engine.submit(serve.Submission(tuple(prompt), request)).result()[1]
+    assert ids == _alone(engine, prompt, 10, eos_id=None, repetition_penalty=1.8)
+    _idle(engine)
+
+
+def test_presence_and_frequency_penalties_are_openais_on_generated_tokens():
+    """Greedy under OpenAI's penalties (logit - presence * [count > 0] - frequency * count,
+    counting generated tokens only) against a loop over the full forward pass."""
+    pre = _pretrained("decoder_only")
+    engine = Engine(pre, **SIZES).start(warmup=False)
+    prompt = _prompts(11, (4,))[0]
+    request = decode.DecodeRequest(max_new_tokens=8, eos_id=None)
+    got = engine.submit(serve.Submission(tuple(prompt), request, presence_penalty=1.5,
+                                         frequency_penalty=0.7)).result()[1]
+    plain = engine.submit(serve.Submission(tuple(prompt), request)).result()[1]
+    engine.stop()
+    tokens, want = list(prompt), []
+    for _ in range(8):
+        logits = np.asarray(pre.model.apply({"params": pre.params}, np.array([tokens])))[0, -1]
+        counts = np.bincount(want, minlength=logits.size)
+        want.append(int(np.argmax(logits - 1.5 * (counts > 0) - 0.7 * counts)))
+        tokens.append(want[-1])
+    assert got == want and got != plain
+
+
 def test_an_end_id_and_a_stop_string_finish_with_stop(engine):
     prompt = _prompts(5, (7,))[0]
     greedy = _alone(engine, prompt, 12, eos_id=None)
