@@ -44,6 +44,7 @@ bench: $(STAMP)
 	$(PY) -m bench.lora
 	$(PY) -m bench.moe
 	$(PY) -m bench.whisper
+	$(PY) -m bench.serve
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
