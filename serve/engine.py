@@ -127,6 +127,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._recent: collections.deque = collections.deque(maxlen=64)   # (time, tokens)
         self.compiled_shapes = 0
+        self.failure: str | None = None           # what stopped the loop, if an error did
         self.preemptions = 0
         self.steps = 0
 
@@ -150,6 +151,8 @@ class Engine:
         """
         live = checked(self, submission, next(self._numbers))
         with self._cv:
+            if self.failure is not None:
+                raise EngineStopped(f"the engine stopped after an error: {self.failure}")
             if self._stopping:
                 raise EngineStopped("the engine is stopping and takes no new requests")
             if len(self._incoming) + len(self._waiting) >= self.max_queue:
@@ -209,9 +212,14 @@ class Engine:
                     return
             try:
                 self._iterate()
-            except Exception as e:                   # a bug: every request hears of it
+            except Exception as e:       # a bug: every request hears of it, and the engine
+                self.failure = f"{type(e).__name__}: {e}"        # takes no more (submit)
+                with self._cv:
+                    self._stopping = True
+                    self._waiting.extend(self._incoming)
+                    self._incoming.clear()
                 for live in list(self._waiting) + [x for x in self._slots if x]:
-                    self._finish(live, "error", error=f"{type(e).__name__}: {e}")
+                    self._finish(live, "error", error=self.failure)
                 self._waiting.clear()
                 raise
 

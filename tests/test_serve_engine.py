@@ -222,6 +222,23 @@ def test_cancelled_and_stopped_requests_free_their_slots_and_pages():
     _idle(engine)
 
 
+def test_an_error_in_the_loop_ends_every_request_with_it_and_refuses_new_ones(monkeypatch):
+    engine = Engine(_pretrained("decoder_only"), **SIZES)
+
+    def broken(rows):
+        raise RuntimeError("a bug in the step")
+    monkeypatch.setattr(engine, "_decode", broken)
+    monkeypatch.setattr(threading, "excepthook", lambda args: None)   # the thread's report
+    engine.start(warmup=False)
+    request = decode.DecodeRequest(max_new_tokens=4)
+    handles = [engine.submit(serve.Submission((5, 6), request)) for _ in range(6)]
+    for h in handles:                            # running or waiting: each hears of it
+        last = h.result()[2]
+        assert (last.finish_reason, last.error) == ("error", "RuntimeError: a bug in the step")
+    with pytest.raises(serve.EngineStopped, match="stopped after an error: RuntimeError"):
+        engine.submit(serve.Submission((5,), request))
+
+
 def test_a_full_queue_refuses_with_queue_full():
     engine = Engine(_pretrained("decoder_only"), **{**SIZES, "max_queue": 2})  # not started
     request = decode.DecodeRequest(max_new_tokens=4)
