@@ -234,13 +234,20 @@ class CrossKVProjection(nn.Module):
     def _adapter(self, name: str, x_BSD, lora: tuple[int, float], deterministic: bool):
         """The adapter's update of every layer's keys (or values), [L, B, K, S, H]."""
         cfg, (rank, scale) = self.config, lora
-        a_LDr = self.param(f"{name}_lora_a", named(LORA_STACKED_A_INIT, "layers", "embed",
-                                                   "lora"),
-                           (self.num_layers, cfg.d_model, rank), cfg.param_dtype)
-        b_LrKH = self.param(f"{name}_lora_b", named(ZEROS, "layers", "lora", "kv_heads",
-                                                    "head_dim"),
-                            (self.num_layers, rank, cfg.num_kv_heads, cfg.head_dim),
+        rows, row_axis = ((x_BSD.shape[0],), ("lora_rows",)) if cfg.lora.per_row else ((), ())
+        a_LDr = self.param(f"{name}_lora_a", named(LORA_STACKED_A_INIT, "layers", *row_axis,
+                                                   "embed", "lora"),
+                           (self.num_layers, *rows, cfg.d_model, rank), cfg.param_dtype)
+        b_LrKH = self.param(f"{name}_lora_b", named(ZEROS, "layers", *row_axis, "lora",
+                                                    "kv_heads", "head_dim"),
+                            (self.num_layers, *rows, rank, cfg.num_kv_heads, cfg.head_dim),
                             cfg.param_dtype)
         x_BSD = nn.Dropout(cfg.lora.dropout)(x_BSD, deterministic=deterministic)
-        per_layer = jax.vmap(lambda a, b: adapted(x_BSD, a, b, scale, cfg.dtype))
-        return jnp.moveaxis(per_layer(a_LDr, b_LrKH), 3, 2)   # [L, B, S, K, H] -> K before S
+        if cfg.lora.per_row:         # a_LBDr, b_LBrKH: row b by its own adapter
+            def one_layer(a, b):
+                return jax.vmap(lambda x, a, b: adapted(x, a, b, scale, cfg.dtype))(
+                    x_BSD, a, b)
+        else:
+            def one_layer(a, b):
+                return adapted(x_BSD, a, b, scale, cfg.dtype)
+        return jnp.moveaxis(jax.vmap(one_layer)(a_LDr, b_LrKH), 3, 2)  # [L,B,S,K,H]: K, S

@@ -23,6 +23,7 @@ The names used:
     positions   learned position rows      types      token-type rows
     buckets     relative-position buckets  labels     classifier outputs
     lora        a low-rank adapter's rank (`models.lora`)
+    lora_rows   the rows of per-row adapters (`LoraConfig.per_row`: one adapter a row)
     expert      a mixture-of-experts layer's experts (`models.moe`)
     taps, conv_in   an audio front end's kernel width and input channels (`models.audio`)
 """
@@ -45,7 +46,7 @@ from models.errors import UserError
 
 # The logical axis names parameters use (see the module docstring).
 NAMES = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "layers", "positions",
-         "types", "buckets", "labels", "lora", "expert", "taps", "conv_in")
+         "types", "buckets", "labels", "lora", "lora_rows", "expert", "taps", "conv_in")
 
 
 def _traced_once(init):
@@ -139,6 +140,7 @@ DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("buckets", None),
     ("labels", None),
     ("lora", None),
+    ("lora_rows", None),
     ("expert", EXPERT_AXIS),
     ("taps", None),
     ("conv_in", None),

@@ -98,6 +98,9 @@ class LoraConfig:
         overrides: (target, rank, alpha) for targets whose rank or alpha differ from the
             others (an adapter loaded with PEFT's rank_pattern, or a fused projection's).
         rslora: scale by alpha / sqrt(r) instead (Kalajdzievski 2023; PEFT's use_rslora).
+        per_row: each adapter leaf carries a leading row axis (after a stack's layer axis):
+            row b of a batch is adapted by its own A_b, B_b. A serving engine mixes
+            several adapters of one base in a step this way (`serve.adapters`).
     """
 
     rank: int = 8
@@ -106,6 +109,7 @@ class LoraConfig:
     targets: tuple[str, ...] = ("query", "value")
     overrides: tuple[tuple[str, int, float], ...] = ()
     rslora: bool = False
+    per_row: bool = False
 
     def __post_init__(self):
         set_ = _setter(self)
@@ -130,6 +134,8 @@ class LoraConfig:
         set_("overrides", tuple(overrides))
         if not isinstance(self.rslora, bool):
             raise UserError(f"lora.rslora={self.rslora!r} must be a bool")
+        if not isinstance(self.per_row, bool):
+            raise UserError(f"lora.per_row={self.per_row!r} must be a bool")
 
     @classmethod
     def from_dict(cls, fields: dict) -> LoraConfig:

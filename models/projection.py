@@ -10,6 +10,7 @@ of the module path), so call sites only pass the config.
 from __future__ import annotations
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 
 from models.axes import LORA_A_INIT, XAVIER_UNIFORM, ZEROS, named
@@ -49,12 +50,17 @@ class Projection(nn.DenseGeneral):
             return y
         rank, scale = shape
         n_in = len(self.in_axes)
-        a = self.param("lora_a", named(LORA_A_INIT, *self.in_axes, "lora"),
-                       (*x.shape[-n_in:], rank), self.param_dtype)
-        b = self.param("lora_b", named(ZEROS, "lora", *self.out_axes),
-                       (rank, *y.shape[x.ndim - n_in:]), self.param_dtype)
+        rows, row_axis = ((x.shape[0],), ("lora_rows",)) if lora.per_row else ((), ())
+        a = self.param("lora_a", named(LORA_A_INIT, *row_axis, *self.in_axes, "lora"),
+                       (*rows, *x.shape[-n_in:], rank), self.param_dtype)
+        b = self.param("lora_b", named(ZEROS, *row_axis, "lora", *self.out_axes),
+                       (*rows, rank, *y.shape[x.ndim - n_in:]), self.param_dtype)
         x = nn.Dropout(lora.dropout)(x, deterministic=deterministic)
-        return y + adapted(x, a, b, scale, self.dtype or y.dtype).astype(y.dtype)
+        dtype = self.dtype or y.dtype
+        if lora.per_row:             # row b by its own adapter: a gathered low-rank product
+            return y + jax.vmap(lambda x, a, b: adapted(x, a, b, scale, dtype))(
+                x, a, b).astype(y.dtype)
+        return y + adapted(x, a, b, scale, dtype).astype(y.dtype)
 
 
 def adapted(x, a, b, scale: float, dtype):

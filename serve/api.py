@@ -47,6 +47,8 @@ class Submission:
         presence_penalty, frequency_penalty: OpenAI's penalties on generated tokens (0 off).
         features: Whisper: float32[mel, frames] log-mel features of the audio window; the
             ids are then the decoder's forced prompt.
+        adapter: the name of a LoRA adapter the engine serves (`Engine(adapters=...)`);
+            None: the base model.
     """
 
     ids: tuple[int, ...]
@@ -56,6 +58,7 @@ class Submission:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     features: object = None
+    adapter: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)

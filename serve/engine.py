@@ -37,9 +37,11 @@ import time
 import jax
 import numpy as np
 
+import models
 from decode.placement import cache_sharding
 from models.errors import UserError, check_positive_int
 from serve import step as device
+from serve.adapters import stack as stack_adapters
 from serve.api import EngineStopped, Event, QueueFull, Submission, Usage
 from serve.pages import PagePool
 from serve.requests import Handle, Live, checked
@@ -74,6 +76,9 @@ class Engine:
             bad_words_ids or Whisper's suppress_tokens).
         banned_first_ids: ids no request generates first (None: Whisper's
             begin_suppress_tokens; none for a text model).
+        adapters: LoRA adapters of this base served by name, {name: (LoraConfig, adapter
+            tree)} as `models.read_adapter` gives them; a request names one
+            (`Submission.adapter`) or none, and one step mixes them (`serve.adapters`).
 
     Raises:
         UserError: a size out of range (naming it), or a model the engine cannot serve.
@@ -82,8 +87,13 @@ class Engine:
     def __init__(self, pre, *, max_slots: int = 8, page_size: int = 16,
                  num_pages: int | None = None, max_tokens_per_step: int = 256,
                  prefill_chunk: int = 64, max_queue: int = 256, decode_steps: int = 4,
-                 metrics=None, banned_ids=None, banned_first_ids=None):
+                 metrics=None, banned_ids=None, banned_first_ids=None, adapters=None):
         self.model, self.params, self.config = pre.model, pre.params, pre.config
+        self.adapters = self._adapters = None
+        if adapters:
+            self.adapters = stack_adapters(pre, adapters)
+            self._adapters = self.adapters.stacked
+            self.model = models.build(self.config.replace(lora=self.adapters.lora))
         self.tokenizer, self.generation = pre.tokenizer, pre.generation
         cfg = self.config
         if cfg.architecture not in ("decoder_only", "encoder_decoder"):
@@ -132,6 +142,18 @@ class Engine:
         self.steps = 0
 
     # --- the callers' side --------------------------------------------------------------
+
+    def adapter_index(self, name: str | None) -> int:
+        """A request's adapter entry (0: the base).
+
+        Raises:
+            UserError: a name this engine does not serve.
+        """
+        if self.adapters is None:
+            if name is not None:
+                raise UserError(f"adapter {name!r}: this engine serves no adapters")
+            return 0
+        return self.adapters.index(name)
 
     def max_prompt_tokens(self, max_new_tokens: int | None = None) -> int:
         """The longest prompt (decoder-only; Whisper's decoder prompt) or source (a text
@@ -273,8 +295,9 @@ class Engine:
                                 np.float32)
             for r, live in enumerate(arrivals):
                 features[r] = live.features
-            self._state = device.admit_sources(self.model, self.params, self._state, slots,
-                                               features, cache_sharding=self._sharding)
+            self._state = device.admit_sources(
+                self.model, self.params, self._state, slots, features, None, self._adapters,
+                self._arrival_adapters(arrivals, R), cache_sharding=self._sharding)
             return
         longest = max((len(x.source) for x in arrivals), default=1)
         width = width or next(w for w in self.source_widths if w >= longest)
@@ -282,8 +305,17 @@ class Engine:
         lengths = np.ones((R,), np.int32)             # padding rows: one (ignored) token
         for r, live in enumerate(arrivals):
             src[r, :len(live.source)], lengths[r] = live.source, len(live.source)
-        self._state = device.admit_sources(self.model, self.params, self._state, slots, src,
-                                           lengths, cache_sharding=self._sharding)
+        self._state = device.admit_sources(
+            self.model, self.params, self._state, slots, src, lengths, self._adapters,
+            self._arrival_adapters(arrivals, R), cache_sharding=self._sharding)
+
+    def _arrival_adapters(self, arrivals: list[Live], R: int):
+        """int32[R]: each arriving row's adapter entry (None without adapters)."""
+        if self._adapters is None:
+            return None
+        index = np.zeros((R,), np.int32)
+        index[:len(arrivals)] = [x.adapter for x in arrivals]
+        return index
 
     def _row_bucket(self, n: int) -> int:
         """The rows a step of n requests compiles for: the next power of two, at most
@@ -354,7 +386,8 @@ class Engine:
             temperature, top_k, top_p, min_p, penalty = live.sampling
             out.set(r, slots=live.slot, n_new=len(feed), lengths=live.length,
                     generated_from=len(live.prompt), generated=len(live.generated),
-                    seed=live.seed, top_k=top_k, temperature=temperature, top_p=top_p,
+                    seed=live.seed, top_k=top_k, adapter=live.adapter,
+                    temperature=temperature, top_p=top_p,
                     min_p=min_p, repetition_penalty=penalty, presence=live.penalties[0],
                     frequency=live.penalties[1])
         return out
@@ -408,8 +441,8 @@ class Engine:
     def _step(self, rows: device.StepRows, all_slots: bool,
               steps: int = 1) -> tuple[np.ndarray, np.ndarray]:
         tokens, logprobs, self._state = device.run_step(
-            self.model, self.params, self._state, rows, self.banned, all_slots=all_slots,
-            cache_sharding=self._sharding, steps=steps)
+            self.model, self.params, self._state, rows, self.banned, self._adapters,
+            all_slots=all_slots, cache_sharding=self._sharding, steps=steps)
         self.steps += 1
         return jax.device_get((tokens, logprobs))
 

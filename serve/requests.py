@@ -91,6 +91,7 @@ class Live:
     prompt: list[int]                   # the decoder's prompt: its input, or [start token]
     source: list[int] | None            # an encoder-decoder's source
     features: object                    # Whisper's [mel, frames], or None
+    adapter: int                        # its entry in the engine's adapters (0: the base)
     max_new: int
     eos: frozenset
     sampling: tuple                     # temperature, top_k, top_p, min_p, penalty
@@ -164,7 +165,8 @@ def checked(engine, s: Submission, number: int) -> Live:
     if not 0 <= seed < 2**32:
         raise UserError(f"seed={seed} must be in [0, 2**32)")
     return Live(number=number, handle=Handle(engine), prompt=prompt,
-                 source=source, features=features, max_new=max_new,
+                 source=source, features=features, adapter=engine.adapter_index(s.adapter),
+                 max_new=max_new,
                  eos=frozenset(check_eos(cfg, request.eos_id) or ()),
                  sampling=sampling, penalties=(s.presence_penalty, s.frequency_penalty),
                  seed=seed, text=Detokenizer(engine.tokenizer, stops),

@@ -36,7 +36,9 @@ from decode.processors import (
     process_logits,
     select_tokens,
 )
+from models.lora import join
 from models.paged_cache import PagedKVCache
+from serve.adapters import rows_of
 
 # Every processor is compiled in: a value that is off (temperature 0, top_k 0, top_p 1,
 # min_p 0, penalty 1) leaves the logits bit for bit, so greedy rows choose what
@@ -63,7 +65,8 @@ class DeviceState:
 # The per-row values of a step, packed into one int and one float array: a step sends four
 # arrays to the device, not fifteen (each a transfer of its own, most of a small model's
 # step time on a CPU host).
-INTS = ("slots", "n_new", "lengths", "generated_from", "generated", "seed", "top_k")
+INTS = ("slots", "n_new", "lengths", "generated_from", "generated", "seed", "top_k",
+        "adapter")
 FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence", "frequency")
 # A padding row: no slot, nothing fed, every processor off.
 PADDING = dict(temperature=0.0, top_p=1.0, min_p=0.0, repetition_penalty=1.0, presence=0.0,
@@ -75,12 +78,12 @@ class StepRows:
     """The R rows of one step (host values, sent with each step).
 
     Attributes:
-        ints: int32[7, R], by `INTS`: each row's slot (>= the slot count for a padding
+        ints: int32[8, R], by `INTS`: each row's slot (>= the slot count for a padding
             row); its real tokens in the block (0: padding row); the positions its slot
             held before the block; the first position of a generated token (the decoder
             prompt's length: fed tokens from there on count as generated); the tokens
             generated so far (the index of the one chosen now); its sampling seed (the
-            bits of a uint32); its top_k.
+            bits of a uint32); its top_k; its LoRA adapter (`serve.adapters`; 0: none).
         floats: float32[6, R], by `FLOATS`: temperature, top_p, min_p, the repetition
             penalty, OpenAI's presence and frequency penalties.
         tokens: int32[R, T] each row's block, right-padded.
@@ -180,8 +183,8 @@ def pinned(state: DeviceState, sharding) -> DeviceState:
 
 @functools.partial(jax.jit, static_argnames=("model", "all_slots", "cache_sharding", "steps"),
                    donate_argnums=(2,))
-def run_step(model, params, state: DeviceState, rows: StepRows, banned: Banned, *,
-             all_slots: bool = False, cache_sharding=None, steps: int = 1):
+def run_step(model, params, state: DeviceState, rows: StepRows, banned: Banned,
+             adapters=None, *, all_slots: bool = False, cache_sharding=None, steps: int = 1):
     """Feeds each row its block and chooses its next token: the model's logits, then
     transformers' order (`decode.processors`): the repetition penalty (and OpenAI's
     presence and frequency penalties), the bans, the sampling values.
@@ -191,11 +194,16 @@ def run_step(model, params, state: DeviceState, rows: StepRows, banned: Banned, 
     rows and reads `steps` tokens per row. The host gives each row the pages for all of
     them; a row that ends on the way (an end id, a stop string) ignores the rest.
 
+    `adapters`: a `serve.adapters` stacked tree (the model built with its per-row config),
+    of which each row takes its own entry, or None.
+
     Returns:
         (tokens int32[steps, R], logprobs float32[steps, R]: the model's log-probability of
         each chosen token, before any processor), and the state.
     """
     state = pinned(state, cache_sharding)
+    if adapters is not None:
+        params = join(params, rows_of(adapters, rows.adapter))
     if steps == 1:
         token_R, logprob_R, state = _one_step(model, params, state, rows, banned, all_slots)
         return token_R[None], logprob_R[None], pinned(state, cache_sharding)
@@ -262,12 +270,15 @@ def _one_step(model, params, state: DeviceState, rows: StepRows, banned: Banned,
 
 
 @functools.partial(jax.jit, static_argnames=("model", "cache_sharding"), donate_argnums=(2,))
-def admit_sources(model, params, state: DeviceState, slots_R, src_RS, lengths_R=None, *,
-                  cache_sharding=None):
+def admit_sources(model, params, state: DeviceState, slots_R, src_RS, lengths_R=None,
+                  adapters=None, adapter_R=None, *, cache_sharding=None):
     """Encodes the R arriving sources and gives their slots the cross-attention keys and
     values, kept for the request's life. Text: right-padded ids with their `lengths_R`;
     audio (Whisper): features [R, mel, frames], every encoder position real. A padding
-    row's slot is out of range (nothing of it is kept)."""
+    row's slot is out of range (nothing of it is kept). With `adapters`, row r's encoder
+    and cross-attention projections are adapted by its entry `adapter_R[r]`."""
+    if adapters is not None:
+        params = join(params, rows_of(adapters, adapter_R))
     variables = {"params": params}
     encoded_RSD = model.apply(variables, src_RS, lengths=lengths_R, method="encode")
     cross_k, cross_v = model.apply(variables, encoded_RSD,
