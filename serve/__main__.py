@@ -1,0 +1,162 @@
+"""python -m serve --model DIR [--host 127.0.0.1] [--port 8000] [engine flags] [--api-key KEY]
+
+Serves a model directory over OpenAI's HTTP API (`serve.server`): loads it, compiles every
+step shape of the engine (printed), then answers on http://HOST:PORT/v1 until SIGTERM or
+Ctrl-C, which stop admitting (new requests get 503, /health too), finish the requests in
+flight and exit 0 (a second signal exits at once).
+
+    python -m serve --model runs/default/model
+    curl -s localhost:8000/v1/completions -H 'Content-Type: application/json' \\
+        -d '{"model": "default", "prompt": "the dog sees a cat .", "max_tokens": 16}'
+
+--api-key KEY (or the SERVE_API_KEY environment variable): every endpoint but /health
+needs `Authorization: Bearer KEY`. Binding another host than loopback without one warns.
+
+Exit status: 0 after a graceful stop; 2 for a mistake in the flags or the model directory
+(one `error:` line on stderr); 1 for an internal error (with its traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+
+import models
+from models.errors import UserError
+
+INTERNAL = "internal error (a bug in jax-transformer-zoo or a library it uses)"
+ENGINE_FLAGS = ("max_slots", "page_size", "num_pages", "max_tokens_per_step", "prefill_chunk",
+                "max_queue")
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m serve", description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n", 2)[2])
+    p.add_argument("--model", required=True, help="a model directory (Hugging Face layout)")
+    p.add_argument("--host", default="127.0.0.1", help="default: loopback only")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None, metavar="NAME",
+                   help="the `model` clients give (default: the directory's name)")
+    p.add_argument("--api-key", default=os.environ.get("SERVE_API_KEY"), metavar="KEY",
+                   help="require `Authorization: Bearer KEY` (default: $SERVE_API_KEY)")
+    p.add_argument("--max-body-bytes", type=_positive_int, default=None,
+                   help="refuse larger request bodies (413; default 32 MiB)")
+    p.add_argument("--drain-timeout", type=float, default=None, metavar="SECONDS",
+                   help="on SIGTERM, wait at most this long for requests in flight")
+    engine = p.add_argument_group("engine (default: serve.Engine's)")
+    engine.add_argument("--max-slots", type=_positive_int, help="requests decoded at once")
+    engine.add_argument("--page-size", type=_positive_int, help="tokens per KV-cache page")
+    engine.add_argument("--num-pages", type=_positive_int, help="pages in the pool")
+    engine.add_argument("--max-tokens-per-step", type=_positive_int,
+                        help="the tokens one step reads (its budget)")
+    engine.add_argument("--prefill-chunk", type=_positive_int,
+                        help="the longest piece of a prompt prefilled in one step")
+    engine.add_argument("--max-queue", type=_positive_int,
+                        help="waiting requests before new ones get 429")
+    p.add_argument("--verbose", action="store_true", help="tracebacks with errors")
+    return p
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def run(args) -> None:
+    import uvicorn
+
+    import serve
+    from serve import server
+    from serve.chat import ChatTemplate
+    if args.port < 0 or args.port > 65535:
+        raise UserError(f"--port {args.port} is outside [0, 65535]")
+    pre = models.load(args.model)
+    if pre.tokenizer is None:
+        raise UserError(f"{args.model} has no tokenizer files: the server takes and gives text")
+    template = ChatTemplate.from_directory(args.model)
+    options = {k: getattr(args, k) for k in ENGINE_FLAGS if getattr(args, k) is not None}
+    engine = serve.Engine(pre, **options)
+    engine.start()
+    name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
+    print(f"compiled {engine.compiled_shapes} step shapes; serving {name!r} at "
+          f"http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+    if args.api_key is None and not _loopback(args.host):
+        print(f"warning: --host {args.host} is reachable from other machines and no "
+              "--api-key is set: anyone there can use this server", file=sys.stderr)
+    state = server.ServerState()
+    limit = {} if args.max_body_bytes is None else {"max_body_bytes": args.max_body_bytes}
+    application = server.app(engine, model_name=name, api_key=args.api_key,
+                             chat_template=template, state=state, **limit)
+    config = uvicorn.Config(application, host=args.host, port=args.port, log_level="warning",
+                            lifespan="off")
+    _Graceful(config, engine, state, args.drain_timeout).run()
+
+
+class _Graceful:
+    """uvicorn's server, whose first SIGTERM / SIGINT drains the engine (new requests get
+    503 meanwhile) and waits for the responses in flight before uvicorn's own shutdown."""
+
+    def __init__(self, config, engine, state, timeout):
+        import uvicorn
+        outer = self
+
+        class Server(uvicorn.Server):
+            def handle_exit(self, sig, frame):
+                if outer.draining:
+                    return super().handle_exit(sig, frame)
+                outer.draining = True
+                threading.Thread(target=outer.drain, daemon=True).start()
+
+        self.server, self.engine, self.state, self.timeout = Server(config), engine, state, timeout
+        self.draining = False
+
+    def drain(self) -> None:
+        self.state.stopping = True
+        self.engine.stop(drain=True, timeout=self.timeout)
+        end = None if self.timeout is None else time.monotonic() + self.timeout
+        while self.state.active and (end is None or time.monotonic() < end):
+            time.sleep(0.02)
+        self.server.should_exit = True
+
+    def run(self) -> None:
+        self.server.run()
+        if not self.draining:             # uvicorn stopped on its own (a failed bind)
+            self.engine.stop(drain=False)
+            raise UserError(f"the server stopped: could not serve on {self.server.config.host}:"
+                            f"{self.server.config.port}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    models.use_compile_cache()
+    try:
+        run(args)
+    except Exception as e:
+        user = isinstance(e, (UserError, OSError))
+        if not user or args.verbose:
+            traceback.print_exc()
+        print(f"error: {e}" if user else f"error: {INTERNAL}: {type(e).__name__}: {e}",
+              file=sys.stderr)
+        return 2 if user else 1
+    return 0
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, signal.default_int_handler)   # until uvicorn takes it
+    sys.exit(main())
