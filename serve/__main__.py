@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import os
-import signal
 import sys
 import threading
 import time
@@ -135,11 +134,11 @@ class _Graceful:
         self.server.should_exit = True
 
     def run(self) -> None:
-        self.server.run()
-        if not self.draining:             # uvicorn stopped on its own (a failed bind)
-            self.engine.stop(drain=False)
-            raise UserError(f"the server stopped: could not serve on {self.server.config.host}:"
-                            f"{self.server.config.port}")
+        try:
+            self.server.run()
+        finally:
+            if not self.draining:          # uvicorn stopped on its own (a port in use)
+                self.engine.stop(drain=False)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -158,5 +157,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    signal.signal(signal.SIGTERM, signal.default_int_handler)   # until uvicorn takes it
     sys.exit(main())
