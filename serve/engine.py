@@ -1,0 +1,549 @@
+"""The engine: continuous batching of many requests over one paged KV cache.
+
+    engine = serve.Engine(pre, max_slots=8, page_size=16)
+    engine.start()                                  # compiles the step shapes, then runs
+    handle = engine.submit(serve.Submission(ids, decode.DecodeRequest(max_new_tokens=32)))
+    text = "".join(event.text for event in handle.events())
+
+One thread runs the loop; each iteration, between two device steps, the host:
+
+1. retires what was cancelled, then admits waiting requests into free slots, oldest first
+   (an encoder-decoder's sources are encoded there, together: `serve.step.admit_sources`);
+2. plans the step: every running request with one token to feed (its last new token, or
+   the last token of its prompt) is a decode row; its page for that position is taken
+   from the pool, and when the pool is empty the newest running request is preempted (its
+   pages returned, itself queued first again, to be recomputed from its prompt and the
+   tokens it has made). What is left of `max_tokens_per_step` goes to prompt chunks of
+   at most `prefill_chunk` tokens, oldest first, as far as free pages allow: a long
+   prompt is prefilled over several iterations while the others decode;
+3. runs the prompt chunks (rows in a power-of-two bucket, `prefill_chunk` tokens wide),
+   then the decode rows (every slot, one token), each one jitted step over fixed shapes;
+4. hands each request its new token: an end id or a stop string finishes it ("stop"), so
+   does its token limit ("length"); its text delta goes to its handle, and its pages back
+   to the pool when it ends.
+
+Exactness: a greedy request's tokens are `decode.generate`'s for that request alone, and
+a seeded sampled request's the same every time, whatever its batch mates, its arrival,
+its preemptions or its pages (tests/test_serve_engine.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import itertools
+import queue
+import threading
+import time
+
+import jax
+import numpy as np
+
+from decode.checks import check_eos
+from decode.processors import SamplingParams
+from decode.request import DecodeRequest
+from models.errors import UserError, check_positive_int
+from serve import step as device
+from serve.api import EngineStopped, Event, QueueFull, Submission, Usage
+from serve.pages import PagePool
+from serve.text import Detokenizer
+
+# DecodeRequest fields the engine does not apply: a request that sets one is refused by
+# name rather than decoded without it.
+UNSUPPORTED = {"forced_bos_id": None, "forced_eos_id": None, "banned_ids": (),
+               "min_new_tokens": 0, "no_repeat_ngram_size": 0}
+
+
+class Handle:
+    """One submission's stream of `Event`s (the engine's thread produces, the caller
+    consumes from a thread or an asyncio loop)."""
+
+    def __init__(self, engine: Engine):
+        self._engine, self._lock = engine, threading.Lock()
+        self._queue: queue.Queue = queue.Queue()
+        self._loop = self._async_queue = None
+        self.cancelled = False
+
+    def _push(self, event: Event) -> None:
+        with self._lock:
+            if self._loop is not None:
+                self._loop.call_soon_threadsafe(self._async_queue.put_nowait, event)
+            else:
+                self._queue.put(event)
+
+    def events(self):
+        """The events, blocking until each arrives; ends after the final one."""
+        while True:
+            event = self._queue.get()
+            yield event
+            if event.finish_reason is not None:
+                return
+
+    async def stream(self):
+        """The events as an async iterator, in the running loop."""
+        with self._lock:
+            self._loop, self._async_queue = asyncio.get_running_loop(), asyncio.Queue()
+            while not self._queue.empty():
+                self._async_queue.put_nowait(self._queue.get_nowait())
+        while True:
+            event = await self._async_queue.get()
+            yield event
+            if event.finish_reason is not None:
+                return
+
+    def cancel(self) -> None:
+        """Ends the request: its slot and pages are freed within one step."""
+        self.cancelled = True
+        self._engine._wake()
+
+    def result(self) -> tuple[str, list[int], Event]:
+        """Blocks until the end: (the text, the token ids, the final event)."""
+        text, ids, last = [], [], None
+        for last in self.events():
+            text.append(last.text)
+            ids.extend(last.token_ids)
+        return "".join(text), ids, last
+
+
+@dataclasses.dataclass(eq=False)
+class _Live:
+    """A request from its submission to its end."""
+
+    number: int
+    handle: Handle
+    prompt: list[int]                   # the decoder's prompt: its input, or [start token]
+    source: list[int] | None            # an encoder-decoder's source
+    max_new: int
+    eos: frozenset
+    sampling: tuple                     # temperature, top_k, top_p, min_p, penalty
+    penalties: tuple                    # presence, frequency
+    seed: int
+    text: Detokenizer
+    arrived: float
+    generated: list[int] = dataclasses.field(default_factory=list)
+    pending: list[int] = dataclasses.field(default_factory=list)
+    slot: int | None = None
+    length: int = 0                     # positions of the slot's cache it holds
+    last_time: float | None = None
+    preemptions: int = 0
+
+
+class _NoMetrics:
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: None
+
+
+def _bucket(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+class Engine:
+    """Continuous batching over a paged KV cache for a decoder-only or encoder-decoder model.
+
+    Args:
+        pre: a `models.Pretrained` (`models.load(DIR)`).
+        max_slots: requests decoded at once (each step's rows).
+        page_size: positions per page.
+        num_pages: pages in the pool; None: enough for every slot at the model's full
+            window, or what the device's free memory holds when it reports it.
+        max_tokens_per_step: the tokens one iteration feeds (decode rows count one each);
+            the rest of it goes to prompt chunks.
+        prefill_chunk: the most prompt tokens of one request fed in one iteration.
+        max_queue: submissions waiting for a slot before `submit` raises `QueueFull`.
+        metrics: an object with the `serve.metrics.Metrics` methods (None: none recorded).
+
+    Raises:
+        UserError: a size out of range (naming it), or a model the engine cannot serve.
+    """
+
+    def __init__(self, pre, *, max_slots: int = 8, page_size: int = 16,
+                 num_pages: int | None = None, max_tokens_per_step: int = 256,
+                 prefill_chunk: int = 64, max_queue: int = 256, metrics=None):
+        self.model, self.params, self.config = pre.model, pre.params, pre.config
+        self.tokenizer, self.generation = pre.tokenizer, pre.generation
+        cfg = self.config
+        if cfg.architecture not in ("decoder_only", "encoder_decoder"):
+            raise UserError(f"the engine serves generative models; this one is "
+                            f"{cfg.architecture}")
+        if cfg.audio is not None:
+            raise UserError("the engine does not serve audio encoders (Whisper) yet")
+        self.max_slots = check_positive_int(max_slots, "max_slots")
+        self.page_size = check_positive_int(page_size, "page_size")
+        self.prefill_chunk = check_positive_int(prefill_chunk, "prefill_chunk")
+        self.max_tokens_per_step = check_positive_int(max_tokens_per_step,
+                                                      "max_tokens_per_step")
+        if self.max_tokens_per_step < self.max_slots:
+            raise UserError(f"max_tokens_per_step={max_tokens_per_step} must be at least "
+                            f"max_slots={max_slots}: every slot feeds a token each step")
+        self.max_queue = check_positive_int(max_queue, "max_queue")
+        pages_per_slot = -(-cfg.max_len // self.page_size)
+        if num_pages is None:
+            num_pages = default_num_pages(cfg, self.max_slots, pages_per_slot, self.page_size)
+        self.num_pages = check_positive_int(num_pages, "num_pages")
+        self.metrics = metrics if metrics is not None else _NoMetrics()
+        self.pool = PagePool(self.num_pages, self.page_size, self.max_slots, pages_per_slot)
+        self._source_len = cfg.max_len if cfg.is_encoder_decoder else None
+        self._state = device.create_state(cfg, slots=self.max_slots, num_pages=self.num_pages,
+                                          page_size=self.page_size,
+                                          pages_per_slot=pages_per_slot,
+                                          source_len=self._source_len)
+        self._cv = threading.Condition()
+        self._incoming: collections.deque[_Live] = collections.deque()
+        self._waiting: collections.deque[_Live] = collections.deque()
+        self._slots: list[_Live | None] = [None] * self.max_slots
+        self._numbers = itertools.count()
+        self._stopping = self._drain = False
+        self._thread: threading.Thread | None = None
+        self._recent: collections.deque = collections.deque(maxlen=64)   # (time, tokens)
+        self.compiled_shapes = 0
+        self.preemptions = 0
+        self.steps = 0
+
+    # --- the callers' side --------------------------------------------------------------
+
+    def max_prompt_tokens(self, max_new_tokens: int | None = None) -> int:
+        """The longest prompt (decoder-only) or source (encoder-decoder) accepted with
+        `max_new_tokens` new tokens (None: at least one)."""
+        cfg = self.config
+        if cfg.is_encoder_decoder:
+            return cfg.max_len
+        return cfg.max_len - (1 if max_new_tokens is None else max_new_tokens)
+
+    def submit(self, submission: Submission) -> Handle:
+        """Queues a request; its events come through the returned handle.
+
+        Raises:
+            UserError: a request the engine cannot decode (naming the value and the limit).
+            QueueFull: `max_queue` requests are already waiting.
+            EngineStopped: the engine is stopping.
+        """
+        live = self._checked(submission)
+        with self._cv:
+            if self._stopping:
+                raise EngineStopped("the engine is stopping and takes no new requests")
+            if len(self._incoming) + len(self._waiting) >= self.max_queue:
+                raise QueueFull(f"{self.max_queue} requests are waiting (max_queue)")
+            self._incoming.append(live)
+            self._cv.notify()
+        self.metrics.request_started()
+        return live.handle
+
+    def _checked(self, s: Submission) -> _Live:
+        cfg, request = self.config, s.request
+        if not isinstance(request, DecodeRequest):
+            raise UserError(f"request must be a decode.DecodeRequest, got "
+                            f"{type(request).__name__}")
+        if request.strategy == "beam":
+            raise UserError("the engine decodes greedy and sampled requests; beam search "
+                            "is decode.beam_search's")
+        for name, off in UNSUPPORTED.items():
+            if getattr(request, name) != off:
+                raise UserError(f"{name}={getattr(request, name)!r}: the engine does not "
+                                f"apply {name} (leave it at {off!r})")
+        ids = [int(i) for i in s.ids]
+        if not ids:
+            raise UserError("the prompt is empty: give at least one token")
+        bad = [i for i in ids if not 0 <= i < cfg.vocab_size]
+        if bad:
+            raise UserError(f"token id {bad[0]} is outside the vocabulary [0, "
+                            f"{cfg.vocab_size})")
+        limit = self.max_prompt_tokens(request.max_new_tokens)
+        if len(ids) > limit:
+            raise UserError(f"the prompt is {len(ids)} tokens; the model takes at most "
+                            f"{limit} with max_new_tokens={request.max_new_tokens}")
+        prompt, source = ([cfg.bos_id], ids) if cfg.is_encoder_decoder else (ids, None)
+        max_new = request.max_new_tokens or cfg.max_len - len(prompt)
+        if len(prompt) + max_new > cfg.max_len:
+            raise UserError(f"max_new_tokens={max_new} with a decoder prompt of "
+                            f"{len(prompt)} tokens exceeds the model's max_len {cfg.max_len}")
+        if self.pool.pages_for(len(prompt) + max_new) > self.num_pages:
+            raise UserError(f"{len(prompt) + max_new} positions need "
+                            f"{self.pool.pages_for(len(prompt) + max_new)} pages; the pool "
+                            f"has {self.num_pages}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(s, name)
+            if not -2.0 <= value <= 2.0:
+                raise UserError(f"{name}={value} is outside [-2.0, 2.0]")
+        stops = tuple(s.stop)
+        if any(not isinstance(x, str) or not x for x in stops):
+            raise UserError(f"stop={stops!r}: each stop must be a non-empty string")
+        if stops and self.tokenizer is None:
+            raise UserError("stop strings need the model directory's tokenizer")
+        greedy = request.strategy == "greedy"
+        sampling = (0.0 if greedy else request.temperature, 0 if greedy else request.top_k,
+                    1.0 if greedy else request.top_p, 0.0 if greedy else request.min_p,
+                    request.repetition_penalty)
+        if sampling[1] > cfg.vocab_size:
+            raise UserError(f"top_k={sampling[1]} exceeds the vocabulary ({cfg.vocab_size})")
+        seed = s.seed if s.seed is not None else int(np.random.default_rng().integers(2**31))
+        if not 0 <= seed < 2**32:
+            raise UserError(f"seed={seed} must be in [0, 2**32)")
+        return _Live(number=next(self._numbers), handle=Handle(self), prompt=prompt,
+                     source=source, max_new=max_new,
+                     eos=frozenset(check_eos(cfg, request.eos_id) or ()),
+                     sampling=sampling, penalties=(s.presence_penalty, s.frequency_penalty),
+                     seed=seed, text=Detokenizer(self.tokenizer, stops),
+                     arrived=time.perf_counter())
+
+    def gauges(self) -> dict[str, float]:
+        """Waiting and running requests, pages in use, and recent tokens per second."""
+        with self._cv:
+            waiting = len(self._incoming) + len(self._waiting)
+        recent = list(self._recent)
+        rate = 0.0
+        if len(recent) > 1 and recent[-1][0] > recent[0][0]:
+            rate = sum(n for _, n in recent[1:]) / (recent[-1][0] - recent[0][0])
+        return {"waiting": waiting, "running": sum(x is not None for x in self._slots),
+                "pages_used": self.pool.used, "pages_total": self.num_pages,
+                "tokens_per_second": rate}
+
+    def start(self, warmup: bool = True) -> Engine:
+        """Compiles every step shape (`warmup`), then starts the loop thread."""
+        if warmup:
+            self._warm_up()
+        self._thread = threading.Thread(target=self._run, name="serve-engine", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, drain: bool = True, timeout: float | None = None) -> None:
+        """Refuses new requests; with `drain` finishes the ones it holds, else cancels
+        them; returns once the loop has ended (or after `timeout` seconds)."""
+        with self._cv:
+            self._stopping, self._drain = True, drain
+            self._cv.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _wake(self) -> None:
+        with self._cv:
+            self._cv.notify()
+
+    # --- the loop -----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not (self._incoming or self._waiting or self._busy() or self._stopping):
+                    self._cv.wait()
+                self._waiting.extend(self._incoming)
+                self._incoming.clear()
+                if self._stopping and not self._drain:
+                    for live in list(self._waiting) + [x for x in self._slots if x]:
+                        live.handle.cancelled = True
+                if self._stopping and not (self._waiting or self._busy()) and not any(
+                        x and x.handle.cancelled for x in self._slots):
+                    return
+            try:
+                self._iterate()
+            except Exception as e:                   # a bug: every request hears of it
+                for live in list(self._waiting) + [x for x in self._slots if x]:
+                    self._finish(live, "error", error=f"{type(e).__name__}: {e}")
+                self._waiting.clear()
+                raise
+
+    def _busy(self) -> bool:
+        return any(x is not None for x in self._slots)
+
+    def _iterate(self) -> None:
+        for live in [x for x in self._waiting if x.handle.cancelled]:
+            self._waiting.remove(live)
+            self._finish(live, "cancelled")
+        for live in [x for x in self._slots if x is not None and x.handle.cancelled]:
+            self._finish(live, "cancelled")
+        self._admit()
+        decode_rows, chunks = self._plan()
+        if chunks:
+            self._prefill(chunks)
+        if decode_rows:
+            self._decode(decode_rows)
+
+    def _admit(self) -> None:
+        """Free slots to waiting requests, oldest first, while the pool has the pages of
+        each one's first prompt chunk."""
+        arrivals, promised = [], 0
+        while self._waiting and None in self._slots:
+            first = min(len(self._waiting[0].prompt) + len(self._waiting[0].generated),
+                        self.prefill_chunk)
+            promised += self.pool.pages_for(first)
+            if promised > self.pool.free:
+                break
+            live = self._waiting.popleft()
+            live.slot = self._slots.index(None)
+            self._slots[live.slot] = live
+            live.length = 0
+            live.pending = live.prompt + live.generated
+            arrivals.append(live)
+        if arrivals and self.config.is_encoder_decoder:
+            self._encode(arrivals)
+
+    def _encode(self, arrivals: list[_Live]) -> None:
+        R = _bucket(len(arrivals))
+        width = min(max(8, _bucket(max(len(x.source) for x in arrivals))), self._source_len)
+        src = np.zeros((R, width), np.int32)
+        lengths = np.zeros((R,), np.int32)
+        slots = np.full((R,), self.max_slots, np.int32)
+        for r, live in enumerate(arrivals):
+            src[r, :len(live.source)], lengths[r], slots[r] = live.source, len(live.source), \
+                live.slot
+        lengths[len(arrivals):] = 1                   # padding rows: one (ignored) token
+        self._state = device.admit_sources(self.model, self.params, self._state, slots, src,
+                                           lengths)
+
+    def _plan(self) -> tuple[list[_Live], list[tuple[_Live, int]]]:
+        """The decode rows and the prompt chunks of this iteration, their pages taken
+        (preempting the newest running requests when the pool runs out)."""
+        running = sorted((x for x in self._slots if x is not None), key=lambda x: x.number)
+        decode_rows = []
+        for live in running:
+            if live.slot is None or len(live.pending) != 1:
+                continue
+            while not self.pool.ensure(live.slot, live.length + 1):
+                victim = max((x for x in self._slots if x is not None),
+                             key=lambda x: x.number)
+                self._preempt(victim)
+                if victim is live:
+                    break
+            if live.slot is not None:
+                decode_rows.append(live)
+        budget = self.max_tokens_per_step - len(decode_rows)
+        chunks = []
+        for live in running:
+            if live.slot is None or len(live.pending) <= 1 or budget <= 0:
+                continue
+            room = (self.pool.held(live.slot) + self.pool.free) * self.page_size - live.length
+            n = min(len(live.pending), self.prefill_chunk, budget, room)
+            if n > 0 and self.pool.ensure(live.slot, live.length + n):
+                chunks.append((live, n))
+                budget -= n
+        if not decode_rows and not chunks and running:
+            # Prompts stalled for pages held by other prompts: the newest gives way.
+            self._preempt(running[-1])
+        return decode_rows, chunks
+
+    def _preempt(self, live: _Live) -> None:
+        self.pool.release(live.slot)
+        self._slots[live.slot] = None
+        live.slot, live.length, live.pending = None, 0, []
+        live.preemptions += 1
+        self.preemptions += 1
+        self._waiting.appendleft(live)
+
+    def _rows(self, rows: list[_Live], width: int, feeds: list[list[int]], *,
+              all_slots: bool, R: int | None = None) -> device.StepRows:
+        """The `StepRows` of `rows` feeding `feeds`: row r is slot r when `all_slots`, else
+        the rows in order, padded to `R` (default: the bucket of their count)."""
+        R = self.max_slots if all_slots else (R or _bucket(len(rows)))
+        M = self.pool.table.shape[1]
+        a = dict(slots=np.full((R,), self.max_slots, np.int32),
+                 tokens=np.zeros((R, width), np.int32), n_new=np.zeros((R,), np.int32),
+                 lengths=np.zeros((R,), np.int32),
+                 page_table=np.full((R, M), self.num_pages, np.int32),
+                 generated_from=np.zeros((R,), np.int32), generated=np.zeros((R,), np.int32),
+                 seed=np.zeros((R,), np.uint32))
+        values = np.zeros((5, R), np.float32)
+        values[2] = values[4] = 1.0                  # top_p and the penalty off
+        penalties = np.zeros((2, R), np.float32)
+        if all_slots:
+            a["slots"] = np.arange(R, dtype=np.int32)
+        for i, (live, feed) in enumerate(zip(rows, feeds, strict=True)):
+            r = live.slot if all_slots else i
+            a["slots"][r] = live.slot
+            a["tokens"][r, :len(feed)] = feed
+            a["n_new"][r], a["lengths"][r] = len(feed), live.length
+            a["page_table"][r] = self.pool.table[live.slot]
+            a["generated_from"][r], a["generated"][r] = len(live.prompt), len(live.generated)
+            a["seed"][r] = live.seed
+            values[:, r], penalties[:, r] = live.sampling, live.penalties
+        sampling = SamplingParams(temperature=values[0], top_k=values[1].astype(np.int32),
+                                  top_p=values[2], min_p=values[3],
+                                  repetition_penalty=values[4])
+        return device.StepRows(**a, sampling=sampling, presence=penalties[0],
+                               frequency=penalties[1])
+
+    def _prefill(self, chunks: list[tuple[_Live, int]]) -> None:
+        rows = [live for live, _ in chunks]
+        feeds = [live.pending[:n] for live, n in chunks]
+        tokens = self._step(self._rows(rows, self.prefill_chunk, feeds, all_slots=False),
+                            False)
+        for i, (live, n) in enumerate(chunks):
+            live.length += n
+            live.pending = live.pending[n:]
+            if not live.pending:
+                self._new_token(live, int(tokens[i]))
+
+    def _decode(self, rows: list[_Live]) -> None:
+        tokens = self._step(self._rows(rows, 1, [x.pending for x in rows], all_slots=True),
+                            True)
+        for live in rows:
+            live.length += 1
+            live.pending = []
+            self._new_token(live, int(tokens[live.slot]))
+
+    def _step(self, rows: device.StepRows, all_slots: bool) -> np.ndarray:
+        tokens, _, self._state = device.run_step(self.model, self.params, self._state, rows,
+                                                 all_slots=all_slots)
+        self.steps += 1
+        return np.asarray(jax.device_get(tokens))
+
+    def _new_token(self, live: _Live, token: int) -> None:
+        now = time.perf_counter()
+        if live.last_time is None:
+            self.metrics.observe_ttft(now - live.arrived)
+        else:
+            self.metrics.observe_itl(now - live.last_time)
+        live.last_time = now
+        self._recent.append((now, 1))
+        if token in live.eos:
+            self._finish(live, "stop")
+            return
+        live.generated.append(token)
+        live.pending = [token]
+        delta, stopped = live.text.add(token)
+        if stopped:
+            self._finish(live, "stop", token=token, delta=delta)
+        elif len(live.generated) >= live.max_new:
+            self._finish(live, "length", token=token, delta=delta + live.text.flush())
+        else:
+            live.handle._push(Event(token_ids=(token,), text=delta))
+
+    def _finish(self, live: _Live, reason: str, *, token: int | None = None, delta: str = "",
+                error: str | None = None) -> None:
+        if live.slot is not None:
+            self.pool.release(live.slot)
+            self._slots[live.slot] = None
+            live.slot = None
+        if reason == "stop" and token is None:
+            delta += live.text.flush()
+        usage = Usage(len(live.source or live.prompt), len(live.generated))
+        self.metrics.request_finished(reason)
+        self.metrics.add_tokens(usage.prompt_tokens, usage.completion_tokens)
+        live.handle._push(Event(token_ids=() if token is None else (token,), text=delta,
+                                finish_reason=reason, usage=usage, error=error))
+
+    # --- compilation ----------------------------------------------------------------------
+
+    def _warm_up(self) -> None:
+        """Compiles the decode step and every prompt-chunk bucket, writing nothing (every
+        row a padding row), so no request waits for a compile."""
+        shapes = [(self.max_slots, 1, True)]
+        R = 1
+        while R <= self.max_slots:
+            shapes.append((R, self.prefill_chunk, False))
+            R *= 2
+        for R, width, all_slots in shapes:
+            self._step(self._rows([], width, [], all_slots=all_slots, R=R), all_slots)
+        self.compiled_shapes = len(shapes)
+
+
+def default_num_pages(config, slots: int, pages_per_slot: int, page_size: int) -> int:
+    """Pages for every slot at the model's full window; fewer when the device reports less
+    free memory than that needs (90% of what is free goes to the pool)."""
+    full = slots * pages_per_slot
+    stats = getattr(jax.devices()[0], "memory_stats", lambda: None)() or {}
+    if "bytes_limit" not in stats:
+        return full
+    per_page = (2 * config.decoder_layers * config.num_kv_heads * page_size * config.head_dim
+                * np.dtype(config.dtype).itemsize)
+    free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+    return max(1, min(full, int(0.9 * free) // per_page))

@@ -1,0 +1,170 @@
+"""The engine's device side: one jitted step over fixed shapes, and the encoder's admission.
+
+    tokens, logprobs, state = run_step(model, params, state, rows)    # R rows x T tokens
+    state = admit_sources(model, params, state, slots_R, src_RS, lengths_R)  # enc-dec
+
+`DeviceState` is everything the device keeps between steps: the paged cache's pools (and,
+for an encoder-decoder, each slot's cross-attention keys/values), and each slot's tokens
+seen (the repetition penalty) and generated-token counts (OpenAI's presence and frequency
+penalties). The host sends the rest with every step (`StepRows`): which slots the R rows
+are, their page tables and lengths, the block of tokens each feeds, and its sampling values.
+So a step's shapes are fixed by (R, T, M) alone and the host decides everything else
+between steps.
+
+A row's block is right-padded: `n_new[r]` of its T tokens are real (0: a padding row,
+whose slot index is out of range, so nothing of it is written). Each real row gets the
+token chosen from the logits of its last real token: for a prompt chunk that does not end
+the prompt the host ignores it. Row r's random key is `fold_in(key(seed[r]), generated[r])`:
+its n-th sampled token depends on its seed and n alone, not on its batch mates.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int
+
+from decode.processors import SamplingParams, Strategy, process_logits, select_tokens
+from models.paged_cache import PagedKVCache
+
+# Every processor is compiled in: a value that is off (temperature 0, top_k 0, top_p 1,
+# min_p 0, penalty 1) leaves the logits bit for bit, so greedy rows choose what
+# `decode.generate` chooses, and one compilation serves every mix of requests.
+STRATEGY = Strategy(sample=True, top_k=True, top_p=True, min_p=True, penalty=True)
+
+
+@flax.struct.dataclass
+class DeviceState:
+    """What the device keeps between steps (donated to each step, updated in place).
+
+    Attributes:
+        cache: the pools of pages (and per-slot cross-attention regions); its page table
+            and lengths are placeholders, replaced by each step's rows.
+        seen: bool[slots, V] the tokens each slot's decoder has been fed.
+        counts: int32[slots, V] how often each slot generated each token.
+    """
+
+    cache: PagedKVCache
+    seen: Bool[Array, "Sl V"]
+    counts: Int[Array, "Sl V"]
+
+
+@flax.struct.dataclass
+class StepRows:
+    """The R rows of one step (host values, sent with each step).
+
+    Attributes:
+        slots: int32[R] each row's slot; >= the slot count for a padding row.
+        tokens: int32[R, T] each row's block, right-padded.
+        n_new: int32[R] the real tokens of each block (0: padding row).
+        lengths: int32[R] positions each slot held before the block.
+        page_table: int32[R, M] each row's pages.
+        generated_from: int32[R] the first position of a generated token (the decoder
+            prompt's length): fed tokens from there on count as generated.
+        generated: int32[R] tokens generated so far (the index of the one chosen now).
+        seed: uint32[R] each row's sampling seed.
+        sampling: the sampling values, [R] each.
+        presence, frequency: float32[R] OpenAI's penalties (0 off).
+    """
+
+    slots: Int[Array, " R"]
+    tokens: Int[Array, "R T"]
+    n_new: Int[Array, " R"]
+    lengths: Int[Array, " R"]
+    page_table: Int[Array, "R M"]
+    generated_from: Int[Array, " R"]
+    generated: Int[Array, " R"]
+    seed: Array
+    sampling: SamplingParams
+    presence: Float[Array, " R"]
+    frequency: Float[Array, " R"]
+
+
+def create_state(config, *, slots: int, num_pages: int, page_size: int, pages_per_slot: int,
+                 source_len: int | None) -> DeviceState:
+    """An empty state: no page written, no token seen."""
+    cache = PagedKVCache.create(config, rows=slots, num_pages=num_pages, page_size=page_size,
+                                pages_per_row=pages_per_slot, source_len=source_len)
+    V = config.vocab_size
+    return DeviceState(cache, jnp.zeros((slots, V), bool), jnp.zeros((slots, V), jnp.int32))
+
+
+def _rows_of(x, slots_R, all_slots: bool):
+    """Per-slot arrays (leading axis the slots) as the R rows' (the slots themselves when
+    the step covers every slot in order)."""
+    if all_slots:
+        return x
+    return jnp.take(x, jnp.minimum(slots_R, x.shape[0] - 1), axis=0)
+
+
+def _cross_rows(cache: PagedKVCache, slots_R, all_slots: bool):
+    if cache.cross_k is None or all_slots:
+        return cache.cross_k, cache.cross_v, cache.cross_mask
+    looped = isinstance(cache.cross_k, tuple)
+
+    def take(x):
+        if looped:
+            return tuple(_rows_of(layer, slots_R, False) for layer in x)
+        return jnp.take(x, jnp.minimum(slots_R, x.shape[1] - 1), axis=1)
+    return take(cache.cross_k), take(cache.cross_v), _rows_of(cache.cross_mask, slots_R, False)
+
+
+@functools.partial(jax.jit, static_argnames=("model", "all_slots"), donate_argnums=(2,))
+def run_step(model, params, state: DeviceState, rows: StepRows, *, all_slots: bool = False):
+    """Feeds each row its block and chooses its next token.
+
+    Returns:
+        (tokens int32[R], logprobs float32[R]: the model's log-probability of each chosen
+        token, before any processor), and the state.
+    """
+    R, T = rows.tokens.shape
+    slot_count, V = state.seen.shape
+    cross_k, cross_v, cross_mask = _cross_rows(state.cache, rows.slots, all_slots)
+    cache = state.cache.replace(page_table=rows.page_table, lengths=rows.lengths,
+                                cross_k=cross_k, cross_v=cross_v, cross_mask=cross_mask)
+    logits_RV, cache = model.apply({"params": params}, rows.tokens, rows.n_new, cache,
+                                   jnp.maximum(rows.n_new - 1, 0), method="prefill")
+
+    # What each row's decoder has been fed, and generated, up to its last real token.
+    fresh_R1 = (rows.lengths == 0)[:, None]
+    seen_RV = _rows_of(state.seen, rows.slots, all_slots) & ~fresh_R1
+    counts_RV = jnp.where(fresh_R1, 0, _rows_of(state.counts, rows.slots, all_slots))
+    t_T = jnp.arange(T, dtype=jnp.int32)[None, :]
+    real_RT = t_T < rows.n_new[:, None]
+    generated_RT = real_RT & (rows.lengths[:, None] + t_T >= rows.generated_from[:, None])
+    rows_RT = jnp.broadcast_to(jnp.arange(R, dtype=jnp.int32)[:, None], (R, T))
+    seen_RV = seen_RV.at[rows_RT, rows.tokens].max(real_RT)
+    counts_RV = counts_RV.at[rows_RT, rows.tokens].add(generated_RT.astype(jnp.int32))
+
+    penalised_RV = (logits_RV - rows.presence[:, None] * (counts_RV > 0)
+                    - rows.frequency[:, None] * counts_RV)
+    processed_RV = process_logits(penalised_RV, seen_RV, rows.sampling, STRATEGY)
+    keys_R = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.key(s), n))(
+        rows.seed, rows.generated)
+    sampled_R = jax.vmap(lambda k, x: jax.random.categorical(k, x))(keys_R, processed_RV)
+    greedy_R = select_tokens(processed_RV, None, rows.sampling, Strategy())
+    token_R = jnp.where(rows.sampling.temperature > 0, sampled_R.astype(jnp.int32), greedy_R)
+    logprob_R = (jnp.take_along_axis(logits_RV, token_R[:, None], axis=-1)[:, 0]
+                 - jax.nn.logsumexp(logits_RV, axis=-1))
+
+    def put(x, new):
+        return new if all_slots else x.at[rows.slots].set(new, mode="drop")
+    state = DeviceState(
+        cache=state.cache.replace(k=cache.k, v=cache.v),
+        seen=put(state.seen, seen_RV), counts=put(state.counts, counts_RV))
+    return token_R, logprob_R, state
+
+
+@functools.partial(jax.jit, static_argnames=("model",), donate_argnums=(2,))
+def admit_sources(model, params, state: DeviceState, slots_R, src_RS, lengths_R):
+    """Encodes the R arriving sources (right-padded; a padding row's slot is out of range)
+    and gives their slots the cross-attention keys/values, kept for the request's life."""
+    variables = {"params": params}
+    encoded_RSD = model.apply(variables, src_RS, lengths=lengths_R, method="encode")
+    cross_k, cross_v = model.apply(variables, encoded_RSD,
+                                   method=lambda m, x: m.cross_kv(x))
+    mask_RS = jnp.arange(src_RS.shape[1])[None, :] < lengths_R[:, None]
+    return state.replace(cache=state.cache.set_cross(slots_R, cross_k, cross_v, mask_RS))
