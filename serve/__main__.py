@@ -80,9 +80,10 @@ def _loopback(host: str) -> bool:
 def run(args) -> None:
     import uvicorn
 
-    import serve
     from serve import server
     from serve.chat import ChatTemplate
+    from serve.engine import Engine
+    from serve.metrics import Metrics
     if args.port < 0 or args.port > 65535:
         raise UserError(f"--port {args.port} is outside [0, 65535]")
     pre = models.load(args.model)
@@ -90,7 +91,7 @@ def run(args) -> None:
         raise UserError(f"{args.model} has no tokenizer files: the server takes and gives text")
     template = ChatTemplate.from_directory(args.model)
     options = {k: getattr(args, k) for k in ENGINE_FLAGS if getattr(args, k) is not None}
-    engine = serve.Engine(pre, **options)
+    engine = Engine(pre, metrics=Metrics(), **options)
     engine.start()
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
     print(f"compiled {engine.compiled_shapes} step shapes; serving {name!r} at "

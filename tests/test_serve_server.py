@@ -21,6 +21,10 @@ import json
 import os
 import random
 import re
+import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
 import types
@@ -631,3 +635,291 @@ def test_transcriptions_parse_the_form_into_a_whisper_submission(pre):
     r = post("/v1/audio/transcriptions", content=b"plain", headers={"content-type": "text/x"})
     assert _error(r, 400, "file")
     engine.stop(drain=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. The server as a process (serve.engine.Engine over the tiny model), queried over HTTP.
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Process:
+    """`python -m serve --model DIR --port P FLAGS`, up once /health answers 200."""
+
+    def __init__(self, model_dir: str, *flags: str, timeout: float = 180.0):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = open(os.path.join(os.path.dirname(model_dir),
+                                     f"serve-{self.port}.log"), "w+")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "serve", "--model", model_dir, "--port", str(self.port),
+             "--served-model-name", "tiny", *flags],
+            cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
+        end = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"the server exited {self.proc.returncode}:\n{self.output()}")
+            try:
+                if requests.get(self.url + "/health", timeout=1).status_code == 200:
+                    break
+            except requests.ConnectionError:
+                pass
+            if time.monotonic() > end:
+                self.stop()
+                raise AssertionError(f"the server did not start:\n{self.output()}")
+            time.sleep(0.1)
+
+    def output(self) -> str:
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read()
+
+    def client(self, key: str = KEY):
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0,
+                             timeout=60)
+
+    def metrics(self) -> dict[str, float]:
+        text = requests.get(self.url + "/metrics", headers=AUTH, timeout=10).text
+        out = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.rsplit(" ", 1)
+                out[name] = float(value)
+        return out
+
+    def idle(self, timeout: float = 30.0) -> dict[str, float]:
+        """The metrics once nothing waits or runs and every page is free."""
+        end = time.monotonic() + timeout
+        while True:
+            m = self.metrics()
+            if m["serve_waiting"] == 0 and m["serve_running"] == 0 and \
+                    m["serve_pages_used"] == 0:
+                return m
+            assert time.monotonic() < end, m
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(30)
+        self.log.close()
+
+
+AUTH = {"Authorization": f"Bearer {KEY}"}
+LIVE_FLAGS = ("--api-key", KEY, "--max-slots", "4", "--page-size", "8", "--prefill-chunk", "16",
+              "--max-tokens-per-step", "32", "--max-body-bytes", "65536")
+PROMPTS = [" ".join(WORDS[i:i + 2 + i % 5]) for i in range(16)]
+
+
+@pytest.fixture(scope="module")
+def live(model_dir):
+    process = _Process(model_dir, *LIVE_FLAGS)
+    yield process
+    process.stop()
+
+
+def _finished(m: dict) -> float:
+    return sum(v for k, v in m.items() if k.startswith("serve_requests_finished_total"))
+
+
+def test_process_completions_chat_and_streams(live, pre, model_dir):
+    assert "compiled" in live.output() and "step shapes" in live.output()
+    client = live.client()
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    prompt = "the cat sat on"
+    whole = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0)
+    n = len(pre.tokenizer.encode(prompt, add_special_tokens=True))
+    assert whole.usage.prompt_tokens == n and 1 <= whole.usage.completion_tokens <= 8
+    assert whole.choices[0].finish_reason in ("stop", "length")
+    stream = client.completions.create(model="tiny", prompt=prompt, max_tokens=8,
+                                       temperature=0, stream=True,
+                                       stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert chunks[-1].usage.total_tokens == whole.usage.total_tokens
+    # Chat: the prompt is the template transformers renders, token for token.
+    hf = transformers.AutoTokenizer.from_pretrained(model_dir)
+    plain = [{k: v for k, v in m.items() if v is not None} for m in MESSAGES[:3]]
+    chat = client.chat.completions.create(model="tiny", messages=MESSAGES[:3], max_tokens=6,
+                                          temperature=0)
+    ids = hf.apply_chat_template(plain, add_generation_prompt=True, return_dict=False)
+    assert chat.usage.prompt_tokens == len(ids)
+    assert chat.choices[0].message.role == "assistant"
+    parts = client.chat.completions.create(model="tiny", messages=MESSAGES[:3], max_tokens=6,
+                                           temperature=0, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in parts if c.choices) == \
+        chat.choices[0].message.content
+    # A seeded sampled request is the same every time.
+    same = [client.completions.create(model="tiny", prompt=prompt, max_tokens=8, seed=5,
+                                      temperature=0.9, top_p=0.9).choices[0].text
+            for _ in range(2)]
+    assert same[0] == same[1]
+
+
+def test_process_errors(live):
+    client = live.client()
+
+    def refused(error, param, **kwargs):
+        with pytest.raises(error) as e:
+            client.completions.create(model=kwargs.pop("model", "tiny"), **kwargs)
+        assert e.value.body["param"] == param, e.value.body
+        return e.value.body["message"]
+
+    assert "temperature=-1" in refused(openai.BadRequestError, "temperature", prompt="x",
+                                       temperature=-1)
+    assert "n=2" in refused(openai.BadRequestError, "n", prompt="x", n=2)
+    assert "frobnicate" in refused(openai.BadRequestError, "frobnicate", prompt="x",
+                                   extra_body={"frobnicate": 1})
+    assert "does not exist" in refused(openai.NotFoundError, "model", prompt="x",
+                                       model="tiny-lora")
+    long = " ".join(["the cat sat on a mat"] * 20)
+    assert "over the 54 this model takes with max_tokens=10" in refused(
+        openai.BadRequestError, "prompt", prompt=long, max_tokens=10)
+    with pytest.raises(openai.AuthenticationError):
+        live.client("wrong").models.list()
+    r = requests.post(live.url + "/v1/completions", data=b" " * 70000,
+                      headers={**AUTH, "Content-Type": "application/json"})
+    assert r.status_code == 413 and "65536" in r.json()["error"]["message"]
+    r = requests.post(live.url + "/v1/completions", data=b"{oops", headers=AUTH)
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    assert requests.get(live.url + "/health").status_code == 200        # no key needed
+
+
+def test_process_concurrent_requests_equal_each_alone(live):
+    client = live.client()
+
+    def ask(i):
+        kind = dict(temperature=0) if i % 2 else dict(temperature=0.8, seed=i)
+        return client.completions.create(model="tiny", prompt=PROMPTS[i], max_tokens=10,
+                                         **kind).choices[0].text
+
+    alone = [ask(i) for i in range(16)]
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        together = list(pool.map(ask, range(16)))
+    assert together == alone
+    live.idle()
+
+
+def _hang_up_after_first_chunk(url: str, body: dict) -> None:
+    with requests.post(url + "/v1/completions", json={**body, "stream": True}, headers=AUTH,
+                       stream=True, timeout=30) as r:
+        assert r.status_code == 200
+        next(r.iter_lines())
+
+
+def test_process_a_client_that_hangs_up_is_cancelled(live):
+    before = live.idle()
+    cancelled = 'serve_requests_finished_total{reason="cancelled"}'
+    for _ in range(3):                # a request may finish before the server sees the hang-up
+        _hang_up_after_first_chunk(live.url, {"model": "tiny", "prompt": "the",
+                                              "max_tokens": 60, "temperature": 0})
+        after = live.idle()
+        if after.get(cancelled, 0) > before.get(cancelled, 0):
+            break
+    assert after.get(cancelled, 0) > before.get(cancelled, 0), after
+    assert after["serve_pages_used"] == 0 and after["serve_running"] == 0
+    assert after["serve_requests_started_total"] == _finished(after)
+
+
+@pytest.mark.slow
+def test_process_soak_with_random_hang_ups(live):
+    """Two hundred short requests from 8 threads, some streamed and dropped after their
+    first chunk, some invalid: each ends in a response, an error or a recorded
+    cancellation, and the counts reconcile with every page free."""
+    before = live.idle()
+    rng = random.Random(0)
+    plan = [(i, rng.random()) for i in range(200)]
+
+    def one(item):
+        i, roll = item
+        body = {"model": "tiny", "prompt": PROMPTS[i % 16], "max_tokens": 1 + i % 8,
+                "temperature": 0}
+        if roll < 0.25:
+            _hang_up_after_first_chunk(live.url, body)
+            return "dropped"
+        if roll < 0.3:
+            body["top_p"] = 0
+        path = "/v1/completions"
+        if 0.3 <= roll < 0.5:
+            path = "/v1/chat/completions"
+            body = {k: v for k, v in body.items() if k != "prompt"}
+            body["messages"] = [{"role": "user", "content": PROMPTS[i % 16]}]
+        r = requests.post(live.url + path, json=body, headers=AUTH, timeout=60)
+        if r.status_code == 200:
+            assert r.json()["choices"][0]["finish_reason"] in ("stop", "length")
+            return "ok"
+        assert r.status_code == 400 and r.json()["error"]["param"] == "top_p", r.text
+        return "refused"
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        outcomes = list(pool.map(one, plan))
+    after = live.idle()
+    accepted = outcomes.count("ok") + outcomes.count("dropped")
+    started = after["serve_requests_started_total"] - before["serve_requests_started_total"]
+    assert started == accepted and _finished(after) - _finished(before) == accepted
+    assert outcomes.count("refused") and outcomes.count("dropped")
+    assert after["serve_pages_used"] == 0
+
+
+@pytest.mark.slow
+def test_process_full_queue_is_429(model_dir):
+    process = _Process(model_dir, "--max-slots", "1", "--max-queue", "1",
+                       "--max-tokens-per-step", "16", "--prefill-chunk", "16")
+    try:
+        def ask(i):
+            return requests.post(process.url + "/v1/completions", timeout=60, json={
+                "model": "tiny", "prompt": PROMPTS[i], "max_tokens": 50, "temperature": 0})
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(ask, range(8)))
+        codes = sorted(r.status_code for r in answers)
+        assert 429 in codes and 200 in codes and set(codes) == {200, 429}, codes
+        busy = next(r for r in answers if r.status_code == 429)
+        assert busy.headers["Retry-After"] == "1"
+        assert busy.json()["error"]["type"] == "rate_limit_error"
+        with pytest.raises(openai.RateLimitError):
+            with concurrent.futures.ThreadPoolExecutor(4) as pool:
+                list(pool.map(lambda i: process.client().completions.create(
+                    model="tiny", prompt=PROMPTS[i], max_tokens=50), range(4)))
+    finally:
+        process.stop()
+
+
+@pytest.mark.slow
+def test_process_sigterm_drains_then_exits_0(model_dir):
+    process = _Process(model_dir, "--max-slots", "1", "--max-tokens-per-step", "16",
+                       "--prefill-chunk", "16")
+    try:
+        body = {"model": "tiny", "max_tokens": 50, "temperature": 0, "stream": True}
+
+        def stream(i):
+            with requests.post(process.url + "/v1/completions", stream=True, timeout=60,
+                               json={**body, "prompt": PROMPTS[i]}) as r:
+                return [line for line in r.iter_lines() if line]
+
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            flights = [pool.submit(stream, i) for i in range(4)]
+            m = {}
+            while m.get("serve_running", 0) + m.get("serve_waiting", 0) < 4:
+                m = process.metrics()
+            process.proc.send_signal(signal.SIGTERM)
+            refused = None
+            while refused is None:
+                try:
+                    if requests.get(process.url + "/health", timeout=5).status_code == 503:
+                        refused = requests.post(process.url + "/v1/completions", timeout=5,
+                                                json={**body, "prompt": "x", "stream": False})
+                except requests.ConnectionError as e:
+                    refused = e
+            results = [f.result() for f in flights]
+        assert process.proc.wait(60) == 0, process.output()
+        if not isinstance(refused, Exception):
+            assert refused.status_code == 503 and "stopping" in refused.text
+        for lines in results:
+            assert lines[-1] == b"data: [DONE]"
+            final = json.loads(lines[-2][len(b"data: "):])
+            assert final["choices"][0]["finish_reason"] in ("stop", "length")
+    finally:
+        process.stop()
