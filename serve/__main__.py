@@ -49,7 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="default: loopback only")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default=None, metavar="NAME",
-                   help="the `model` clients give (default: the directory's name)")
+                   help="the `model` clients give (default: the directory's name; "
+                        "RUN for a run's RUN/model)")
     p.add_argument("--api-key", default=os.environ.get("SERVE_API_KEY"), metavar="KEY",
                    help="require `Authorization: Bearer KEY` (default: $SERVE_API_KEY)")
     p.add_argument("--max-body-bytes", type=_positive_int, default=None,
@@ -77,6 +78,13 @@ def _loopback(host: str) -> bool:
         return host == "localhost"
 
 
+def _default_name(path: str) -> str:
+    """The directory's name; a training run's export (RUN/model) is named after the run."""
+    path = os.path.abspath(path)
+    name = os.path.basename(path)
+    return os.path.basename(os.path.dirname(path)) if name == "model" else name
+
+
 def run(args) -> None:
     import uvicorn
 
@@ -93,7 +101,7 @@ def run(args) -> None:
     options = {k: getattr(args, k) for k in ENGINE_FLAGS if getattr(args, k) is not None}
     engine = Engine(pre, metrics=Metrics(), **options)
     engine.start()
-    name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
+    name = args.served_model_name or _default_name(args.model)
     print(f"compiled {engine.compiled_shapes} step shapes; serving {name!r} at "
           f"http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
     if args.api_key is None and not _loopback(args.host):
