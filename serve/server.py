@@ -224,7 +224,9 @@ def _check_prompt(engine, call: Call, ids) -> None:
     new = call.request.max_new_tokens
     limit = engine.max_prompt_tokens(1 if new is None else new)
     if len(ids) > limit:
-        given = (f"{call.tokens_param}={new}" if new is not None
+        given = ("its encoder's window (a source)"
+                 if getattr(engine.config, "is_encoder_decoder", False)
+                 else f"{call.tokens_param}={new}" if new is not None
                  else "at least one new token")
         raise RequestError(f"{call.prompt_param} is {len(ids)} tokens, over the {limit} this "
                            f"model takes with {given}", call.prompt_param)

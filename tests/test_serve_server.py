@@ -33,6 +33,7 @@ import numpy as np
 import pytest
 
 import models
+from decode.request import DecodeRequest
 from models.errors import UserError
 from serve.api import EngineStopped, Event, QueueFull, Submission, Usage
 from serve.chat import ChatTemplate
@@ -714,6 +715,7 @@ LIVE_FLAGS = ("--api-key", KEY, "--max-slots", "4", "--page-size", "8", "--prefi
 PROMPTS = [" ".join(WORDS[i:i + 2 + i % 5]) for i in range(16)]
 
 
+# Every test of `live` is slow: the first to run starts the server (about 12 s on 2 cores).
 @pytest.fixture(scope="module")
 def live(model_dir):
     process = _Process(model_dir, *LIVE_FLAGS)
@@ -725,6 +727,7 @@ def _finished(m: dict) -> float:
     return sum(v for k, v in m.items() if k.startswith("serve_requests_finished_total"))
 
 
+@pytest.mark.slow
 def test_process_completions_chat_and_streams(live, pre, model_dir):
     assert "compiled" in live.output() and "step shapes" in live.output()
     client = live.client()
@@ -759,6 +762,7 @@ def test_process_completions_chat_and_streams(live, pre, model_dir):
     assert same[0] == same[1]
 
 
+@pytest.mark.slow
 def test_process_errors(live):
     client = live.client()
 
@@ -788,6 +792,7 @@ def test_process_errors(live):
     assert requests.get(live.url + "/health").status_code == 200        # no key needed
 
 
+@pytest.mark.slow
 def test_process_concurrent_requests_equal_each_alone(live):
     client = live.client()
 
@@ -810,6 +815,7 @@ def _hang_up_after_first_chunk(url: str, body: dict) -> None:
         next(r.iter_lines())
 
 
+@pytest.mark.slow
 def test_process_a_client_that_hangs_up_is_cancelled(live):
     before = live.idle()
     cancelled = 'serve_requests_finished_total{reason="cancelled"}'
@@ -822,6 +828,20 @@ def test_process_a_client_that_hangs_up_is_cancelled(live):
     assert after.get(cancelled, 0) > before.get(cancelled, 0), after
     assert after["serve_pages_used"] == 0 and after["serve_running"] == 0
     assert after["serve_requests_started_total"] == _finished(after)
+    # A client waiting for a whole answer that goes away: its request is cancelled too.
+    body = json.dumps({"model": "tiny", "prompt": "the", "max_tokens": 60,
+                       "temperature": 0}).encode()
+    for _ in range(3):
+        before = after
+        with socket.create_connection(("127.0.0.1", live.port)) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                      b"Content-Type: application/json\r\nAuthorization: Bearer "
+                      + KEY.encode() + b"\r\nContent-Length: " + str(len(body)).encode()
+                      + b"\r\n\r\n" + body)
+        after = live.idle()
+        if after.get(cancelled, 0) > before.get(cancelled, 0):
+            break
+    assert after.get(cancelled, 0) > before.get(cancelled, 0), after
 
 
 @pytest.mark.slow
@@ -923,3 +943,57 @@ def test_process_sigterm_drains_then_exits_0(model_dir):
             assert final["choices"][0]["finish_reason"] in ("stop", "length")
     finally:
         process.stop()
+
+
+@pytest.mark.slow
+def test_an_encoder_decoder_served_in_process_equals_the_engine_alone(tmp_path):
+    """The default run's kind of model (a translator: the prompt is the source), over the
+    real engine: the server's answer is the engine's own for the same request."""
+    import jax
+
+    from models.tokenizer import ByteTokenizer
+    from serve.engine import Engine
+    from tests.helpers import tiny
+    cfg = tiny("encoder_decoder", vocab_size=260, max_len=32)
+    model = models.build(cfg)
+    dummy = np.full((1, 4), 5, np.int32)
+    params = jax.jit(model.init)(jax.random.key(3), dummy, dummy)["params"]
+    path = str(tmp_path / "translator")
+    models.save(path, cfg, params, ByteTokenizer().with_specials(add_bos=False, add_eos=True))
+    engine = Engine(models.load(path), max_slots=2, page_size=8, prefill_chunk=8,
+                    metrics=Metrics())
+    engine.start()
+    try:
+        client = _client(engine)
+        source = "a cat ."
+        r = client.post("/v1/completions", json={"model": "tiny", "prompt": source,
+                                                 "max_tokens": 12, "temperature": 0})
+        assert r.status_code == 200, r.text
+        ids = engine.tokenizer.encode(source, add_special_tokens=True)
+        text, _, final = engine.submit(Submission(ids=tuple(ids), request=DecodeRequest(
+            max_new_tokens=12))).result()
+        assert r.json()["choices"][0]["text"] == text
+        assert r.json()["usage"]["prompt_tokens"] == len(ids) == final.usage.prompt_tokens
+        # The source may fill the encoder's window: max_tokens does not shorten it.
+        r = client.post("/v1/completions", json={"model": "tiny", "prompt": "x" * 40})
+        assert "over the 32 this model takes with its encoder's window" in _error(r, 400, "prompt")
+    finally:
+        engine.stop(drain=False)
+
+
+@pytest.mark.slow
+def test_command_line_mistakes_are_one_error_line_and_status_2(tmp_path, model_dir):
+    run = [sys.executable, "-m", "serve", "--port", str(_free_port())]
+    missing = subprocess.run(run + ["--model", str(tmp_path / "none")], cwd=ROOT,
+                             capture_output=True, text=True, timeout=120)
+    assert missing.returncode == 2 and missing.stderr.strip().startswith("error:"), \
+        missing.stderr
+    assert "Traceback" not in missing.stderr and "none" in missing.stderr
+    engine = subprocess.run(run + ["--model", model_dir, "--max-slots", "8",
+                                   "--max-tokens-per-step", "4"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=120)
+    assert engine.returncode == 2, engine.stderr
+    assert engine.stderr.strip().splitlines()[-1].startswith("error: max_tokens_per_step=4")
+    flags = subprocess.run(run + ["--model", model_dir, "--max-slots", "0"], cwd=ROOT,
+                           capture_output=True, text=True, timeout=120)
+    assert flags.returncode == 2 and "--max-slots: 0 must be >= 1" in flags.stderr
