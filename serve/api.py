@@ -76,6 +76,7 @@ class Event:
 
     Attributes:
         token_ids: the new tokens (the end token is not included).
+        logprobs: the model's log-probability of each of them (before any processor).
         text: the new text: whole characters only, held back at a stop string's possible
             start until it is known not to be one.
         finish_reason: None while running; then one of `FINISH_REASONS`.
@@ -84,6 +85,7 @@ class Event:
     """
 
     token_ids: tuple[int, ...] = ()
+    logprobs: tuple[float, ...] = ()
     text: str = ""
     finish_reason: str | None = None
     usage: Usage | None = None

@@ -29,104 +29,20 @@ its preemptions or its pages (tests/test_serve_engine.py).
 
 from __future__ import annotations
 
-import asyncio
 import collections
-import dataclasses
 import itertools
-import queue
 import threading
 import time
 
 import jax
 import numpy as np
 
-from decode.checks import check_eos
 from decode.processors import SamplingParams
-from decode.request import DecodeRequest
 from models.errors import UserError, check_positive_int
 from serve import step as device
 from serve.api import EngineStopped, Event, QueueFull, Submission, Usage
 from serve.pages import PagePool
-from serve.text import Detokenizer
-
-# DecodeRequest fields the engine does not apply: a request that sets one is refused by
-# name rather than decoded without it.
-UNSUPPORTED = {"forced_bos_id": None, "forced_eos_id": None, "banned_ids": (),
-               "min_new_tokens": 0, "no_repeat_ngram_size": 0}
-
-
-class Handle:
-    """One submission's stream of `Event`s (the engine's thread produces, the caller
-    consumes from a thread or an asyncio loop)."""
-
-    def __init__(self, engine: Engine):
-        self._engine, self._lock = engine, threading.Lock()
-        self._queue: queue.Queue = queue.Queue()
-        self._loop = self._async_queue = None
-        self.cancelled = False
-
-    def _push(self, event: Event) -> None:
-        with self._lock:
-            if self._loop is not None:
-                self._loop.call_soon_threadsafe(self._async_queue.put_nowait, event)
-            else:
-                self._queue.put(event)
-
-    def events(self):
-        """The events, blocking until each arrives; ends after the final one."""
-        while True:
-            event = self._queue.get()
-            yield event
-            if event.finish_reason is not None:
-                return
-
-    async def stream(self):
-        """The events as an async iterator, in the running loop."""
-        with self._lock:
-            self._loop, self._async_queue = asyncio.get_running_loop(), asyncio.Queue()
-            while not self._queue.empty():
-                self._async_queue.put_nowait(self._queue.get_nowait())
-        while True:
-            event = await self._async_queue.get()
-            yield event
-            if event.finish_reason is not None:
-                return
-
-    def cancel(self) -> None:
-        """Ends the request: its slot and pages are freed within one step."""
-        self.cancelled = True
-        self._engine._wake()
-
-    def result(self) -> tuple[str, list[int], Event]:
-        """Blocks until the end: (the text, the token ids, the final event)."""
-        text, ids, last = [], [], None
-        for last in self.events():
-            text.append(last.text)
-            ids.extend(last.token_ids)
-        return "".join(text), ids, last
-
-
-@dataclasses.dataclass(eq=False)
-class _Live:
-    """A request from its submission to its end."""
-
-    number: int
-    handle: Handle
-    prompt: list[int]                   # the decoder's prompt: its input, or [start token]
-    source: list[int] | None            # an encoder-decoder's source
-    max_new: int
-    eos: frozenset
-    sampling: tuple                     # temperature, top_k, top_p, min_p, penalty
-    penalties: tuple                    # presence, frequency
-    seed: int
-    text: Detokenizer
-    arrived: float
-    generated: list[int] = dataclasses.field(default_factory=list)
-    pending: list[int] = dataclasses.field(default_factory=list)
-    slot: int | None = None
-    length: int = 0                     # positions of the slot's cache it holds
-    last_time: float | None = None
-    preemptions: int = 0
+from serve.requests import Handle, Live, checked
 
 
 class _NoMetrics:
@@ -189,9 +105,9 @@ class Engine:
                                           pages_per_slot=pages_per_slot,
                                           source_len=self._source_len)
         self._cv = threading.Condition()
-        self._incoming: collections.deque[_Live] = collections.deque()
-        self._waiting: collections.deque[_Live] = collections.deque()
-        self._slots: list[_Live | None] = [None] * self.max_slots
+        self._incoming: collections.deque[Live] = collections.deque()
+        self._waiting: collections.deque[Live] = collections.deque()
+        self._slots: list[Live | None] = [None] * self.max_slots
         self._numbers = itertools.count()
         self._stopping = self._drain = False
         self._thread: threading.Thread | None = None
@@ -218,7 +134,7 @@ class Engine:
             QueueFull: `max_queue` requests are already waiting.
             EngineStopped: the engine is stopping.
         """
-        live = self._checked(submission)
+        live = checked(self, submission, next(self._numbers))
         with self._cv:
             if self._stopping:
                 raise EngineStopped("the engine is stopping and takes no new requests")
@@ -228,63 +144,6 @@ class Engine:
             self._cv.notify()
         self.metrics.request_started()
         return live.handle
-
-    def _checked(self, s: Submission) -> _Live:
-        cfg, request = self.config, s.request
-        if not isinstance(request, DecodeRequest):
-            raise UserError(f"request must be a decode.DecodeRequest, got "
-                            f"{type(request).__name__}")
-        if request.strategy == "beam":
-            raise UserError("the engine decodes greedy and sampled requests; beam search "
-                            "is decode.beam_search's")
-        for name, off in UNSUPPORTED.items():
-            if getattr(request, name) != off:
-                raise UserError(f"{name}={getattr(request, name)!r}: the engine does not "
-                                f"apply {name} (leave it at {off!r})")
-        ids = [int(i) for i in s.ids]
-        if not ids:
-            raise UserError("the prompt is empty: give at least one token")
-        bad = [i for i in ids if not 0 <= i < cfg.vocab_size]
-        if bad:
-            raise UserError(f"token id {bad[0]} is outside the vocabulary [0, "
-                            f"{cfg.vocab_size})")
-        limit = self.max_prompt_tokens(request.max_new_tokens)
-        if len(ids) > limit:
-            raise UserError(f"the prompt is {len(ids)} tokens; the model takes at most "
-                            f"{limit} with max_new_tokens={request.max_new_tokens}")
-        prompt, source = ([cfg.bos_id], ids) if cfg.is_encoder_decoder else (ids, None)
-        max_new = request.max_new_tokens or cfg.max_len - len(prompt)
-        if len(prompt) + max_new > cfg.max_len:
-            raise UserError(f"max_new_tokens={max_new} with a decoder prompt of "
-                            f"{len(prompt)} tokens exceeds the model's max_len {cfg.max_len}")
-        if self.pool.pages_for(len(prompt) + max_new) > self.num_pages:
-            raise UserError(f"{len(prompt) + max_new} positions need "
-                            f"{self.pool.pages_for(len(prompt) + max_new)} pages; the pool "
-                            f"has {self.num_pages}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(s, name)
-            if not -2.0 <= value <= 2.0:
-                raise UserError(f"{name}={value} is outside [-2.0, 2.0]")
-        stops = tuple(s.stop)
-        if any(not isinstance(x, str) or not x for x in stops):
-            raise UserError(f"stop={stops!r}: each stop must be a non-empty string")
-        if stops and self.tokenizer is None:
-            raise UserError("stop strings need the model directory's tokenizer")
-        greedy = request.strategy == "greedy"
-        sampling = (0.0 if greedy else request.temperature, 0 if greedy else request.top_k,
-                    1.0 if greedy else request.top_p, 0.0 if greedy else request.min_p,
-                    request.repetition_penalty)
-        if sampling[1] > cfg.vocab_size:
-            raise UserError(f"top_k={sampling[1]} exceeds the vocabulary ({cfg.vocab_size})")
-        seed = s.seed if s.seed is not None else int(np.random.default_rng().integers(2**31))
-        if not 0 <= seed < 2**32:
-            raise UserError(f"seed={seed} must be in [0, 2**32)")
-        return _Live(number=next(self._numbers), handle=Handle(self), prompt=prompt,
-                     source=source, max_new=max_new,
-                     eos=frozenset(check_eos(cfg, request.eos_id) or ()),
-                     sampling=sampling, penalties=(s.presence_penalty, s.frequency_penalty),
-                     seed=seed, text=Detokenizer(self.tokenizer, stops),
-                     arrived=time.perf_counter())
 
     def gauges(self) -> dict[str, float]:
         """Waiting and running requests, pages in use, and recent tokens per second."""
@@ -377,7 +236,7 @@ class Engine:
         if arrivals and self.config.is_encoder_decoder:
             self._encode(arrivals)
 
-    def _encode(self, arrivals: list[_Live]) -> None:
+    def _encode(self, arrivals: list[Live]) -> None:
         R = _bucket(len(arrivals))
         width = min(max(8, _bucket(max(len(x.source) for x in arrivals))), self._source_len)
         src = np.zeros((R, width), np.int32)
@@ -390,7 +249,7 @@ class Engine:
         self._state = device.admit_sources(self.model, self.params, self._state, slots, src,
                                            lengths)
 
-    def _plan(self) -> tuple[list[_Live], list[tuple[_Live, int]]]:
+    def _plan(self) -> tuple[list[Live], list[tuple[Live, int]]]:
         """The decode rows and the prompt chunks of this iteration, their pages taken
         (preempting the newest running requests when the pool runs out)."""
         running = sorted((x for x in self._slots if x is not None), key=lambda x: x.number)
@@ -421,7 +280,7 @@ class Engine:
             self._preempt(running[-1])
         return decode_rows, chunks
 
-    def _preempt(self, live: _Live) -> None:
+    def _preempt(self, live: Live) -> None:
         self.pool.release(live.slot)
         self._slots[live.slot] = None
         live.slot, live.length, live.pending = None, 0, []
@@ -429,7 +288,7 @@ class Engine:
         self.preemptions += 1
         self._waiting.appendleft(live)
 
-    def _rows(self, rows: list[_Live], width: int, feeds: list[list[int]], *,
+    def _rows(self, rows: list[Live], width: int, feeds: list[list[int]], *,
               all_slots: bool, R: int | None = None) -> device.StepRows:
         """The `StepRows` of `rows` feeding `feeds`: row r is slot r when `all_slots`, else
         the rows in order, padded to `R` (default: the bucket of their count)."""
@@ -461,32 +320,32 @@ class Engine:
         return device.StepRows(**a, sampling=sampling, presence=penalties[0],
                                frequency=penalties[1])
 
-    def _prefill(self, chunks: list[tuple[_Live, int]]) -> None:
+    def _prefill(self, chunks: list[tuple[Live, int]]) -> None:
         rows = [live for live, _ in chunks]
         feeds = [live.pending[:n] for live, n in chunks]
-        tokens = self._step(self._rows(rows, self.prefill_chunk, feeds, all_slots=False),
-                            False)
+        tokens, logprobs = self._step(
+            self._rows(rows, self.prefill_chunk, feeds, all_slots=False), False)
         for i, (live, n) in enumerate(chunks):
             live.length += n
             live.pending = live.pending[n:]
             if not live.pending:
-                self._new_token(live, int(tokens[i]))
+                self._new_token(live, int(tokens[i]), float(logprobs[i]))
 
-    def _decode(self, rows: list[_Live]) -> None:
-        tokens = self._step(self._rows(rows, 1, [x.pending for x in rows], all_slots=True),
-                            True)
+    def _decode(self, rows: list[Live]) -> None:
+        tokens, logprobs = self._step(
+            self._rows(rows, 1, [x.pending for x in rows], all_slots=True), True)
         for live in rows:
             live.length += 1
             live.pending = []
-            self._new_token(live, int(tokens[live.slot]))
+            self._new_token(live, int(tokens[live.slot]), float(logprobs[live.slot]))
 
-    def _step(self, rows: device.StepRows, all_slots: bool) -> np.ndarray:
-        tokens, _, self._state = device.run_step(self.model, self.params, self._state, rows,
-                                                 all_slots=all_slots)
+    def _step(self, rows: device.StepRows, all_slots: bool) -> tuple[np.ndarray, np.ndarray]:
+        tokens, logprobs, self._state = device.run_step(self.model, self.params, self._state,
+                                                        rows, all_slots=all_slots)
         self.steps += 1
-        return np.asarray(jax.device_get(tokens))
+        return jax.device_get((tokens, logprobs))
 
-    def _new_token(self, live: _Live, token: int) -> None:
+    def _new_token(self, live: Live, token: int, logprob: float) -> None:
         now = time.perf_counter()
         if live.last_time is None:
             self.metrics.observe_ttft(now - live.arrived)
@@ -500,15 +359,16 @@ class Engine:
         live.generated.append(token)
         live.pending = [token]
         delta, stopped = live.text.add(token)
+        made = dict(token=token, logprob=logprob, delta=delta)
         if stopped:
-            self._finish(live, "stop", token=token, delta=delta)
+            self._finish(live, "stop", **made)
         elif len(live.generated) >= live.max_new:
-            self._finish(live, "length", token=token, delta=delta + live.text.flush())
+            self._finish(live, "length", **{**made, "delta": delta + live.text.flush()})
         else:
-            live.handle._push(Event(token_ids=(token,), text=delta))
+            live.handle._push(Event(token_ids=(token,), logprobs=(logprob,), text=delta))
 
-    def _finish(self, live: _Live, reason: str, *, token: int | None = None, delta: str = "",
-                error: str | None = None) -> None:
+    def _finish(self, live: Live, reason: str, *, token: int | None = None,
+                logprob: float = 0.0, delta: str = "", error: str | None = None) -> None:
         if live.slot is not None:
             self.pool.release(live.slot)
             self._slots[live.slot] = None
@@ -518,8 +378,9 @@ class Engine:
         usage = Usage(len(live.source or live.prompt), len(live.generated))
         self.metrics.request_finished(reason)
         self.metrics.add_tokens(usage.prompt_tokens, usage.completion_tokens)
-        live.handle._push(Event(token_ids=() if token is None else (token,), text=delta,
-                                finish_reason=reason, usage=usage, error=error))
+        made = {} if token is None else dict(token_ids=(token,), logprobs=(logprob,))
+        live.handle._push(Event(**made, text=delta, finish_reason=reason, usage=usage,
+                                error=error))
 
     # --- compilation ----------------------------------------------------------------------
 
