@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import os
+import socket
 import sys
 import threading
 import time
@@ -71,11 +72,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _loopback(host: str) -> bool:
+def _listen(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before the model loads: a port in use fails at once."""
+    if not 0 <= port <= 65535:
+        raise UserError(f"--port {port} is outside [0, 65535]")
     try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
+        info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(info[0], socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(info[4])
+    except OSError as e:
+        raise UserError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
 
 
 def _default_name(path: str) -> str:
@@ -92,8 +100,10 @@ def run(args) -> None:
     from serve.chat import ChatTemplate
     from serve.engine import Engine
     from serve.metrics import Metrics
-    if args.port < 0 or args.port > 65535:
-        raise UserError(f"--port {args.port} is outside [0, 65535]")
+    sock = _listen(args.host, args.port)
+    if args.api_key is None and not ipaddress.ip_address(sock.getsockname()[0]).is_loopback:
+        print(f"warning: --host {args.host} is reachable from other machines and no --api-key "
+              "is set: anyone there can use this server", file=sys.stderr)
     pre = models.load(args.model)
     if pre.tokenizer is None:
         raise UserError(f"{args.model} has no tokenizer files: the server takes and gives text")
@@ -104,50 +114,34 @@ def run(args) -> None:
     name = args.served_model_name or _default_name(args.model)
     print(f"compiled {engine.compiled_shapes} step shapes; serving {name!r} at "
           f"http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
-    if args.api_key is None and not _loopback(args.host):
-        print(f"warning: --host {args.host} is reachable from other machines and no "
-              "--api-key is set: anyone there can use this server", file=sys.stderr)
     state = server.ServerState()
     limit = {} if args.max_body_bytes is None else {"max_body_bytes": args.max_body_bytes}
     application = server.app(engine, model_name=name, api_key=args.api_key,
                              chat_template=template, state=state, **limit)
-    config = uvicorn.Config(application, host=args.host, port=args.port, log_level="warning",
-                            lifespan="off")
-    _Graceful(config, engine, state, args.drain_timeout).run()
+    config = uvicorn.Config(application, log_level="warning", lifespan="off")
+    draining = threading.Event()
 
-
-class _Graceful:
-    """uvicorn's server, whose first SIGTERM / SIGINT drains the engine (new requests get
-    503 meanwhile) and waits for the responses in flight before uvicorn's own shutdown."""
-
-    def __init__(self, config, engine, state, timeout):
-        import uvicorn
-        outer = self
-
-        class Server(uvicorn.Server):
-            def handle_exit(self, sig, frame):
-                if outer.draining:
-                    return super().handle_exit(sig, frame)
-                outer.draining = True
-                threading.Thread(target=outer.drain, daemon=True).start()
-
-        self.server, self.engine, self.state, self.timeout = Server(config), engine, state, timeout
-        self.draining = False
-
-    def drain(self) -> None:
-        self.state.stopping = True
-        self.engine.stop(drain=True, timeout=self.timeout)
-        end = None if self.timeout is None else time.monotonic() + self.timeout
-        while self.state.active and (end is None or time.monotonic() < end):
+    def drain():      # new requests get 503 while the engine and the responses finish
+        state.stopping = True
+        engine.stop(drain=True, timeout=args.drain_timeout)
+        end = time.monotonic() + (args.drain_timeout or float("inf"))
+        while state.active and time.monotonic() < end:
             time.sleep(0.02)
-        self.server.should_exit = True
+        uv.should_exit = True
 
-    def run(self) -> None:
-        try:
-            self.server.run()
-        finally:
-            if not self.draining:          # uvicorn stopped on its own (a port in use)
-                self.engine.stop(drain=False)
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):       # SIGTERM, SIGINT: drain; a second: exit
+            if draining.is_set():
+                return super().handle_exit(sig, frame)
+            draining.set()
+            threading.Thread(target=drain, daemon=True).start()
+
+    uv = Server(config)
+    try:
+        uv.run(sockets=[sock])
+    finally:
+        if not draining.is_set():
+            engine.stop(drain=False)
 
 
 def main(argv: list[str] | None = None) -> int:

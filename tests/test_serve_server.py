@@ -981,19 +981,25 @@ def test_an_encoder_decoder_served_in_process_equals_the_engine_alone(tmp_path):
         engine.stop(drain=False)
 
 
-@pytest.mark.slow
-def test_command_line_mistakes_are_one_error_line_and_status_2(tmp_path, model_dir):
-    run = [sys.executable, "-m", "serve", "--port", str(_free_port())]
-    missing = subprocess.run(run + ["--model", str(tmp_path / "none")], cwd=ROOT,
-                             capture_output=True, text=True, timeout=120)
-    assert missing.returncode == 2 and missing.stderr.strip().startswith("error:"), \
-        missing.stderr
-    assert "Traceback" not in missing.stderr and "none" in missing.stderr
-    engine = subprocess.run(run + ["--model", model_dir, "--max-slots", "8",
-                                   "--max-tokens-per-step", "4"], cwd=ROOT,
-                            capture_output=True, text=True, timeout=120)
-    assert engine.returncode == 2, engine.stderr
-    assert engine.stderr.strip().splitlines()[-1].startswith("error: max_tokens_per_step=4")
-    flags = subprocess.run(run + ["--model", model_dir, "--max-slots", "0"], cwd=ROOT,
-                           capture_output=True, text=True, timeout=120)
-    assert flags.returncode == 2 and "--max-slots: 0 must be >= 1" in flags.stderr
+def test_command_line_mistakes_are_one_error_line_and_status_2(tmp_path, model_dir, capsys):
+    from serve.__main__ import main
+    port = ["--port", str(_free_port())]
+
+    def error(argv) -> str:
+        assert main(argv + port) == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert "Traceback" not in "\n".join(lines)
+        return lines[-1]
+
+    assert error(["--model", str(tmp_path / "none")]).startswith("error:")
+    assert error(["--model", model_dir, "--max-slots", "8", "--max-tokens-per-step", "4"]) \
+        .startswith("error: max_tokens_per_step=4 must be at least max_slots=8")
+    with socket.socket() as taken:                # a port in use: before the model loads
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        assert main(["--model", "unread", "--port", str(busy)]) == 2
+    assert f"error: cannot listen on 127.0.0.1:{busy}" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["--model", model_dir, "--max-slots", "0"])
+    assert e.value.code == 2 and "--max-slots: 0 must be >= 1" in capsys.readouterr().err
