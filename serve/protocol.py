@@ -15,14 +15,22 @@ the HTTP status it answers (400, or 404 for a model this server does not serve):
 The sampling values become a `decode.DecodeRequest` field by field, so its own checks
 (which name the field, the value and the rule) say what is wrong; temperature 0 is greedy
 decoding, anything else sampling (OpenAI's default temperature is 1).
+
+Whisper's form (`audio_fields`) gives the audio's features (`audio_features`: the upload
+read as a file, one window) and its forced decoder prompt (`whisper_prompt`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import numbers
+import os
+import tempfile
 
 from decode.request import DecodeRequest
+from decode.whisper import WhisperSettings, decoder_prompts, needs_detection
+from models.audio_features import window_features
+from models.audio_files import read_audio
 from models.errors import UserError
 from serve.api import Submission
 
@@ -41,6 +49,9 @@ UNSUPPORTED = frozenset({
     "tool_choice", "functions", "function_call", "response_format", "parallel_tool_calls",
     "audio", "modalities", "prediction", "reasoning_effort", "store", "metadata",
     "service_tier", "web_search_options"})
+AUDIO_FORMATS = ("json", "text")
+AUDIO_FIELDS = frozenset({"file", "model", "language", "prompt", "response_format",
+                          "temperature"})
 ROLES = ("system", "developer", "user", "assistant", "tool")
 # OpenAI field -> DecodeRequest field.
 SAMPLING = (("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k"),
@@ -260,3 +271,69 @@ def _is_number(value) -> bool:
 def _short(value) -> str:
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+# ---------------------------------------------------------------------------------------------
+# Whisper's form (POST /v1/audio/transcriptions).
+
+def audio_fields(form, limits: Limits) -> dict:
+    """The form's language and response_format, every other field checked."""
+    for name in form:
+        if name not in AUDIO_FIELDS:
+            raise RequestError(f"unknown field {name!r} (this endpoint takes "
+                               f"{', '.join(sorted(AUDIO_FIELDS))})", name)
+    upload = form.get("file")
+    if upload is None or isinstance(upload, str):
+        raise RequestError("file is required: the audio, uploaded as a file", "file")
+    model = form.get("model")
+    if model is not None and model != limits.model_name:
+        raise RequestError(f"model {model!r} does not exist: this server serves "
+                           f"{limits.model_name!r}", "model", status=404,
+                           code="model_not_found")
+    fmt = form.get("response_format") or "json"
+    if fmt not in AUDIO_FORMATS:
+        raise RequestError(f"response_format={fmt!r} must be one of {AUDIO_FORMATS}",
+                           "response_format")
+    if form.get("prompt"):
+        raise RequestError("prompt (text before the audio) is not supported by this server",
+                           "prompt")
+    temperature = form.get("temperature")
+    if temperature not in (None, "", "0", "0.0"):
+        raise RequestError(f"temperature={temperature!r}: transcription here is greedy "
+                           "(temperature 0)", "temperature")
+    return {"language": form.get("language") or None, "response_format": fmt}
+
+
+def whisper_prompt(engine, fields: dict):
+    """The forced decoder prompt (start, language, task, no timestamps) and the request."""
+    settings = WhisperSettings.from_generation(engine.generation, engine.config)
+    language = fields["language"]
+    if needs_detection(settings, language, "transcribe"):
+        raise RequestError("language is required: this model is multilingual and the server "
+                           "does not detect the language (give a code such as 'en')",
+                           "language")
+    try:
+        ids = tuple(int(i) for i in decoder_prompts(settings, 1, language=language,
+                                                    task="transcribe")[0])
+    except UserError as e:
+        raise RequestError(str(e), "language") from None
+    new = max(1, min(settings.max_length, engine.max_prompt_tokens(1) + 1 - len(ids)))
+    request = DecodeRequest(strategy="greedy", max_new_tokens=new,
+                            eos_id=settings.eos_ids or "config", banned_ids=settings.suppress)
+    return ids, request
+
+
+def audio_features(data: bytes, audio):
+    """float32[mel, frames] of the uploaded file's first (only) window."""
+    if not data:
+        raise RequestError("file is empty", "file")
+    with tempfile.TemporaryDirectory(prefix="serve-audio-") as folder:
+        path = os.path.join(folder, "upload")
+        with open(path, "wb") as f:
+            f.write(data)
+        try:
+            wave = read_audio(path)
+            features, _ = window_features([wave], audio=audio)
+        except UserError as e:
+            raise RequestError(str(e).replace(repr(path), "the uploaded file"), "file") from None
+    return features[0]

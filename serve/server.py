@@ -21,9 +21,7 @@ from __future__ import annotations
 import dataclasses
 import hmac
 import json
-import os
 import re
-import tempfile
 import threading
 import time
 import uuid
@@ -37,13 +35,21 @@ from starlette.routing import Route
 from models.errors import UserError
 from serve.api import EngineStopped, QueueFull, Submission
 from serve.chat import ChatTemplate
-from serve.protocol import Call, Limits, RequestError, error_body, parse_chat, parse_completion
+from serve.protocol import (
+    AUDIO_FIELDS,
+    Call,
+    Limits,
+    RequestError,
+    audio_features,
+    audio_fields,
+    error_body,
+    parse_chat,
+    parse_completion,
+    whisper_prompt,
+)
 
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024     # a 30 s WAV upload is about 1 MiB at 16 kHz
 RETRY_AFTER_SECONDS = 1
-AUDIO_FORMATS = ("json", "text")
-AUDIO_FIELDS = frozenset({"file", "model", "language", "prompt", "response_format",
-                          "temperature"})
 
 
 @dataclasses.dataclass
@@ -151,12 +157,12 @@ def app(engine, *, model_name: str, api_key: str | None = None,
         except Exception as e:        # Starlette's and python-multipart's parse errors
             raise RequestError(f"the body is not a valid multipart form: {e}") from None
         try:
-            fields = _audio_fields(form, limits)
+            fields = audio_fields(form, limits)
             data = await form["file"].read()
         finally:
             await form.close()
-        ids, request_ = _whisper_prompt(engine, fields)
-        features = await anyio.to_thread.run_sync(lambda: _audio_features(data, cfg.audio))
+        ids, request_ = whisper_prompt(engine, fields)
+        features = await anyio.to_thread.run_sync(lambda: audio_features(data, cfg.audio))
         handle = _submit(engine, Submission(ids=ids, request=request_, features=features),
                          "file")
         state.enter()
@@ -338,75 +344,6 @@ class _EventStream(StreamingResponse):
                 await self.body_iterator.aclose()
             self.handle.cancel()            # nothing, when the request had finished
             self.serve_state.leave()
-
-
-# ---------------------------------------------------------------------------------------------
-# Whisper.
-
-def _audio_fields(form, limits: Limits) -> dict:
-    for name in form:
-        if name not in AUDIO_FIELDS:
-            raise RequestError(f"unknown field {name!r} (this endpoint takes "
-                               f"{', '.join(sorted(AUDIO_FIELDS))})", name)
-    upload = form.get("file")
-    if upload is None or isinstance(upload, str):
-        raise RequestError("file is required: the audio, uploaded as a file", "file")
-    model = form.get("model")
-    if model is not None and model != limits.model_name:
-        raise RequestError(f"model {model!r} does not exist: this server serves "
-                           f"{limits.model_name!r}", "model", status=404,
-                           code="model_not_found")
-    fmt = form.get("response_format") or "json"
-    if fmt not in AUDIO_FORMATS:
-        raise RequestError(f"response_format={fmt!r} must be one of {AUDIO_FORMATS}",
-                           "response_format")
-    if form.get("prompt"):
-        raise RequestError("prompt (text before the audio) is not supported by this server",
-                           "prompt")
-    temperature = form.get("temperature")
-    if temperature not in (None, "", "0", "0.0"):
-        raise RequestError(f"temperature={temperature!r}: transcription here is greedy "
-                           "(temperature 0)", "temperature")
-    return {"language": form.get("language") or None, "response_format": fmt}
-
-
-def _whisper_prompt(engine, fields: dict):
-    """The forced decoder prompt (start, language, task, no timestamps) and the request."""
-    from decode.request import DecodeRequest
-    from decode.whisper import WhisperSettings, decoder_prompts, needs_detection
-    settings = WhisperSettings.from_generation(engine.generation, engine.config)
-    language = fields["language"]
-    if needs_detection(settings, language, "transcribe"):
-        raise RequestError("language is required: this model is multilingual and the server "
-                           "does not detect the language (give a code such as 'en')",
-                           "language")
-    try:
-        ids = tuple(int(i) for i in decoder_prompts(settings, 1, language=language,
-                                                    task="transcribe")[0])
-    except UserError as e:
-        raise RequestError(str(e), "language") from None
-    new = max(1, min(settings.max_length, engine.max_prompt_tokens(1) + 1 - len(ids)))
-    request = DecodeRequest(strategy="greedy", max_new_tokens=new,
-                            eos_id=settings.eos_ids or "config", banned_ids=settings.suppress)
-    return ids, request
-
-
-def _audio_features(data: bytes, audio):
-    """float32[mel, frames] of the uploaded file's first (only) window."""
-    from models.audio_features import window_features
-    from models.audio_files import read_audio
-    if not data:
-        raise RequestError("file is empty", "file")
-    with tempfile.TemporaryDirectory(prefix="serve-audio-") as folder:
-        path = os.path.join(folder, "upload")
-        with open(path, "wb") as f:
-            f.write(data)
-        try:
-            wave = read_audio(path)
-            features, _ = window_features([wave], audio=audio)
-        except UserError as e:
-            raise RequestError(str(e).replace(repr(path), "the uploaded file"), "file") from None
-    return features[0]
 
 
 # ---------------------------------------------------------------------------------------------
