@@ -68,6 +68,10 @@ class Engine:
         prefill_chunk: the most prompt tokens of one request fed in one iteration.
         max_queue: submissions waiting for a slot before `submit` raises `QueueFull`.
         metrics: an object with the `serve.metrics.Metrics` methods (None: none recorded).
+        banned_ids: ids no request generates (None: the model directory's own, its
+            bad_words_ids or Whisper's suppress_tokens).
+        banned_first_ids: ids no request generates first (None: Whisper's
+            begin_suppress_tokens; none for a text model).
 
     Raises:
         UserError: a size out of range (naming it), or a model the engine cannot serve.
@@ -75,15 +79,14 @@ class Engine:
 
     def __init__(self, pre, *, max_slots: int = 8, page_size: int = 16,
                  num_pages: int | None = None, max_tokens_per_step: int = 256,
-                 prefill_chunk: int = 64, max_queue: int = 256, metrics=None):
+                 prefill_chunk: int = 64, max_queue: int = 256, metrics=None,
+                 banned_ids=None, banned_first_ids=None):
         self.model, self.params, self.config = pre.model, pre.params, pre.config
         self.tokenizer, self.generation = pre.tokenizer, pre.generation
         cfg = self.config
         if cfg.architecture not in ("decoder_only", "encoder_decoder"):
             raise UserError(f"the engine serves generative models; this one is "
                             f"{cfg.architecture}")
-        if cfg.audio is not None:
-            raise UserError("the engine does not serve audio encoders (Whisper) yet")
         self.max_slots = check_positive_int(max_slots, "max_slots")
         self.page_size = check_positive_int(page_size, "page_size")
         self.prefill_chunk = check_positive_int(prefill_chunk, "prefill_chunk")
@@ -99,7 +102,12 @@ class Engine:
         self.num_pages = check_positive_int(num_pages, "num_pages")
         self.metrics = metrics if metrics is not None else _NoMetrics()
         self.pool = PagePool(self.num_pages, self.page_size, self.max_slots, pages_per_slot)
-        self._source_len = cfg.max_len if cfg.is_encoder_decoder else None
+        # The page-table widths a decode step compiles for: powers of two, then all.
+        self.page_buckets = sorted({min(1 << i, pages_per_slot)
+                                    for i in range(pages_per_slot.bit_length() + 1)})
+        self._source_len = None if not cfg.is_encoder_decoder else (
+            cfg.max_len if cfg.audio is None else cfg.audio.max_source_positions)
+        self.banned_ids, self.banned = _bans(pre, banned_ids, banned_first_ids)
         self._state = device.create_state(cfg, slots=self.max_slots, num_pages=self.num_pages,
                                           page_size=self.page_size,
                                           pages_per_slot=pages_per_slot,
@@ -119,10 +127,10 @@ class Engine:
     # --- the callers' side --------------------------------------------------------------
 
     def max_prompt_tokens(self, max_new_tokens: int | None = None) -> int:
-        """The longest prompt (decoder-only) or source (encoder-decoder) accepted with
-        `max_new_tokens` new tokens (None: at least one)."""
+        """The longest prompt (decoder-only; Whisper's decoder prompt) or source (a text
+        encoder-decoder) accepted with `max_new_tokens` new tokens (None: at least one)."""
         cfg = self.config
-        if cfg.is_encoder_decoder:
+        if cfg.is_encoder_decoder and cfg.audio is None:
             return cfg.max_len
         return cfg.max_len - (1 if max_new_tokens is None else max_new_tokens)
 
@@ -238,6 +246,14 @@ class Engine:
 
     def _encode(self, arrivals: list[Live]) -> None:
         R = _bucket(len(arrivals))
+        if self.config.audio is not None:
+            features = np.zeros((R, *arrivals[0].features.shape), np.float32)
+            slots = np.full((R,), self.max_slots, np.int32)
+            for r, live in enumerate(arrivals):
+                features[r], slots[r] = live.features, live.slot
+            self._state = device.admit_sources(self.model, self.params, self._state, slots,
+                                               features)
+            return
         width = min(max(8, _bucket(max(len(x.source) for x in arrivals))), self._source_len)
         src = np.zeros((R, width), np.int32)
         lengths = np.zeros((R,), np.int32)
@@ -289,11 +305,12 @@ class Engine:
         self._waiting.appendleft(live)
 
     def _rows(self, rows: list[Live], width: int, feeds: list[list[int]], *,
-              all_slots: bool, R: int | None = None) -> device.StepRows:
+              all_slots: bool, R: int | None = None, M: int | None = None) -> device.StepRows:
         """The `StepRows` of `rows` feeding `feeds`: row r is slot r when `all_slots`, else
-        the rows in order, padded to `R` (default: the bucket of their count)."""
+        the rows in order, padded to `R` (default: the bucket of their count); each row's
+        first `M` page-table entries (default: all)."""
         R = self.max_slots if all_slots else (R or _bucket(len(rows)))
-        M = self.pool.table.shape[1]
+        M = M or self.pool.table.shape[1]
         a = dict(slots=np.full((R,), self.max_slots, np.int32),
                  tokens=np.zeros((R, width), np.int32), n_new=np.zeros((R,), np.int32),
                  lengths=np.zeros((R,), np.int32),
@@ -310,7 +327,7 @@ class Engine:
             a["slots"][r] = live.slot
             a["tokens"][r, :len(feed)] = feed
             a["n_new"][r], a["lengths"][r] = len(feed), live.length
-            a["page_table"][r] = self.pool.table[live.slot]
+            a["page_table"][r] = self.pool.table[live.slot, :M]
             a["generated_from"][r], a["generated"][r] = len(live.prompt), len(live.generated)
             a["seed"][r] = live.seed
             values[:, r], penalties[:, r] = live.sampling, live.penalties
@@ -332,16 +349,21 @@ class Engine:
                 self._new_token(live, int(tokens[i]), float(logprobs[i]))
 
     def _decode(self, rows: list[Live]) -> None:
+        """One token for each row, attending over as many pages as the longest row holds
+        (rounded up to a power of two, `page_buckets`): a step's attention reads what is in
+        flight, not every slot's full window."""
+        held = max(self.pool.held(x.slot) for x in rows)
+        M = next(m for m in self.page_buckets if m >= held)
         tokens, logprobs = self._step(
-            self._rows(rows, 1, [x.pending for x in rows], all_slots=True), True)
+            self._rows(rows, 1, [x.pending for x in rows], all_slots=True, M=M), True)
         for live in rows:
             live.length += 1
             live.pending = []
             self._new_token(live, int(tokens[live.slot]), float(logprobs[live.slot]))
 
     def _step(self, rows: device.StepRows, all_slots: bool) -> tuple[np.ndarray, np.ndarray]:
-        tokens, logprobs, self._state = device.run_step(self.model, self.params, self._state,
-                                                        rows, all_slots=all_slots)
+        tokens, logprobs, self._state = device.run_step(
+            self.model, self.params, self._state, rows, self.banned, all_slots=all_slots)
         self.steps += 1
         return jax.device_get((tokens, logprobs))
 
@@ -375,7 +397,8 @@ class Engine:
             live.slot = None
         if reason == "stop" and token is None:
             delta += live.text.flush()
-        usage = Usage(len(live.source or live.prompt), len(live.generated))
+        usage = Usage(len(live.source if live.source is not None else live.prompt),
+                      len(live.generated))
         self.metrics.request_finished(reason)
         self.metrics.add_tokens(usage.prompt_tokens, usage.completion_tokens)
         made = {} if token is None else dict(token_ids=(token,), logprobs=(logprob,))
@@ -387,14 +410,36 @@ class Engine:
     def _warm_up(self) -> None:
         """Compiles the decode step and every prompt-chunk bucket, writing nothing (every
         row a padding row), so no request waits for a compile."""
-        shapes = [(self.max_slots, 1, True)]
+        shapes = [(self.max_slots, 1, True, M) for M in self.page_buckets]
         R = 1
         while R <= self.max_slots:
-            shapes.append((R, self.prefill_chunk, False))
+            shapes.append((R, self.prefill_chunk, False, None))
             R *= 2
-        for R, width, all_slots in shapes:
-            self._step(self._rows([], width, [], all_slots=all_slots, R=R), all_slots)
+        for R, width, all_slots, M in shapes:
+            self._step(self._rows([], width, [], all_slots=all_slots, R=R, M=M), all_slots)
         self.compiled_shapes = len(shapes)
+
+
+def _bans(pre, always, first) -> tuple[tuple[int, ...], device.Banned]:
+    """(the ids banned always, as a sorted tuple; the `Banned` masks), the model's own where
+    not given."""
+    cfg = pre.config
+    if cfg.audio is not None and (always is None or first is None):
+        from decode.whisper import WhisperSettings
+        settings = WhisperSettings.from_generation(pre.generation, cfg)
+        always = settings.suppress if always is None else always
+        first = settings.begin_suppress if first is None else first
+    always = tuple(getattr(pre.generation, "banned_ids", None) or ()) if always is None \
+        else tuple(always)
+    masks = []
+    for name, ids in (("banned_ids", always), ("banned_first_ids", first or ())):
+        ids = [int(i) for i in ids]
+        if any(not 0 <= i < cfg.vocab_size for i in ids):
+            raise UserError(f"{name}={ids} has ids outside [0, vocab_size={cfg.vocab_size})")
+        mask = np.zeros((cfg.vocab_size,), bool)
+        mask[ids] = True
+        masks.append(mask)
+    return tuple(sorted(set(always))), device.Banned(*masks)
 
 
 def default_num_pages(config, slots: int, pages_per_slot: int, page_size: int) -> int:

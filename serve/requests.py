@@ -18,14 +18,15 @@ import numpy as np
 
 from decode.checks import check_eos
 from decode.request import DecodeRequest
+from models.audio import check_features
 from models.errors import UserError
 from serve.api import Event, Submission
 from serve.text import Detokenizer
 
 # DecodeRequest fields the engine does not apply: a request that sets one is refused by
 # name rather than decoded without it.
-UNSUPPORTED = {"forced_bos_id": None, "forced_eos_id": None, "banned_ids": (),
-               "min_new_tokens": 0, "no_repeat_ngram_size": 0}
+UNSUPPORTED = {"forced_bos_id": None, "forced_eos_id": None, "min_new_tokens": 0,
+               "no_repeat_ngram_size": 0}
 
 
 class Handle:
@@ -89,6 +90,7 @@ class Live:
     handle: Handle
     prompt: list[int]                   # the decoder's prompt: its input, or [start token]
     source: list[int] | None            # an encoder-decoder's source
+    features: object                    # Whisper's [mel, frames], or None
     max_new: int
     eos: frozenset
     sampling: tuple                     # temperature, top_k, top_p, min_p, penalty
@@ -123,11 +125,18 @@ def checked(engine, s: Submission, number: int) -> Live:
     if bad:
         raise UserError(f"token id {bad[0]} is outside the vocabulary [0, "
                         f"{cfg.vocab_size})")
+    if request.banned_ids and set(request.banned_ids) != set(engine.banned_ids):
+        raise UserError(f"banned_ids={request.banned_ids!r}: the engine bans the same ids "
+                        f"for every request, {engine.banned_ids!r} (Engine(banned_ids=...))")
     limit = engine.max_prompt_tokens(request.max_new_tokens)
     if len(ids) > limit:
         raise UserError(f"the prompt is {len(ids)} tokens; the model takes at most "
                         f"{limit} with max_new_tokens={request.max_new_tokens}")
-    prompt, source = ([cfg.bos_id], ids) if cfg.is_encoder_decoder else (ids, None)
+    features = _features(cfg, s.features)
+    if cfg.is_encoder_decoder and cfg.audio is None:
+        prompt, source = [cfg.bos_id], ids
+    else:                                        # a decoder's prompt (Whisper's forced one)
+        prompt, source = ids, None
     max_new = request.max_new_tokens or cfg.max_len - len(prompt)
     if len(prompt) + max_new > cfg.max_len:
         raise UserError(f"max_new_tokens={max_new} with a decoder prompt of "
@@ -155,8 +164,22 @@ def checked(engine, s: Submission, number: int) -> Live:
     if not 0 <= seed < 2**32:
         raise UserError(f"seed={seed} must be in [0, 2**32)")
     return Live(number=number, handle=Handle(engine), prompt=prompt,
-                 source=source, max_new=max_new,
+                 source=source, features=features, max_new=max_new,
                  eos=frozenset(check_eos(cfg, request.eos_id) or ()),
                  sampling=sampling, penalties=(s.presence_penalty, s.frequency_penalty),
                  seed=seed, text=Detokenizer(engine.tokenizer, stops),
                  arrived=time.perf_counter())
+
+
+def _features(cfg, features):
+    """Whisper's features as float32 [mel, frames], checked; None for a text model."""
+    if cfg.audio is None:
+        if features is not None:
+            raise UserError("features are for an audio model; this one reads text")
+        return None
+    if features is None:
+        raise UserError("a Whisper request needs its audio's features ([mel, frames], "
+                        "models.audio_features.log_mel_features)")
+    features = np.asarray(features, np.float32)
+    check_features(cfg.audio, features[None])
+    return features

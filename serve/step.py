@@ -27,7 +27,13 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from decode.processors import SamplingParams, Strategy, process_logits, select_tokens
+from decode.processors import (
+    SamplingParams,
+    Strategy,
+    ban_tokens,
+    process_logits,
+    select_tokens,
+)
 from models.paged_cache import PagedKVCache
 
 # Every processor is compiled in: a value that is off (temperature 0, top_k 0, top_p 1,
@@ -112,9 +118,26 @@ def _cross_rows(cache: PagedKVCache, slots_R, all_slots: bool):
     return take(cache.cross_k), take(cache.cross_v), _rows_of(cache.cross_mask, slots_R, False)
 
 
+@flax.struct.dataclass
+class Banned:
+    """The engine's token bans, the same for every request (a model's own: Marian's pad
+    token, Whisper's suppressed tokens).
+
+    Attributes:
+        always: bool[V] ids never generated.
+        first: bool[V] ids not generated as a request's first new token.
+    """
+
+    always: Bool[Array, " V"]
+    first: Bool[Array, " V"]
+
+
 @functools.partial(jax.jit, static_argnames=("model", "all_slots"), donate_argnums=(2,))
-def run_step(model, params, state: DeviceState, rows: StepRows, *, all_slots: bool = False):
-    """Feeds each row its block and chooses its next token.
+def run_step(model, params, state: DeviceState, rows: StepRows, banned: Banned, *,
+             all_slots: bool = False):
+    """Feeds each row its block and chooses its next token: the model's logits, then
+    transformers' order (`decode.processors`): the repetition penalty (and OpenAI's
+    presence and frequency penalties), the bans, the sampling values.
 
     Returns:
         (tokens int32[R], logprobs float32[R]: the model's log-probability of each chosen
@@ -141,7 +164,11 @@ def run_step(model, params, state: DeviceState, rows: StepRows, *, all_slots: bo
 
     penalised_RV = (logits_RV - rows.presence[:, None] * (counts_RV > 0)
                     - rows.frequency[:, None] * counts_RV)
-    processed_RV = process_logits(penalised_RV, seen_RV, rows.sampling, STRATEGY)
+    first_R1 = (rows.generated == 0)[:, None]
+
+    def constrain(x_RV):
+        return ban_tokens(ban_tokens(x_RV, banned.always), banned.first[None, :] & first_R1)
+    processed_RV = process_logits(penalised_RV, seen_RV, rows.sampling, STRATEGY, constrain)
     keys_R = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.key(s), n))(
         rows.seed, rows.generated)
     sampled_R = jax.vmap(lambda k, x: jax.random.categorical(k, x))(keys_R, processed_RV)
@@ -159,12 +186,16 @@ def run_step(model, params, state: DeviceState, rows: StepRows, *, all_slots: bo
 
 
 @functools.partial(jax.jit, static_argnames=("model",), donate_argnums=(2,))
-def admit_sources(model, params, state: DeviceState, slots_R, src_RS, lengths_R):
-    """Encodes the R arriving sources (right-padded; a padding row's slot is out of range)
-    and gives their slots the cross-attention keys/values, kept for the request's life."""
+def admit_sources(model, params, state: DeviceState, slots_R, src_RS, lengths_R=None):
+    """Encodes the R arriving sources and gives their slots the cross-attention keys and
+    values, kept for the request's life. Text: right-padded ids with their `lengths_R`;
+    audio (Whisper): features [R, mel, frames], every encoder position real. A padding
+    row's slot is out of range (nothing of it is kept)."""
     variables = {"params": params}
     encoded_RSD = model.apply(variables, src_RS, lengths=lengths_R, method="encode")
     cross_k, cross_v = model.apply(variables, encoded_RSD,
                                    method=lambda m, x: m.cross_kv(x))
-    mask_RS = jnp.arange(src_RS.shape[1])[None, :] < lengths_R[:, None]
+    S = encoded_RSD.shape[1]
+    mask_RS = (jnp.ones((src_RS.shape[0], S), bool) if lengths_R is None
+               else jnp.arange(S)[None, :] < lengths_R[:, None])
     return state.replace(cache=state.cache.set_cross(slots_R, cross_k, cross_v, mask_RS))

@@ -179,7 +179,7 @@ def test_a_full_queue_refuses_with_queue_full():
      "token id 999 is outside the vocabulary"),
     (dict(ids=(5,), request=decode.DecodeRequest(strategy="beam")), "beam search"),
     (dict(ids=(5,), request=decode.DecodeRequest(max_new_tokens=8, banned_ids=(3,))),
-     "banned_ids=.3,.: the engine does not apply"),
+     r"banned_ids=\(3,\): the engine bans the same ids for every request, \(\)"),
     (dict(ids=(5,), request=decode.DecodeRequest(max_new_tokens=8, min_new_tokens=2)),
      "min_new_tokens=2"),
     (dict(ids=(5,), presence_penalty=3.0), r"presence_penalty=3.0 is outside \[-2.0, 2.0\]"),
@@ -224,3 +224,48 @@ def test_the_detokenizer_holds_back_partial_characters_and_stop_string_starts():
     d = Detokenizer(_Bytes(), stops=("zz",))
     assert (d.add(0), d.add(25)) == (("a", False), ("", False))
     assert (d.flush(), d.text) == ("z", "az")   # the request ended: the held "z" goes out
+
+
+def _whisper(suppress=(), begin_suppress=()) -> Pretrained:
+    """A tiny random Whisper (4 mel bins, a 12-frame window) whose generation config
+    suppresses tokens as checkpoints do."""
+    cfg = models.get_config("whisper-tiny", vocab_size=64, d_model=32, num_heads=4,
+                            mlp_dim=48, num_encoder_layers=1, num_decoder_layers=1,
+                            max_len=32, pad_id=0, eos_id=1, bos_id=2,
+                            audio=dict(num_mel_bins=4, max_source_positions=6))
+    model = models.build(cfg)
+    params = model.init(jax.random.key(4), np.zeros((1, 4, 12), np.float32),
+                        np.zeros((1, 3), np.int32))["params"]
+    raw = dict(decoder_start_token_id=2, eos_token_id=1, suppress_tokens=list(suppress),
+               begin_suppress_tokens=list(begin_suppress), forced_decoder_ids=[[1, 5]],
+               max_length=20)
+    return Pretrained(model=model, config=cfg, params=params, tokenizer=None,
+                      generation=GenerationDefaults(raw=raw), model_type="whisper")
+
+
+def _transcribed(pre, features) -> list[list[int]]:
+    from decode.whisper import transcribe
+    out = transcribe(pre, features, max_new_tokens=12)
+    return [[t for t in row[:n] if t != 1] for row, n in zip(
+        out.tokens.tolist(), out.lengths.tolist(), strict=True)]
+
+
+def test_whisper_requests_equal_transcribe_alone_with_its_suppressed_tokens():
+    features = np.random.default_rng(0).normal(size=(5, 4, 12)).astype(np.float32)
+    free = _transcribed(_whisper(), features)
+    # Suppress what the model likes best, so the bans change what it says.
+    favourite = max(set(sum(free, [])), key=sum(free, []).count)
+    pre = _whisper(suppress=(favourite,), begin_suppress=(free[0][0],))
+    engine = Engine(pre, max_slots=2, page_size=4, num_pages=8, max_tokens_per_step=8,
+                    prefill_chunk=4).start(warmup=False)
+    assert engine.banned_ids == (favourite,)
+    prompt = (2, 5)                       # the start token and the forced one, as transcribe's
+    request = decode.DecodeRequest(max_new_tokens=12, eos_id=1)
+    handles = [engine.submit(serve.Submission(prompt, request, features=f)) for f in features]
+    got = [h.result() for h in handles]
+    engine.stop()
+    want = _transcribed(pre, features)
+    assert want != free
+    assert [ids for _, ids, _ in got] == want
+    assert {last.usage.prompt_tokens for _, _, last in got} == {2}
+    _idle(engine)
