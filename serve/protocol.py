@@ -305,21 +305,23 @@ def audio_fields(form, limits: Limits) -> dict:
 
 
 def whisper_prompt(engine, fields: dict):
-    """The forced decoder prompt (start, language, task, no timestamps) and the request."""
+    """The forced decoder prompt and the request, as `decode.whisper.transcribe` makes them
+    with no task given: the start token, the language (given, or the checkpoint's
+    forced_decoder_ids), transcribe when a language is given, no timestamps."""
     settings = WhisperSettings.from_generation(engine.generation, engine.config)
     language = fields["language"]
-    if needs_detection(settings, language, "transcribe"):
+    if needs_detection(settings, language, None):
         raise RequestError("language is required: this model is multilingual and the server "
                            "does not detect the language (give a code such as 'en')",
                            "language")
     try:
-        ids = tuple(int(i) for i in decoder_prompts(settings, 1, language=language,
-                                                    task="transcribe")[0])
+        ids = tuple(int(i) for i in decoder_prompts(settings, 1, language=language)[0])
     except UserError as e:
         raise RequestError(str(e), "language") from None
     new = max(1, min(settings.max_length, engine.max_prompt_tokens(1) + 1 - len(ids)))
+    # The engine bans the checkpoint's suppress and begin-suppress tokens itself.
     request = DecodeRequest(strategy="greedy", max_new_tokens=new,
-                            eos_id=settings.eos_ids or "config", banned_ids=settings.suppress)
+                            eos_id=settings.eos_ids or "config")
     return ids, request
 
 

@@ -609,7 +609,7 @@ def test_transcriptions_parse_the_form_into_a_whisper_submission(pre):
                     data={"model": "tiny", "language": "es"})
     assert r.status_code == 200 and isinstance(r.json()["text"], str), r.text
     sub = engine.submissions[-1]
-    assert sub.ids == (5, 11, 9, 7) and sub.request.banned_ids == (12,)
+    assert sub.ids == (5, 11, 9, 7) and sub.request.max_new_tokens == 20
     assert sub.features.shape == (80, 100) and sub.features.dtype == np.float32
     r = client.post("/v1/audio/transcriptions", files={"file": ("a.wav", _wav(0.5))},
                     data={"language": "en", "response_format": "text"})
@@ -1003,3 +1003,45 @@ def test_command_line_mistakes_are_one_error_line_and_status_2(tmp_path, model_d
     with pytest.raises(SystemExit) as e:
         main(["--model", model_dir, "--max-slots", "0"])
     assert e.value.code == 2 and "--max-slots: 0 must be >= 1" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_whisper_transcription_over_the_real_engine_equals_transcribe(tmp_path):
+    """A tiny random Whisper (4 mel bins, a 0.12 s window) with a byte tokenizer: the
+    uploaded WAV's transcription is `decode.whisper.transcribe`'s of the same features."""
+    import jax
+
+    from decode.whisper import transcribe
+    from models.audio_features import window_features
+    from models.audio_files import read_audio
+    from models.pretrained import Pretrained
+    from models.pretrained.generation import GenerationDefaults
+    from models.tokenizer import ByteTokenizer
+    from serve.engine import Engine
+    cfg = models.get_config("whisper-tiny", vocab_size=260, d_model=32, num_heads=4,
+                            mlp_dim=48, num_encoder_layers=1, num_decoder_layers=1,
+                            max_len=32, pad_id=0, eos_id=1, bos_id=2,
+                            audio=dict(num_mel_bins=4, max_source_positions=6))
+    model = models.build(cfg)
+    params = model.init(jax.random.key(4), np.zeros((1, 4, 12), np.float32),
+                        np.zeros((1, 3), np.int32))["params"]
+    raw = dict(decoder_start_token_id=2, eos_token_id=1, forced_decoder_ids=[[1, 5]],
+               suppress_tokens=[7], begin_suppress_tokens=[8], max_length=12)
+    pre = Pretrained(model=model, config=cfg, params=params, tokenizer=ByteTokenizer(),
+                     generation=GenerationDefaults(raw=raw), model_type="whisper")
+    engine = Engine(pre, max_slots=2, page_size=4, max_tokens_per_step=8, prefill_chunk=4,
+                    metrics=Metrics())
+    engine.start()
+    try:
+        wav = tmp_path / "a.wav"
+        wav.write_bytes(_wav(0.1))
+        r = _client(engine).post("/v1/audio/transcriptions",
+                                 files={"file": ("a.wav", wav.read_bytes())},
+                                 data={"model": "tiny", "response_format": "text"})
+        assert r.status_code == 200, r.text
+        features, _ = window_features([read_audio(str(wav))], audio=cfg.audio)
+        out = transcribe(pre, features, max_new_tokens=12)
+        want = ByteTokenizer().decode(np.asarray(out.tokens)[0, :int(out.lengths[0])])
+        assert r.text == want.strip()
+    finally:
+        engine.stop(drain=False)
