@@ -37,6 +37,7 @@ import time
 import jax
 import numpy as np
 
+from decode.placement import cache_sharding
 from decode.processors import SamplingParams
 from models.errors import UserError, check_positive_int
 from serve import step as device
@@ -108,10 +109,13 @@ class Engine:
         self._source_len = None if not cfg.is_encoder_decoder else (
             cfg.max_len if cfg.audio is None else cfg.audio.max_source_positions)
         self.banned_ids, self.banned = _bans(pre, banned_ids, banned_first_ids)
+        # Parameters split over a mesh's tensor axis split the pool by kv heads the same way.
+        self._sharding = cache_sharding(self.params)
         self._state = device.create_state(cfg, slots=self.max_slots, num_pages=self.num_pages,
                                           page_size=self.page_size,
                                           pages_per_slot=pages_per_slot,
-                                          source_len=self._source_len)
+                                          source_len=self._source_len,
+                                          cache_sharding=self._sharding)
         self._cv = threading.Condition()
         self._incoming: collections.deque[Live] = collections.deque()
         self._waiting: collections.deque[Live] = collections.deque()
@@ -252,7 +256,7 @@ class Engine:
             for r, live in enumerate(arrivals):
                 features[r], slots[r] = live.features, live.slot
             self._state = device.admit_sources(self.model, self.params, self._state, slots,
-                                               features)
+                                               features, cache_sharding=self._sharding)
             return
         width = min(max(8, _bucket(max(len(x.source) for x in arrivals))), self._source_len)
         src = np.zeros((R, width), np.int32)
@@ -263,7 +267,7 @@ class Engine:
                 live.slot
         lengths[len(arrivals):] = 1                   # padding rows: one (ignored) token
         self._state = device.admit_sources(self.model, self.params, self._state, slots, src,
-                                           lengths)
+                                           lengths, cache_sharding=self._sharding)
 
     def _plan(self) -> tuple[list[Live], list[tuple[Live, int]]]:
         """The decode rows and the prompt chunks of this iteration, their pages taken
@@ -363,7 +367,8 @@ class Engine:
 
     def _step(self, rows: device.StepRows, all_slots: bool) -> tuple[np.ndarray, np.ndarray]:
         tokens, logprobs, self._state = device.run_step(
-            self.model, self.params, self._state, rows, self.banned, all_slots=all_slots)
+            self.model, self.params, self._state, rows, self.banned, all_slots=all_slots,
+            cache_sharding=self._sharding)
         self.steps += 1
         return jax.device_get((tokens, logprobs))
 

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
+from decode.placement import constrain_cache
 from decode.processors import (
     SamplingParams,
     Strategy,
@@ -90,12 +91,17 @@ class StepRows:
 
 
 def create_state(config, *, slots: int, num_pages: int, page_size: int, pages_per_slot: int,
-                 source_len: int | None) -> DeviceState:
-    """An empty state: no page written, no token seen."""
-    cache = PagedKVCache.create(config, rows=slots, num_pages=num_pages, page_size=page_size,
-                                pages_per_row=pages_per_slot, source_len=source_len)
-    V = config.vocab_size
-    return DeviceState(cache, jnp.zeros((slots, V), bool), jnp.zeros((slots, V), jnp.int32))
+                 source_len: int | None, cache_sharding=None) -> DeviceState:
+    """An empty state: no page written, no token seen; made where it will live (split
+    over kv heads by `cache_sharding`, never whole on one device first)."""
+    def make():
+        cache = PagedKVCache.create(config, rows=slots, num_pages=num_pages,
+                                    page_size=page_size, pages_per_row=pages_per_slot,
+                                    source_len=source_len)
+        V = config.vocab_size
+        return pinned(DeviceState(cache, jnp.zeros((slots, V), bool),
+                                  jnp.zeros((slots, V), jnp.int32)), cache_sharding)
+    return jax.jit(make)()
 
 
 def _rows_of(x, slots_R, all_slots: bool):
@@ -132,9 +138,16 @@ class Banned:
     first: Bool[Array, " V"]
 
 
-@functools.partial(jax.jit, static_argnames=("model", "all_slots"), donate_argnums=(2,))
+def pinned(state: DeviceState, sharding) -> DeviceState:
+    """The state's pools and cross-attention regions split like the parameters' kv heads
+    (`decode.placement.cache_sharding`; None: as the compiler likes). Inside jit."""
+    return state.replace(cache=constrain_cache(state.cache, sharding))
+
+
+@functools.partial(jax.jit, static_argnames=("model", "all_slots", "cache_sharding"),
+                   donate_argnums=(2,))
 def run_step(model, params, state: DeviceState, rows: StepRows, banned: Banned, *,
-             all_slots: bool = False):
+             all_slots: bool = False, cache_sharding=None):
     """Feeds each row its block and chooses its next token: the model's logits, then
     transformers' order (`decode.processors`): the repetition penalty (and OpenAI's
     presence and frequency penalties), the bans, the sampling values.
@@ -144,7 +157,7 @@ def run_step(model, params, state: DeviceState, rows: StepRows, banned: Banned, 
         token, before any processor), and the state.
     """
     R, T = rows.tokens.shape
-    slot_count, V = state.seen.shape
+    state = pinned(state, cache_sharding)
     cross_k, cross_v, cross_mask = _cross_rows(state.cache, rows.slots, all_slots)
     cache = state.cache.replace(page_table=rows.page_table, lengths=rows.lengths,
                                 cross_k=cross_k, cross_v=cross_v, cross_mask=cross_mask)
@@ -182,11 +195,12 @@ def run_step(model, params, state: DeviceState, rows: StepRows, banned: Banned, 
     state = DeviceState(
         cache=state.cache.replace(k=cache.k, v=cache.v),
         seen=put(state.seen, seen_RV), counts=put(state.counts, counts_RV))
-    return token_R, logprob_R, state
+    return token_R, logprob_R, pinned(state, cache_sharding)
 
 
-@functools.partial(jax.jit, static_argnames=("model",), donate_argnums=(2,))
-def admit_sources(model, params, state: DeviceState, slots_R, src_RS, lengths_R=None):
+@functools.partial(jax.jit, static_argnames=("model", "cache_sharding"), donate_argnums=(2,))
+def admit_sources(model, params, state: DeviceState, slots_R, src_RS, lengths_R=None, *,
+                  cache_sharding=None):
     """Encodes the R arriving sources and gives their slots the cross-attention keys and
     values, kept for the request's life. Text: right-padded ids with their `lengths_R`;
     audio (Whisper): features [R, mel, frames], every encoder position real. A padding
@@ -198,4 +212,6 @@ def admit_sources(model, params, state: DeviceState, slots_R, src_RS, lengths_R=
     S = encoded_RSD.shape[1]
     mask_RS = (jnp.ones((src_RS.shape[0], S), bool) if lengths_R is None
                else jnp.arange(S)[None, :] < lengths_R[:, None])
-    return state.replace(cache=state.cache.set_cross(slots_R, cross_k, cross_v, mask_RS))
+    state = pinned(state, cache_sharding)
+    return pinned(state.replace(cache=state.cache.set_cross(slots_R, cross_k, cross_v,
+                                                            mask_RS)), cache_sharding)

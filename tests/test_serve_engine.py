@@ -11,6 +11,7 @@ slot and page; and each request the engine cannot decode is refused by name.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import jax
@@ -269,3 +270,38 @@ def test_whisper_requests_equal_transcribe_alone_with_its_suppressed_tokens():
     assert [ids for _, ids, _ in got] == want
     assert {last.usage.prompt_tokens for _, _, last in got} == {2}
     _idle(engine)
+
+
+@pytest.mark.parametrize("family", ["decoder_only", "encoder_decoder"])
+def test_parameters_split_over_a_tensor_axis_of_4_devices_give_one_devices_tokens(family):
+    """The pool is split by kv heads like the parameters (each device holds K / 4 of every
+    page), and the tokens and log-probs are the unsplit engine's."""
+    from decode.placement import cache_sharding
+    from models.axes import param_shardings
+    from train.sharding import make_mesh
+    cfg = models.TransformerConfig(architecture=family, vocab_size=64, d_model=32,
+                                   num_heads=8, num_kv_heads=4, mlp_dim=48, num_layers=1,
+                                   num_encoder_layers=1, num_decoder_layers=1, max_len=32)
+    model = models.build(cfg)
+    z = np.zeros((1, 4), np.int32)
+    params = model.init(jax.random.key(5), *((z,) if family == "decoder_only" else (z, z)))
+    pre = Pretrained(model=model, config=cfg, params=params["params"], tokenizer=None,
+                     generation=GenerationDefaults(), model_type=family)
+    sharded = jax.device_put(pre.params, param_shardings(model, make_mesh((1, 1, 4))))
+    prompts = _prompts(7, (5, 12, 3))
+    prompts = [[t % 64 for t in p] for p in prompts]
+    request = decode.DecodeRequest(max_new_tokens=8, eos_id=None)
+    sizes = dict(max_slots=2, page_size=4, num_pages=8, max_tokens_per_step=8,
+                 prefill_chunk=4)
+    results = []
+    for p in (pre.params, sharded):
+        engine = Engine(dataclasses.replace(pre, params=p), **sizes).start(warmup=False)
+        handles = [engine.submit(serve.Submission(tuple(x), request)) for x in prompts]
+        results.append([h.result() for h in handles])
+        pool = engine._state.cache.k[0]
+        engine.stop()
+    assert cache_sharding(sharded) is not None
+    assert pool.sharding.shard_shape(pool.shape)[1] == cfg.num_kv_heads // 4
+    for (_, ids_one, one), (_, ids_four, four) in zip(*results, strict=True):
+        assert ids_four == ids_one
+        np.testing.assert_allclose(four.logprobs, one.logprobs, atol=1e-5)
