@@ -819,7 +819,7 @@ def _hang_up_after_first_chunk(url: str, body: dict) -> None:
 def test_process_a_client_that_hangs_up_is_cancelled(live):
     before = live.idle()
     cancelled = 'serve_requests_finished_total{reason="cancelled"}'
-    for _ in range(3):                # a request may finish before the server sees the hang-up
+    for _ in range(5):                # a request may finish before the server sees the hang-up
         _hang_up_after_first_chunk(live.url, {"model": "tiny", "prompt": "the",
                                               "max_tokens": 60, "temperature": 0})
         after = live.idle()
@@ -831,7 +831,7 @@ def test_process_a_client_that_hangs_up_is_cancelled(live):
     # A client waiting for a whole answer that goes away: its request is cancelled too.
     body = json.dumps({"model": "tiny", "prompt": "the", "max_tokens": 60,
                        "temperature": 0}).encode()
-    for _ in range(3):
+    for _ in range(5):
         before = after
         with socket.create_connection(("127.0.0.1", live.port)) as s:
             s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
@@ -884,25 +884,44 @@ def test_process_soak_with_random_hang_ups(live):
     assert after["serve_pages_used"] == 0
 
 
+def _burst(n: int, send) -> list:
+    """`send(i)` from n threads released at once: what each returned or raised."""
+    barrier = threading.Barrier(n)
+
+    def one(i):
+        barrier.wait()
+        try:
+            return send(i)
+        except Exception as e:            # the caller looks at what was raised
+            return e
+    with concurrent.futures.ThreadPoolExecutor(n) as pool:
+        return list(pool.map(one, range(n)))
+
+
 @pytest.mark.slow
 def test_process_full_queue_is_429(model_dir):
     process = _Process(model_dir, "--max-slots", "1", "--max-queue", "1",
                        "--max-tokens-per-step", "16", "--prefill-chunk", "16")
+    body = {"model": "tiny", "max_tokens": 50, "temperature": 0}
     try:
-        def ask(i):
-            return requests.post(process.url + "/v1/completions", timeout=60, json={
-                "model": "tiny", "prompt": PROMPTS[i], "max_tokens": 50, "temperature": 0})
-        with concurrent.futures.ThreadPoolExecutor(8) as pool:
-            answers = list(pool.map(ask, range(8)))
-        codes = sorted(r.status_code for r in answers)
-        assert 429 in codes and 200 in codes and set(codes) == {200, 429}, codes
+        for _ in range(5):                # a burst may be served before it overlaps
+            answers = _burst(8, lambda i: requests.post(
+                process.url + "/v1/completions", timeout=60,
+                json={**body, "prompt": PROMPTS[i]}))
+            codes = {r.status_code for r in answers}
+            if 429 in codes:
+                break
+        assert codes == {200, 429}, codes
         busy = next(r for r in answers if r.status_code == 429)
         assert busy.headers["Retry-After"] == "1"
         assert busy.json()["error"]["type"] == "rate_limit_error"
-        with pytest.raises(openai.RateLimitError):
-            with concurrent.futures.ThreadPoolExecutor(4) as pool:
-                list(pool.map(lambda i: process.client().completions.create(
-                    model="tiny", prompt=PROMPTS[i], max_tokens=50), range(4)))
+        for _ in range(5):                # the official client raises its own error
+            outcomes = _burst(8, lambda i: process.client().completions.create(
+                prompt=PROMPTS[i], **body))
+            if any(isinstance(o, openai.RateLimitError) for o in outcomes):
+                break
+        assert any(isinstance(o, openai.RateLimitError) for o in outcomes), outcomes
+        assert all(isinstance(o, openai.RateLimitError) or o.choices for o in outcomes)
     finally:
         process.stop()
 
@@ -921,8 +940,9 @@ def test_process_sigterm_drains_then_exits_0(model_dir):
 
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
             flights = [pool.submit(stream, i) for i in range(4)]
-            m = {}
-            while m.get("serve_running", 0) + m.get("serve_waiting", 0) < 4:
+            m, end = {}, time.monotonic() + 30     # every one accepted, some still waiting
+            while m.get("serve_requests_started_total", 0) < 4:
+                assert time.monotonic() < end, m
                 m = process.metrics()
             process.proc.send_signal(signal.SIGTERM)
             refused = None
