@@ -1,0 +1,163 @@
+"""python -m serve --model DIR [--host 127.0.0.1] [--port 8000] [engine flags] [--api-key KEY]
+
+Serves a model directory over OpenAI's HTTP API (`serve.server`): loads it, compiles every
+step shape of the engine (printed), then answers on http://HOST:PORT/v1 until SIGTERM or
+Ctrl-C, which stop admitting (new requests get 503, /health too), finish the requests in
+flight and exit 0 (a second signal exits at once).
+
+    python -m serve --model runs/default/model
+    curl -s localhost:8000/v1/completions -H 'Content-Type: application/json' \\
+        -d '{"model": "default", "prompt": "the dog sees a cat .", "max_tokens": 16}'
+
+--api-key KEY (or the SERVE_API_KEY environment variable): every endpoint but /health
+needs `Authorization: Bearer KEY`. Binding another host than loopback without one warns.
+
+Exit status: 0 after a graceful stop; 2 for a mistake in the flags or the model directory
+(one `error:` line on stderr); 1 for an internal error (with its traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+import socket
+import sys
+import threading
+import time
+import traceback
+
+import models
+from models.errors import UserError
+
+INTERNAL = "internal error (a bug in jax-transformer-zoo or a library it uses)"
+ENGINE_FLAGS = ("max_slots", "page_size", "num_pages", "max_tokens_per_step", "prefill_chunk",
+                "max_queue")
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m serve", description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n", 2)[2])
+    p.add_argument("--model", required=True, help="a model directory (Hugging Face layout)")
+    p.add_argument("--host", default="127.0.0.1", help="default: loopback only")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None, metavar="NAME",
+                   help="the `model` clients give (default: the directory's name; "
+                        "RUN for a run's RUN/model)")
+    p.add_argument("--api-key", default=os.environ.get("SERVE_API_KEY"), metavar="KEY",
+                   help="require `Authorization: Bearer KEY` (default: $SERVE_API_KEY)")
+    p.add_argument("--max-body-bytes", type=_positive_int, default=None,
+                   help="refuse larger request bodies (413; default 32 MiB)")
+    p.add_argument("--drain-timeout", type=float, default=None, metavar="SECONDS",
+                   help="on SIGTERM, wait at most this long for requests in flight")
+    engine = p.add_argument_group("engine (default: serve.Engine's)")
+    engine.add_argument("--max-slots", type=_positive_int, help="requests decoded at once")
+    engine.add_argument("--page-size", type=_positive_int, help="tokens per KV-cache page")
+    engine.add_argument("--num-pages", type=_positive_int, help="pages in the pool")
+    engine.add_argument("--max-tokens-per-step", type=_positive_int,
+                        help="the tokens one step reads (its budget)")
+    engine.add_argument("--prefill-chunk", type=_positive_int,
+                        help="the longest piece of a prompt prefilled in one step")
+    engine.add_argument("--max-queue", type=_positive_int,
+                        help="waiting requests before new ones get 429")
+    p.add_argument("--verbose", action="store_true", help="tracebacks with errors")
+    return p
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before the model loads: a port in use fails at once."""
+    if not 0 <= port <= 65535:
+        raise UserError(f"--port {port} is outside [0, 65535]")
+    try:
+        info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(info[0], socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(info[4])
+    except OSError as e:
+        raise UserError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+
+def _default_name(path: str) -> str:
+    """The directory's name; a training run's export (RUN/model) is named after the run."""
+    path = os.path.abspath(path)
+    name = os.path.basename(path)
+    return os.path.basename(os.path.dirname(path)) if name == "model" else name
+
+
+def run(args) -> None:
+    import uvicorn
+
+    from serve import server
+    from serve.chat import ChatTemplate
+    from serve.engine import Engine
+    from serve.metrics import Metrics
+    sock = _listen(args.host, args.port)
+    if args.api_key is None and not ipaddress.ip_address(sock.getsockname()[0]).is_loopback:
+        print(f"warning: --host {args.host} is reachable from other machines and no --api-key "
+              "is set: anyone there can use this server", file=sys.stderr)
+    pre = models.load(args.model)
+    if pre.tokenizer is None:
+        raise UserError(f"{args.model} has no tokenizer files: the server takes and gives text")
+    template = ChatTemplate.from_directory(args.model)
+    options = {k: getattr(args, k) for k in ENGINE_FLAGS if getattr(args, k) is not None}
+    engine = Engine(pre, metrics=Metrics(), **options)
+    engine.start()
+    name = args.served_model_name or _default_name(args.model)
+    print(f"compiled {engine.compiled_shapes} step shapes; serving {name!r} at "
+          f"http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+    state = server.ServerState()
+    limit = {} if args.max_body_bytes is None else {"max_body_bytes": args.max_body_bytes}
+    application = server.app(engine, model_name=name, api_key=args.api_key,
+                             chat_template=template, state=state, **limit)
+    config = uvicorn.Config(application, log_level="warning", lifespan="off")
+    draining = threading.Event()
+
+    def drain():      # new requests get 503 while the engine and the responses finish
+        state.stopping = True
+        engine.stop(drain=True, timeout=args.drain_timeout)
+        end = time.monotonic() + (args.drain_timeout or float("inf"))
+        while state.active and time.monotonic() < end:
+            time.sleep(0.02)
+        uv.should_exit = True
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):       # SIGTERM, SIGINT: drain; a second: exit
+            if draining.is_set():
+                return super().handle_exit(sig, frame)
+            draining.set()
+            threading.Thread(target=drain, daemon=True).start()
+
+    uv = Server(config)
+    try:
+        uv.run(sockets=[sock])
+    finally:
+        if not draining.is_set():
+            engine.stop(drain=False)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    models.use_compile_cache()
+    try:
+        run(args)
+    except Exception as e:
+        user = isinstance(e, (UserError, OSError))
+        if not user or args.verbose:
+            traceback.print_exc()
+        print(f"error: {e}" if user else f"error: {INTERNAL}: {type(e).__name__}: {e}",
+              file=sys.stderr)
+        return 2 if user else 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
