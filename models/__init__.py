@@ -9,6 +9,7 @@
     models.save("out_dir", pre.config, pre.params, pre.tokenizer)
     pre = models.load("model_dir", adapter="adapter_dir")  # a PEFT LoRA adapter (config.lora)
     models.save_adapter("adapter_dir", pre.config, pre.params)
+    lora_config, adapters = models.read_adapter("adapter_dir", "model_dir")   # the adapter alone
 """
 
 from models import axes, errors, lora
@@ -30,7 +31,14 @@ from models.masks import (
 )
 from models.prefill import prefill_in_chunks
 from models.presets import get_config, list_configs
-from models.pretrained import GenerationDefaults, Pretrained, load, save, save_adapter
+from models.pretrained import (
+    GenerationDefaults,
+    Pretrained,
+    load,
+    read_adapter,
+    save,
+    save_adapter,
+)
 from models.transformer import DecoderOnly, EncoderDecoder, build
 
 __all__ = [
@@ -42,5 +50,5 @@ __all__ = [
     "padding_mask", "positions_like", "prefill_in_chunks", "segment_mask", "length_mask",
     "window_mask",
     "GenerationDefaults", "Pretrained",
-    "load", "save", "save_adapter", "use_compile_cache",
+    "load", "read_adapter", "save", "save_adapter", "use_compile_cache",
 ]

@@ -12,5 +12,7 @@ jitted step per iteration (`serve.step`); `serve.api` holds what crosses between
 """
 
 from serve.api import FINISH_REASONS, EngineStopped, Event, QueueFull, Submission, Usage
+from serve.engine import Engine
 
-__all__ = ["FINISH_REASONS", "EngineStopped", "Event", "QueueFull", "Submission", "Usage"]
+__all__ = ["FINISH_REASONS", "Engine", "EngineStopped", "Event", "QueueFull", "Submission",
+           "Usage"]

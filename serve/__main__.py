@@ -1,4 +1,4 @@
-"""python -m serve --model DIR [--host 127.0.0.1] [--port 8000] [engine flags] [--api-key KEY]
+"""python -m serve --model DIR [--adapter NAME=DIR ...] [--host 127.0.0.1] [--port 8000] ...
 
 Serves a model directory over OpenAI's HTTP API (`serve.server`): loads it, compiles every
 step shape of the engine (printed), then answers on http://HOST:PORT/v1 until SIGTERM or
@@ -8,6 +8,9 @@ flight and exit 0 (a second signal exits at once).
     python -m serve --model runs/default/model
     curl -s localhost:8000/v1/completions -H 'Content-Type: application/json' \\
         -d '{"model": "default", "prompt": "the dog sees a cat .", "max_tokens": 16}'
+
+--adapter NAME=DIR (repeatable): a PEFT LoRA adapter of the model, served as the model
+NAME (GET /v1/models lists it); requests naming different adapters share each step.
 
 --api-key KEY (or the SERVE_API_KEY environment variable): every endpoint but /health
 needs `Authorization: Bearer KEY`. Binding another host than loopback without one warns.
@@ -32,7 +35,7 @@ from models.errors import UserError
 
 INTERNAL = "internal error (a bug in jax-transformer-zoo or a library it uses)"
 ENGINE_FLAGS = ("max_slots", "page_size", "num_pages", "max_tokens_per_step", "prefill_chunk",
-                "max_queue")
+                "max_queue", "decode_steps")
 
 
 def _positive_int(text: str) -> int:
@@ -42,11 +45,21 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _adapter(text: str) -> tuple[str, str]:
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"{text!r} is not NAME=DIR")
+    return name, path
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m serve", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n", 2)[2])
     p.add_argument("--model", required=True, help="a model directory (Hugging Face layout)")
+    p.add_argument("--adapter", action="append", default=[], metavar="NAME=DIR",
+                   type=_adapter, help="a PEFT LoRA adapter of the model, served as NAME "
+                   "(repeatable)")
     p.add_argument("--host", default="127.0.0.1", help="default: loopback only")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default=None, metavar="NAME",
@@ -66,6 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the tokens one step reads (its budget)")
     engine.add_argument("--prefill-chunk", type=_positive_int,
                         help="the longest piece of a prompt prefilled in one step")
+    engine.add_argument("--decode-steps", type=_positive_int,
+                        help="tokens a decode call makes per request while none waits")
     engine.add_argument("--max-queue", type=_positive_int,
                         help="waiting requests before new ones get 429")
     p.add_argument("--verbose", action="store_true", help="tracebacks with errors")
@@ -109,7 +124,12 @@ def run(args) -> None:
         raise UserError(f"{args.model} has no tokenizer files: the server takes and gives text")
     template = ChatTemplate.from_directory(args.model)
     options = {k: getattr(args, k) for k in ENGINE_FLAGS if getattr(args, k) is not None}
-    engine = Engine(pre, metrics=Metrics(), **options)
+    adapters = {}
+    for name, path in args.adapter:
+        if name in adapters:
+            raise UserError(f"--adapter {name}= is given twice")
+        adapters[name] = models.read_adapter(path, args.model)
+    engine = Engine(pre, metrics=Metrics(), adapters=adapters or None, **options)
     engine.start()
     name = args.served_model_name or _default_name(args.model)
     print(f"compiled {engine.compiled_shapes} step shapes; serving {name!r} at "

@@ -78,10 +78,16 @@ def error_body(message: str, param: str | None = None, *, kind: str = "invalid_r
 
 @dataclasses.dataclass(frozen=True)
 class Limits:
-    """What the checks need from the server: the model's name and its end ids."""
+    """What the checks need from the server: the model's name, its end ids, and the names
+    of the LoRA adapters it serves (each a `model` of its own, as vLLM lists them)."""
 
     model_name: str
     eos_ids: tuple[int, ...] | None = None
+    adapters: tuple[str, ...] = ()
+
+    @property
+    def models(self) -> tuple[str, ...]:
+        return (self.model_name, *self.adapters)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +100,7 @@ class Call:
         request: the `DecodeRequest` (strategy, max_new_tokens, sampling values, eos_id).
         stream, include_usage: server-sent events; a final usage chunk.
         seed, stop, presence_penalty, frequency_penalty: the `Submission`'s.
+        adapter: the LoRA adapter the `model` field named, or None (the base).
         prompt_param: the field that holds the prompt ("prompt" or "messages").
         tokens_param: the field that set max_new_tokens ("max_tokens" or
             "max_completion_tokens").
@@ -110,11 +117,12 @@ class Call:
     frequency_penalty: float = 0.0
     prompt_param: str = "prompt"
     tokens_param: str = "max_tokens"
+    adapter: str | None = None
 
     def submission(self, ids) -> Submission:
         return Submission(ids=tuple(int(i) for i in ids), request=self.request, seed=self.seed,
                           stop=self.stop, presence_penalty=self.presence_penalty,
-                          frequency_penalty=self.frequency_penalty)
+                          frequency_penalty=self.frequency_penalty, adapter=self.adapter)
 
 
 def parse_completion(body, limits: Limits) -> Call:
@@ -162,11 +170,15 @@ def _checked_fields(body, allowed: frozenset, limits: Limits) -> dict:
     model = body.get("model")
     if model is None:
         raise RequestError("model is required (GET /v1/models lists them)", "model")
-    if model != limits.model_name:
+    if model not in limits.models:
         raise RequestError(f"model {model!r} does not exist: this server serves "
-                           f"{limits.model_name!r}", "model", status=404,
+                           f"{_names(limits.models)}", "model", status=404,
                            code="model_not_found")
     return body
+
+
+def _names(models: tuple[str, ...]) -> str:
+    return repr(models[0]) if len(models) == 1 else f"{list(models)}"
 
 
 def _check_message(m, where: str) -> None:
@@ -223,7 +235,8 @@ def _call(body: dict, limits: Limits, *, prompt, messages, max_tokens, tokens_pa
                 include_usage=include_usage, seed=seed, stop=_stop(body.get("stop")),
                 presence_penalty=_penalty(body, "presence_penalty"),
                 frequency_penalty=_penalty(body, "frequency_penalty"),
-                prompt_param=prompt_param, tokens_param=tokens_param)
+                prompt_param=prompt_param, tokens_param=tokens_param,
+                adapter=body["model"] if body["model"] in limits.adapters else None)
 
 
 def _replaced(request: DecodeRequest, param: str, field: str, value) -> DecodeRequest:

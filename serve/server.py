@@ -91,7 +91,9 @@ def app(engine, *, model_name: str, api_key: str | None = None,
     state = state or ServerState()
     created = int(time.time())
     gen = getattr(engine, "generation", None)
-    limits = Limits(model_name=model_name, eos_ids=getattr(gen, "eos_ids", None))
+    adapters = getattr(engine, "adapters", None)
+    limits = Limits(model_name=model_name, eos_ids=getattr(gen, "eos_ids", None),
+                    adapters=adapters.names if adapters is not None else ())
     metrics = engine.metrics
 
     async def completions(request: Request) -> Response:
@@ -181,9 +183,10 @@ def app(engine, *, model_name: str, api_key: str | None = None,
         return JSONResponse({"text": text})
 
     async def list_models(request: Request) -> Response:
+        base = {"object": "model", "created": created, "owned_by": "jax-transformer-zoo"}
         return JSONResponse({"object": "list", "data": [
-            {"id": model_name, "object": "model", "created": created,
-             "owned_by": "jax-transformer-zoo"}]})
+            {"id": model_name, **base},
+            *({"id": name, **base, "parent": model_name} for name in limits.adapters)]})
 
     async def health(request: Request) -> Response:
         if state.stopping:

@@ -1065,3 +1065,47 @@ def test_a_whisper_transcription_over_the_real_engine_equals_transcribe(tmp_path
         assert r.text == want.strip()
     finally:
         engine.stop(drain=False)
+
+
+@pytest.mark.slow
+def test_adapters_are_models_of_their_own_over_the_real_engine(tmp_path, model_dir, pre):
+    """`--adapter NAME=DIR`: a PEFT adapter directory read for the base, listed by GET
+    /v1/models beside it, chosen by the `model` field; its answer is the engine's with that
+    adapter, and differs from the base's."""
+    from models.lora import LoraConfig, join
+    from serve.engine import Engine
+    from tests.helpers import random_adapters
+    lora = LoraConfig(rank=2, alpha=8.0, targets=("query", "value", "mlp"))
+    adapted = pre.config.replace(lora=lora)
+    path = str(tmp_path / "adapter")
+    models.save_adapter(path, adapted, join(pre.params, random_adapters(adapted, 7)),
+                        base_name_or_path=model_dir)
+    engine = Engine(pre, max_slots=2, page_size=8, prefill_chunk=8, metrics=Metrics(),
+                    adapters={"tuned": models.read_adapter(path, model_dir)})
+    engine.start(warmup=False)
+    try:
+        client = _client(engine)
+        listed = client.get("/v1/models").json()["data"]
+        assert [(m["id"], m.get("parent")) for m in listed] == [("tiny", None),
+                                                                 ("tuned", "tiny")]
+        answers = {}
+        for name in ("tiny", "tuned"):
+            r = client.post("/v1/completions", json={"model": name, "prompt": "the cat",
+                                                     "max_tokens": 10, "temperature": 0})
+            assert r.status_code == 200, r.text
+            answers[name] = r.json()["choices"][0]["text"]
+        ids = engine.tokenizer.encode("the cat", add_special_tokens=True)
+        text = engine.submit(Submission(ids=tuple(ids), request=DecodeRequest(
+            max_new_tokens=10), adapter="tuned")).result()[0]
+        assert answers["tuned"] == text != answers["tiny"]
+        r = client.post("/v1/completions", json={"model": "other", "prompt": "x"})
+        assert "this server serves ['tiny', 'tuned']" in _error(r, 404, "model")
+    finally:
+        engine.stop(drain=False)
+
+
+def test_an_adapter_flag_that_is_not_name_equals_dir_is_refused(capsys):
+    from serve.__main__ import main
+    with pytest.raises(SystemExit) as e:
+        main(["--model", "m", "--adapter", "tuned"])
+    assert e.value.code == 2 and "'tuned' is not NAME=DIR" in capsys.readouterr().err
