@@ -41,10 +41,13 @@ class Handle:
 
     def _push(self, event: Event) -> None:
         with self._lock:
-            if self._loop is not None:
-                self._loop.call_soon_threadsafe(self._async_queue.put_nowait, event)
-            else:
+            if self._loop is None:
                 self._queue.put(event)
+                return
+            try:
+                self._loop.call_soon_threadsafe(self._async_queue.put_nowait, event)
+            except RuntimeError:         # the consumer's loop has closed: nobody listens
+                self.cancelled = True
 
     def events(self):
         """The events, blocking until each arrives; ends after the final one."""

@@ -381,3 +381,23 @@ def test_parameters_split_over_a_tensor_axis_of_4_devices_give_one_devices_token
     for (_, ids_one, one), (_, ids_four, four) in zip(*results, strict=True):
         assert ids_four == ids_one
         np.testing.assert_allclose(four.logprobs, one.logprobs, atol=1e-5)
+
+
+def test_a_stream_whose_event_loop_closed_is_cancelled_not_the_engine():
+    """A consumer's asyncio loop that closes mid-stream (a server shutting down) cancels
+    its request; the engine goes on serving the others."""
+    import asyncio
+    engine = Engine(_pretrained("decoder_only"), **SIZES).start(warmup=False)
+    request = decode.DecodeRequest(max_new_tokens=30, eos_id=None)
+    handle = engine.submit(serve.Submission((5, 6, 7), request))
+
+    async def first_event():
+        async for event in handle.stream():
+            return event
+    loop = asyncio.new_event_loop()
+    assert loop.run_until_complete(first_event()).token_ids
+    loop.close()
+    other = engine.submit(serve.Submission((8, 9), request)).result()[2]
+    assert other.finish_reason == "length" and engine.failure is None
+    engine.stop()
+    _idle(engine)
