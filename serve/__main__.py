@@ -12,6 +12,11 @@ flight and exit 0 (a second signal exits at once).
 --adapter NAME=DIR (repeatable): a PEFT LoRA adapter of the model, served as the model
 NAME (GET /v1/models lists it); requests naming different adapters share each step.
 
+--mesh tensor=N[,expert=M]: the parameters split over N (x M) devices as sharded decoding
+splits them (`models.axes.param_shardings`): heads, MLP and vocabulary over `tensor`, the
+page pool by kv heads likewise, experts over `expert`; a model larger than one device
+serves unchanged.
+
 --api-key KEY (or the SERVE_API_KEY environment variable): every endpoint but /health
 needs `Authorization: Bearer KEY`. Binding another host than loopback without one warns.
 
@@ -52,6 +57,44 @@ def _adapter(text: str) -> tuple[str, str]:
     return name, path
 
 
+def _mesh(text: str) -> dict[str, int]:
+    sizes = {}
+    for part in text.split(","):
+        axis, sep, size = part.partition("=")
+        if not sep or axis not in ("tensor", "expert") or not size.isdigit() or int(size) < 1:
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: give tensor=N and optionally expert=M (sizes >= 1)")
+        sizes[axis] = int(size)
+    return sizes
+
+
+def placed(pre, sizes: dict[str, int]):
+    """`pre` with its parameters split over a (data 1, fsdp 1, tensor, expert) mesh of the
+    first tensor x expert devices.
+
+    Raises:
+        UserError: more devices than there are, or kv heads the tensor axis does not divide.
+    """
+    import dataclasses
+
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh
+
+    from models.axes import AXES, EXPERT_AXIS, param_shardings
+    tensor, expert = sizes.get("tensor", 1), sizes.get("expert", 1)
+    devices = jax.devices()
+    if tensor * expert > len(devices):
+        raise UserError(f"--mesh needs {tensor * expert} devices; there are {len(devices)}")
+    if pre.config.num_kv_heads % tensor:
+        raise UserError(f"num_kv_heads={pre.config.num_kv_heads} does not divide over the "
+                        f"tensor axis of {tensor} devices")
+    grid = np.array(devices[:tensor * expert]).reshape(1, 1, tensor, expert)
+    mesh = Mesh(grid, (*AXES, EXPERT_AXIS))
+    return dataclasses.replace(pre, params=jax.device_put(
+        pre.params, param_shardings(pre.model, mesh)))
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m serve", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -60,6 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--adapter", action="append", default=[], metavar="NAME=DIR",
                    type=_adapter, help="a PEFT LoRA adapter of the model, served as NAME "
                    "(repeatable)")
+    p.add_argument("--mesh", type=_mesh, default=None, metavar="tensor=N[,expert=M]",
+                   help="split the parameters (and the page pool) over N (x M) devices")
     p.add_argument("--host", default="127.0.0.1", help="default: loopback only")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default=None, metavar="NAME",
@@ -122,6 +167,8 @@ def run(args) -> None:
     pre = models.load(args.model)
     if pre.tokenizer is None:
         raise UserError(f"{args.model} has no tokenizer files: the server takes and gives text")
+    if args.mesh:
+        pre = placed(pre, args.mesh)
     template = ChatTemplate.from_directory(args.model)
     options = {k: getattr(args, k) for k in ENGINE_FLAGS if getattr(args, k) is not None}
     adapters = {}

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import io
 import json
 import os
@@ -1109,3 +1110,27 @@ def test_an_adapter_flag_that_is_not_name_equals_dir_is_refused(capsys):
     with pytest.raises(SystemExit) as e:
         main(["--model", "m", "--adapter", "tuned"])
     assert e.value.code == 2 and "'tuned' is not NAME=DIR" in capsys.readouterr().err
+
+
+def test_the_mesh_flag_splits_the_parameters_over_the_tensor_axis(pre, capsys):
+    """--mesh tensor=N: the parameters split as sharded decoding splits them (the engine
+    over such parameters equals one device: tests/test_serve_engine.py); mistakes named."""
+    from decode.placement import cache_sharding
+    from serve.__main__ import main, placed
+    from tests.helpers import tiny
+    cfg = tiny("decoder_only", num_heads=4, num_kv_heads=2, vocab_size=64)
+    model = models.build(cfg)
+    import jax
+    params = model.init(jax.random.key(0), np.zeros((1, 4), np.int32))["params"]
+    two = placed(dataclasses.replace(pre, model=model, config=cfg, params=params),
+                 {"tensor": 2})
+    assert cache_sharding(two.params) is not None
+    with pytest.raises(models.errors.UserError, match="num_kv_heads=1 does not divide over "
+                                                      "the tensor axis of 2 devices"):
+        placed(pre, {"tensor": 2})
+    with pytest.raises(models.errors.UserError, match="--mesh needs 8 devices; there are 4"):
+        placed(pre, {"tensor": 8})
+    with pytest.raises(SystemExit) as e:
+        main(["--model", "m", "--mesh", "data=2"])
+    assert e.value.code == 2 and "give tensor=N and optionally expert=M" in \
+        capsys.readouterr().err
