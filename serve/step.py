@@ -34,7 +34,6 @@ from decode.processors import (
     Strategy,
     ban_tokens,
     process_logits,
-    select_tokens,
 )
 from models.lora import join
 from models.paged_cache import PagedKVCache
@@ -251,13 +250,22 @@ def _one_step(model, params, state: DeviceState, rows: StepRows, banned: Banned,
 
     def constrain(x_RV):
         return ban_tokens(ban_tokens(x_RV, banned.always), banned.first[None, :] & first_R1)
-    processed_RV = process_logits(penalised_RV, seen_RV, rows.sampling, STRATEGY, constrain)
-    seeds_R = jax.lax.bitcast_convert_type(rows.seed, jnp.uint32)
-    keys_R = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.key(s), n))(
-        seeds_R, rows.generated)
-    sampled_R = jax.vmap(lambda k, x: jax.random.categorical(k, x))(keys_R, processed_RV)
-    greedy_R = select_tokens(processed_RV, None, rows.sampling, Strategy())
-    token_R = jnp.where(rows.sampling.temperature > 0, sampled_R.astype(jnp.int32), greedy_R)
+    # The penalties and bans, then greedy rows' argmax (the sampling processors keep the
+    # top token, so they could not change it); the sampling processors and the draws run
+    # only in a step with a sampled row (a branch: a greedy step pays nothing for them).
+    greedy_R = jnp.argmax(process_logits(penalised_RV, seen_RV, rows.sampling,
+                                         Strategy(penalty=True), constrain),
+                          axis=-1).astype(jnp.int32)
+
+    def sampled():
+        processed_RV = process_logits(penalised_RV, seen_RV, rows.sampling, STRATEGY,
+                                      constrain)
+        seeds_R = jax.lax.bitcast_convert_type(rows.seed, jnp.uint32)
+        keys_R = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.key(s), n))(
+            seeds_R, rows.generated)
+        draws_R = jax.vmap(lambda k, x: jax.random.categorical(k, x))(keys_R, processed_RV)
+        return jnp.where(rows.sampling.temperature > 0, draws_R.astype(jnp.int32), greedy_R)
+    token_R = jax.lax.cond(jnp.any(rows.sampling.temperature > 0), sampled, lambda: greedy_R)
     logprob_R = (jnp.take_along_axis(logits_RV, token_R[:, None], axis=-1)[:, 0]
                  - jax.nn.logsumexp(logits_RV, axis=-1))
 
