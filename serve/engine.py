@@ -425,13 +425,16 @@ class Engine:
                 self._new_token(live, int(tokens[j, live.slot]), float(logprobs[j, live.slot]))
 
     def _steps_for(self, rows: list[Live]) -> int:
-        """`decode_steps` when no request waits for a slot and every row has room and pages
-        for that many more positions (taken here); else 1."""
+        """Tokens a row for this decode call: `decode_steps` while no waiting request could
+        take a slot now (none waits; or every slot is busy and every row needs that many
+        more tokens, so no slot frees on the way and idles) and every row has room and
+        pages for them (taken here); else 1. (Two programs a page width, no more.)"""
         k = self.decode_steps
-        if k == 1 or self._waiting or self._incoming:
+        if k > 1 and (self._waiting or self._incoming) and (
+                None in self._slots or any(x.max_new - len(x.generated) < k for x in rows)):
             return 1
         room = self.pool.table.shape[1] * self.page_size
-        if any(x.length + k > room for x in rows):
+        if k == 1 or any(x.length + k > room for x in rows):
             return 1
         for live in rows:
             if not self.pool.ensure(live.slot, live.length + k):
