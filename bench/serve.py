@@ -1,4 +1,4 @@
-"""python -m bench.serve [--quick] [--requests N] [--model DIR]
+"""python -m bench.serve [--quick] [--requests N] [--model DIR] [--only default|gpt2]
 
 The serving engine against static batching and one request at a time, in one run, on
 (a) the default run's encoder-decoder (`runs/default/model`, or `--model DIR`; a random
@@ -203,6 +203,8 @@ def main(argv=None):
                                         "(default runs/default/model)")
     parser.add_argument("--max-slots", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--only", choices=("default", "gpt2"), default=None,
+                        help="one of the two models")
     args = parser.parse_args(argv)
     device = jax.devices()[0]
     print(json.dumps({"device": device.device_kind, "platform": device.platform}), flush=True)
@@ -212,10 +214,12 @@ def main(argv=None):
         pre = random_pretrained("gpt-tiny", vocab_size=256, max_len=128)
         measure("random gpt-tiny", pre, min(args.requests, 8), sizes, args.seed)
         return
-    name, pre = default_model(args.model)
-    measure(name, pre, args.requests, sizes, args.seed)
-    measure("random gpt2-small", random_pretrained("gpt2-small", **GPT2_SMALL), args.requests,
-            sizes, args.seed)
+    if args.only in (None, "default"):
+        name, pre = default_model(args.model)
+        measure(name, pre, args.requests, sizes, args.seed)
+    if args.only in (None, "gpt2"):
+        measure("random gpt2-small", random_pretrained("gpt2-small", **GPT2_SMALL),
+                args.requests, sizes, args.seed)
 
 
 if __name__ == "__main__":
