@@ -291,8 +291,7 @@ class Engine:
             slots[r] = live.slot
         if self.config.audio is not None:
             audio = self.config.audio
-            features = np.zeros((R, audio.num_mel_bins, 2 * audio.max_source_positions),
-                                np.float32)
+            features = np.zeros((R, audio.num_mel_bins, audio.num_frames), np.float32)
             for r, live in enumerate(arrivals):
                 features[r] = live.features
             self._state = device.admit_sources(
