@@ -119,6 +119,7 @@ def test_the_same_clips_in_another_folder_are_their_own_dataset(data_dir, tmp_pa
     same files elsewhere (the first one since deleted, say) must not be read from the first
     one's prepared dataset."""
     import shutil
+
     from train import data
     first = data.load_dataset("local_speech", data_dir, data_files=(TRAIN, VALIDATION))
     copy = shutil.copytree(CLIPS, tmp_path / "speech")
