@@ -63,8 +63,19 @@ def data_dir(tmp_path_factory):
     return str(tmp_path_factory.mktemp("tfds"))
 
 
+SLOW_TESTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "slow_tests.txt")
+
+
+@pytest.hookimpl(tryfirst=True)          # before `-m` deselects by marker
 def pytest_collection_modifyitems(items):
-    """The long tests first (each worker of `-n 2` starts one), so the many short ones fill
+    """The tests that slow_tests.txt names (those of 2.5 s or more in a full run, written by
+    tests/mark_slow.py) are marked slow, so `pytest -m "not slow"` leaves them out.
+    The long tests run first (each worker of `-n 2` starts one), so the many short ones fill
     the gaps instead of leaving one worker alone with a notebook at the end."""
+    with open(SLOW_TESTS) as f:
+        slow = {line.strip() for line in f if line.strip() and not line.startswith("#")}
+    for item in items:
+        if item.nodeid in slow:
+            item.add_marker(pytest.mark.slow)
     long_first = {"test_notebooks.py": 0, "test_train_loop.py": 1}
     items.sort(key=lambda item: long_first.get(item.path.name, 2))
