@@ -50,6 +50,39 @@ def _compiled_programs_per_module():
     jax.clear_caches()
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _prepared_examples_read_once():
+    """Each prepared TFDS split's examples are read from disk once per test process, then
+    kept: deserialising them is a third of a tiny training run's time (about 0.1 ms an
+    example, 20,000-50,000 examples a split), and the suite trains hundreds of runs on the
+    same few prepared datasets. Keyed on the prepared directory, which names the dataset,
+    its config (a local dataset's hashes its files' paths and contents) and version, so a
+    changed dataset is read from disk. Runs started as processes read as a user's do."""
+    from tensorflow_datasets.core.data_sources.array_record import ArrayRecordDataSource
+
+    from train.data.datasets import Dataset
+    kept: dict[tuple, dict[int, object]] = {}
+
+    def read_once(method, key_of):
+        def read(self, split, indices):
+            source = self.split(split)
+            if type(source) is not ArrayRecordDataSource:
+                return method(self, split, indices)
+            indices = [int(i) for i in indices]
+            got = kept.setdefault((method.__name__, str(source.dataset_info.data_dir),
+                                   str(source.split), key_of(self)), {})
+            missing = sorted(set(indices) - got.keys())
+            if missing:
+                got.update(zip(missing, method(self, split, missing), strict=True))
+            return [got[i] for i in indices]
+        return read
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Dataset, "_records", read_once(Dataset._records, lambda d: ()))
+        patch.setattr(Dataset, "examples", read_once(Dataset.examples, lambda d: d.keys))
+        yield
+
+
 @pytest.fixture
 def key():
     return jax.random.key(0)
@@ -63,8 +96,19 @@ def data_dir(tmp_path_factory):
     return str(tmp_path_factory.mktemp("tfds"))
 
 
+SLOW_TESTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "slow_tests.txt")
+
+
+@pytest.hookimpl(tryfirst=True)          # before `-m` deselects by marker
 def pytest_collection_modifyitems(items):
-    """The long tests first (each worker of `-n 2` starts one), so the many short ones fill
+    """The tests that slow_tests.txt names (those of 2.5 s or more in a full run, written by
+    tests/mark_slow.py) are marked slow, so `pytest -m "not slow"` leaves them out.
+    The long tests run first (each worker of `-n 2` starts one), so the many short ones fill
     the gaps instead of leaving one worker alone with a notebook at the end."""
+    with open(SLOW_TESTS) as f:
+        slow = {line.strip() for line in f if line.strip() and not line.startswith("#")}
+    for item in items:
+        if item.nodeid in slow:
+            item.add_marker(pytest.mark.slow)
     long_first = {"test_notebooks.py": 0, "test_train_loop.py": 1}
     items.sort(key=lambda item: long_first.get(item.path.name, 2))

@@ -21,7 +21,7 @@ page and its test cannot drift apart):
                                       before it trains, then exits 0 without training
                                       (for a run whose results no later block reads)
     provides DIR                      DIR (a training run) is made by this block once per
-                                      test process and copied to the blocks that need it
+                                      test session and copied to the blocks that need it
     needs DIR                         DIR, as its provider made it, is copied in first
 
 A page's blocks run in order in one scratch directory: shell blocks with `bash -e -o
@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import io
 import os
 import re
@@ -394,22 +395,30 @@ def _run_python(block: Block, namespace: dict) -> str:
 
 
 class Provided:
-    """The directories that blocks provide, each made once per test process."""
+    """The directories that blocks provide, each made once per test session: the first test
+    process to need one runs its block (under a lock) in `shared`, a directory every
+    process of the session sees; the others wait for it, then copy it as it is."""
 
-    def __init__(self, root: str, data_dir: str):
-        self.root, self.data_dir, self.made = root, data_dir, {}
+    def __init__(self, shared: str, data_dir: str):
+        self.shared, self.data_dir, self.made = shared, data_dir, {}
 
     def copy(self, name: str, workdir: str) -> None:
         if name not in self.made:
             block = PROVIDERS[name]
-            scratch = tempfile.mkdtemp(prefix="provided-", dir=self.root)
-            for needed in block.needs:
-                self.copy(needed, scratch)
-            _run_shell(block, scratch, self.data_dir)
+            done = os.path.join(self.shared, re.sub(r"\W", "_", block.name))
+            with open(done + ".lock", "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)          # released when the file closes
+                if not os.path.isdir(done):
+                    scratch = tempfile.mkdtemp(prefix="provided-", dir=self.shared)
+                    for needed in block.needs:
+                        self.copy(needed, scratch)
+                    _run_shell(block, scratch, self.data_dir)
+                    for made in block.provides:
+                        assert os.path.isdir(os.path.join(scratch, made)), \
+                            f"{block.name} provides {made} but did not make it"
+                    os.rename(scratch, done)
             for made in block.provides:
-                assert os.path.isdir(os.path.join(scratch, made)), \
-                    f"{block.name} provides {made} but did not make it"
-                self.made[made] = os.path.join(scratch, made)
+                self.made[made] = os.path.join(done, made)
         target = os.path.join(workdir, name)
         if not os.path.exists(target):
             shutil.copytree(self.made[name], target, symlinks=True)
@@ -417,7 +426,12 @@ class Provided:
 
 @pytest.fixture(scope="session")
 def provided(tmp_path_factory, data_dir):
-    return Provided(str(tmp_path_factory.mktemp("provided")), data_dir)
+    """Under xdist, the session's directory above each worker's (pytest-xdist's way to
+    share a session fixture between workers); else this process's own."""
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    os.makedirs(shared / "docs-provided", exist_ok=True)
+    return Provided(str(shared / "docs-provided"), data_dir)
 
 
 def _page_params():

@@ -29,9 +29,9 @@ BUDGET_S = 120      # the issue's limit per notebook on 2 CPU cores, with defaul
 
 # Smaller budgets, as Python source: each line assigns a name of the parameter cell.
 SMALLER = {
-    "translate_toy": "NUM_TRAIN_STEPS = 40",
+    "translate_toy": "NUM_TRAIN_STEPS = 20\nBATCH_SIZE = 4",
     "kv_cache_and_scan": "LENGTHS = (32, 256)\nREPEATS = 1\nNO_CACHE_STEPS = 4",
-    "sequence_training": "BASE_STEPS = 20\nBUDGET_S = 1.0\nSLICE_S = 1.0\nTEST_PAIRS = 8",
+    "sequence_training": "BASE_STEPS = 10\nBUDGET_S = 0.5\nSLICE_S = 0.5\nTEST_PAIRS = 4",
 }
 
 

@@ -5,10 +5,28 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import time
 
 from train import step as step_lib
 from train.workdir import WorkdirError, write_text
+
+
+def _summary_writer():
+    """tensorboardX's SummaryWriter, imported without importing torch: tensorboardX imports
+    torch where it is installed only to accept torch tensors, which a run never logs (its
+    scalars are Python numbers), and importing torch takes about 2 s of a run's start. A
+    process that has torch already gets the usual import."""
+    if "torch" in sys.modules:
+        from tensorboardX import SummaryWriter
+        return SummaryWriter
+    sys.modules["torch"] = None              # `import torch` raises ImportError meanwhile
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        if sys.modules.get("torch", 0) is None:
+            del sys.modules["torch"]
+    return SummaryWriter
 
 
 class MetricWriter:
@@ -32,7 +50,7 @@ class MetricWriter:
         self.enabled = enabled
         if not enabled:
             return
-        from tensorboardX import SummaryWriter
+        SummaryWriter = _summary_writer()
         path = os.path.join(workdir, "metrics.jsonl")
         if os.path.exists(path):
             _keep_rows_up_to(path, resume_step)
