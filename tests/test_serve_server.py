@@ -711,8 +711,10 @@ class _Process:
 
 
 AUTH = {"Authorization": f"Bearer {KEY}"}
+# One token a decode call (not four): 60 tokens then take 60 round trips, so a client's
+# hang-up reaches the engine long before its request could end (test_process_a_client_...).
 LIVE_FLAGS = ("--api-key", KEY, "--max-slots", "4", "--page-size", "8", "--prefill-chunk", "16",
-              "--max-tokens-per-step", "32", "--max-body-bytes", "65536")
+              "--max-tokens-per-step", "32", "--max-body-bytes", "65536", "--decode-steps", "1")
 PROMPTS = [" ".join(WORDS[i:i + 2 + i % 5]) for i in range(16)]
 
 
