@@ -43,7 +43,7 @@ from models.errors import UserError, check_positive_int
 from serve import step as device
 from serve.adapters import stack as stack_adapters
 from serve.api import EngineStopped, Event, QueueFull, Submission, Usage
-from serve.pages import PagePool
+from serve.pages import PagePool, default_num_pages
 from serve.requests import Handle, Live, checked
 
 
@@ -120,7 +120,7 @@ class Engine:
                                     for i in range(pages_per_slot.bit_length() + 1)})
         self._source_len = None if not cfg.is_encoder_decoder else (
             cfg.max_len if cfg.audio is None else cfg.audio.max_source_positions)
-        self.banned_ids, self.banned = _bans(pre, banned_ids, banned_first_ids)
+        self.banned_ids, self.banned = device.Banned.for_model(pre, banned_ids, banned_first_ids)
         # Parameters split over a mesh's tensor axis split the pool by kv heads the same way.
         self._sharding = cache_sharding(self.params)
         self._state = device.create_state(cfg, slots=self.max_slots, num_pages=self.num_pages,
@@ -506,38 +506,3 @@ class Engine:
                 self._encode([], R, width)
         self.compiled_shapes = (len(self.page_buckets) * len({1, self.decode_steps})
                                 + len(buckets) + len(encoders))
-
-
-def _bans(pre, always, first) -> tuple[tuple[int, ...], device.Banned]:
-    """(the ids banned always, as a sorted tuple; the `Banned` masks), the model's own where
-    not given."""
-    cfg = pre.config
-    if cfg.audio is not None and (always is None or first is None):
-        from decode.whisper import WhisperSettings
-        settings = WhisperSettings.from_generation(pre.generation, cfg)
-        always = settings.suppress if always is None else always
-        first = settings.begin_suppress if first is None else first
-    always = tuple(getattr(pre.generation, "banned_ids", None) or ()) if always is None \
-        else tuple(always)
-    masks = []
-    for name, ids in (("banned_ids", always), ("banned_first_ids", first or ())):
-        ids = [int(i) for i in ids]
-        if any(not 0 <= i < cfg.vocab_size for i in ids):
-            raise UserError(f"{name}={ids} has ids outside [0, vocab_size={cfg.vocab_size})")
-        mask = np.zeros((cfg.vocab_size,), bool)
-        mask[ids] = True
-        masks.append(mask)
-    return tuple(sorted(set(always))), device.Banned(*masks)
-
-
-def default_num_pages(config, slots: int, pages_per_slot: int, page_size: int) -> int:
-    """Pages for every slot at the model's full window; fewer when the device reports less
-    free memory than that needs (90% of what is free goes to the pool)."""
-    full = slots * pages_per_slot
-    stats = getattr(jax.devices()[0], "memory_stats", lambda: None)() or {}
-    if "bytes_limit" not in stats:
-        return full
-    per_page = (2 * config.decoder_layers * config.num_kv_heads * page_size * config.head_dim
-                * np.dtype(config.dtype).itemsize)
-    free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-    return max(1, min(full, int(0.9 * free) // per_page))

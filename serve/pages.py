@@ -11,6 +11,7 @@ request ends or is preempted.
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 
 from models.errors import UserError
@@ -70,3 +71,16 @@ class PagePool:
         self._free.extend(int(p) for p in self.table[slot, :held][::-1])
         self.table[slot] = self.num_pages
         self._held[slot] = 0
+
+
+def default_num_pages(config, slots: int, pages_per_slot: int, page_size: int) -> int:
+    """Pages for every slot at the model's full window; fewer when the device reports less
+    free memory than that needs (90% of what is free goes to the pool)."""
+    full = slots * pages_per_slot
+    stats = getattr(jax.devices()[0], "memory_stats", lambda: None)() or {}
+    if "bytes_limit" not in stats:
+        return full
+    per_page = (2 * config.decoder_layers * config.num_kv_heads * page_size * config.head_dim
+                * np.dtype(config.dtype).itemsize)
+    free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+    return max(1, min(full, int(0.9 * free) // per_page))

@@ -35,6 +35,7 @@ from decode.processors import (
     ban_tokens,
     process_logits,
 )
+from models.errors import UserError
 from models.lora import join
 from models.paged_cache import PagedKVCache
 from serve.adapters import rows_of
@@ -172,6 +173,29 @@ class Banned:
 
     always: Bool[Array, " V"]
     first: Bool[Array, " V"]
+
+    @classmethod
+    def for_model(cls, pre, always=None, first=None) -> tuple[tuple[int, ...], Banned]:
+        """(the ids banned always, as a sorted tuple; the `Banned` masks), the model's own where
+        not given."""
+        cfg = pre.config
+        if cfg.audio is not None and (always is None or first is None):
+            from decode.whisper import WhisperSettings
+            settings = WhisperSettings.from_generation(pre.generation, cfg)
+            always = settings.suppress if always is None else always
+            first = settings.begin_suppress if first is None else first
+        always = tuple(getattr(pre.generation, "banned_ids", None) or ()) if always is None \
+            else tuple(always)
+        masks = []
+        for name, ids in (("banned_ids", always), ("banned_first_ids", first or ())):
+            ids = [int(i) for i in ids]
+            if any(not 0 <= i < cfg.vocab_size for i in ids):
+                raise UserError(f"{name}={ids} has ids outside [0, "
+                                f"vocab_size={cfg.vocab_size})")
+            mask = np.zeros((cfg.vocab_size,), bool)
+            mask[ids] = True
+            masks.append(mask)
+        return tuple(sorted(set(always))), cls(*masks)
 
 
 def pinned(state: DeviceState, sharding) -> DeviceState:
