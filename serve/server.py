@@ -128,18 +128,10 @@ def app(engine, *, model_name: str, api_key: str | None = None,
                     created=int(time.time()), model=model_name)
         if call.stream:
             return _EventStream(_chunks(handle, head, call, chat), handle=handle, state=state)
-        state.enter()
-        try:
-            events = await _collect(handle, request)
-        finally:
-            state.leave()
+        events, failed = await _whole(handle, request, state)
+        if failed is not None:
+            return failed
         final = events[-1]
-        if final.finish_reason == "error":
-            return JSONResponse(error_body(final.error or "the engine failed",
-                                           kind="server_error"), status_code=500)
-        if final.finish_reason == "cancelled":
-            return JSONResponse(error_body("the request was cancelled: the server is "
-                                           "stopping", kind="server_error"), status_code=503)
         text = "".join(e.text for e in events)
         choice = ({"index": 0, "message": {"role": "assistant", "content": text},
                    "logprobs": None, "finish_reason": final.finish_reason} if chat else
@@ -167,16 +159,9 @@ def app(engine, *, model_name: str, api_key: str | None = None,
         features = await anyio.to_thread.run_sync(lambda: audio_features(data, cfg.audio))
         handle = _submit(engine, Submission(ids=ids, request=request_, features=features),
                          "file")
-        state.enter()
-        try:
-            events = await _collect(handle, request)
-        finally:
-            state.leave()
-        final = events[-1]
-        if final.finish_reason in ("error", "cancelled"):
-            return JSONResponse(error_body(final.error or "the request was cancelled",
-                                           kind="server_error"),
-                                status_code=500 if final.finish_reason == "error" else 503)
+        events, failed = await _whole(handle, request, state)
+        if failed is not None:
+            return failed
         text = "".join(e.text for e in events).strip()
         if fields["response_format"] == "text":
             return PlainTextResponse(text)
@@ -277,6 +262,25 @@ async def _collect(handle, request: Request) -> list:
         if not events or events[-1].finish_reason is None:
             handle.cancel()
     return events
+
+
+async def _whole(handle, request: Request, state) -> tuple[list, Response | None]:
+    """A non-streamed answer's events (counted in `state` while awaited), and the error
+    response when the engine failed (500) or cancelled it while stopping (503)."""
+    state.enter()
+    try:
+        events = await _collect(handle, request)
+    finally:
+        state.leave()
+    reason = events[-1].finish_reason
+    if reason == "error":
+        return events, JSONResponse(error_body(events[-1].error or "the engine failed",
+                                               kind="server_error"), status_code=500)
+    if reason == "cancelled":
+        return events, JSONResponse(error_body("the request was cancelled: the server is "
+                                               "stopping", kind="server_error"),
+                                    status_code=503)
+    return events, None
 
 
 def _usage(usage) -> dict | None:
