@@ -10,6 +10,7 @@
     pre = models.load("model_dir", adapter="adapter_dir")  # a PEFT LoRA adapter (config.lora)
     models.save_adapter("adapter_dir", pre.config, pre.params)
     lora_config, adapters = models.read_adapter("adapter_dir", "model_dir")   # the adapter alone
+    params = models.quantize(params, cfg, "int8")   # int8 or int4 projection kernels
 """
 
 from models import axes, errors, lora
@@ -39,6 +40,8 @@ from models.pretrained import (
     save,
     save_adapter,
 )
+from models.quant import Quantized
+from models.quant_sites import quantize
 from models.transformer import DecoderOnly, EncoderDecoder, build
 
 __all__ = [
@@ -51,4 +54,5 @@ __all__ = [
     "window_mask",
     "GenerationDefaults", "Pretrained",
     "load", "read_adapter", "save", "save_adapter", "use_compile_cache",
+    "Quantized", "quantize",
 ]

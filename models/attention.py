@@ -25,6 +25,7 @@ from models.kernels import attend, dot_product_attention, merge
 from models.layers import make_norm
 from models.masks import MaskSpec
 from models.projection import Projection, adapted
+from models.quant import Quantized, param_or_stored
 from models.relative import RelativeBias
 from models.rope import apply_rope, rope_frequencies, rope_tables
 
@@ -214,9 +215,11 @@ class CrossKVProjection(nn.Module):
         init = stacked_projection_init(in_axis=1, out_axis=(2, 3), batch_axis=(0,))
         out = []
         for name in ("key", "value"):
-            kernel_LDKH = self.param(
-                f"{name}_kernel", named(init, "layers", "embed", "kv_heads", "head_dim"),
+            kernel_LDKH = param_or_stored(
+                self, f"{name}_kernel", named(init, "layers", "embed", "kv_heads", "head_dim"),
                 shape, cfg.param_dtype)
+            if isinstance(kernel_LDKH, Quantized):      # read once per source: rebuilt whole
+                kernel_LDKH = kernel_LDKH.dequantize(cfg.dtype or jnp.float32)
             y_LBKSH = jnp.einsum(
                 "BSD,LDKH->LBKSH", encoded_BSD.astype(cfg.dtype),
                 kernel_LDKH.astype(cfg.dtype))

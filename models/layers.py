@@ -12,6 +12,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, Int
 
+from models import quant
 from models.axes import ONES, ZEROS, constrain, named, normal_init
 from models.config import TransformerConfig
 from models.projection import Projection
@@ -47,7 +48,7 @@ def paper_sinusoid_table(max_len: int, d_model: int) -> np.ndarray:
 def token_embedding(config: TransformerConfig, name: str) -> nn.Embed:
     """The [V, D] table; also the output projection when embeddings are tied."""
     std = config.d_model ** -0.5 if config.scale_embeddings else 0.02
-    return nn.Embed(
+    return quant.Embed(
         config.vocab_size, config.d_model, dtype=config.dtype,
         param_dtype=config.param_dtype,
         embedding_init=named(normal_init(std), "vocab", "embed"), name=name)

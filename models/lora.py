@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 
 from models.errors import UserError, check_positive_int
+from models.quant import is_quantized
 
 STACKS = ("encoder", "decoder")
 BLOCKS = {"self_attention": ("query", "key", "value", "out"),
@@ -303,6 +304,10 @@ def merge(cfg, params: dict):
     does, up to float rounding."""
     if cfg.lora is None:
         return cfg, params
+    if is_quantized(params):
+        raise UserError("merging adapters into a quantized base would round the sum again: "
+                        "merge into the float base (models.load(base, adapter=..., "
+                        "merge=True)), then quantize")
 
     def fold(tree: dict, path: tuple[str, ...]) -> dict:
         out = {}

@@ -41,6 +41,7 @@ from jaxtyping import Array, Float, Int
 
 from models.axes import named, stacked_projection_init
 from models.config import TransformerConfig
+from models.quant import Quantized, param_or_stored
 
 ROUTER_COLLECTION = "router"
 
@@ -114,11 +115,15 @@ class MoeMLP(nn.Module):
         router_DE = self.param("router_kernel", named(stacked_projection_init(0, (1,), ()),
                                                       "embed", "expert"), (d, e),
                                cfg.param_dtype)
-        gate_EDF, up_EDF = (self.param(name, named(stacked, "expert", "embed", "mlp"),
-                                       (e, d, f), cfg.param_dtype)
+        gate_EDF, up_EDF = (param_or_stored(self, name, named(stacked, "expert", "embed", "mlp"),
+                                            (e, d, f), cfg.param_dtype)
                             for name in ("gate_kernel", "up_kernel"))
-        down_EFD = self.param("down_kernel", named(stacked, "expert", "mlp", "embed"),
-                              (e, f, d), cfg.param_dtype)
+        down_EFD = param_or_stored(self, "down_kernel", named(stacked, "expert", "mlp", "embed"),
+                                   (e, f, d), cfg.param_dtype)
+        # Quantized experts (`models.quant`) are rebuilt in the compute dtype for dispatch.
+        gate_EDF, up_EDF, down_EFD = (
+            w.dequantize(cfg.dtype or jnp.float32) if isinstance(w, Quantized) else w
+            for w in (gate_EDF, up_EDF, down_EFD))
         x_BTD = checkpoint_name(x_BTD, "mlp_in")
         b, t, _ = x_BTD.shape
         x_ND = x_BTD.reshape(b * t, d).astype(cfg.dtype)

@@ -13,8 +13,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from models import quant
 from models.axes import LORA_A_INIT, XAVIER_UNIFORM, ZEROS, named
 from models.config import TransformerConfig
+from models.errors import UserError
 from models.lora import site_of
 
 
@@ -43,7 +45,8 @@ class Projection(nn.DenseGeneral):
 
     @nn.compact
     def __call__(self, x, deterministic: bool = True):
-        y = super().__call__(x)
+        kernel = quant.stored(self, "kernel")
+        y = super().__call__(x) if kernel is None else self._quantized(x, kernel)
         lora, site = self.config.lora, site_of(self.path)
         shape = None if lora is None or site is None else lora.shape_of(site)
         if shape is None:
@@ -61,6 +64,21 @@ class Projection(nn.DenseGeneral):
             return y + jax.vmap(lambda x, a, b: adapted(x, a, b, scale, dtype))(
                 x, a, b).astype(y.dtype)
         return y + adapted(x, a, b, scale, dtype).astype(y.dtype)
+
+    def _quantized(self, x, kernel: quant.Quantized):
+        """`x W + b` from a quantized kernel (`models.quant`), in the compute dtype."""
+        features = (self.features,) if isinstance(self.features, int) else tuple(self.features)
+        n_in = len(self.in_axes)
+        if kernel.in_shape != x.shape[-n_in:] or kernel.out_shape != features:
+            raise UserError(f"the quantized kernel of {'/'.join(self.path)} is "
+                            f"{kernel.in_shape} -> {kernel.out_shape}; the model expects "
+                            f"{x.shape[-n_in:]} -> {features}")
+        dtype = self.dtype or jnp.result_type(x, self.param_dtype)
+        y = quant.dense(x, kernel, dtype)
+        if self.use_bias:
+            bias = self.param("bias", self.bias_init, features, self.param_dtype)
+            y = y + bias.astype(dtype)
+        return y
 
 
 def adapted(x, a, b, scale: float, dtype):

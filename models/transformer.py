@@ -20,6 +20,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from models import quant
 from models.attention import CrossKVProjection
 from models.audio import AudioEmbedding
 from models.axes import XAVIER_UNIFORM, ZEROS, PlainInit, named
@@ -85,7 +86,7 @@ class _CachedDecoder(nn.Module):
     def _make_head(self):
         cfg = self.config
         if not cfg.tie_embeddings:
-            self.head = nn.Dense(
+            self.head = quant.Dense(
                 cfg.vocab_size, use_bias=False, dtype=cfg.dtype,
                 param_dtype=cfg.param_dtype,
                 kernel_init=named(XAVIER_UNIFORM, "embed", "vocab"))

@@ -97,6 +97,8 @@ from models.pretrained.generation import (
     with_generation,
     write_generation,
 )
+from models.quant import DEFAULT_GROUP, check_scheme, is_quantized
+from models.quant_sites import quantize_params
 from models.tokenizer import Tokenizer, load_tokenizer
 from models.transformer import build
 
@@ -184,6 +186,7 @@ def read_config(path: str, **runtime) -> tuple[Family, TransformerConfig, dict]:
 
 def load(path: str, *, adapter: str | None = None, merge: bool = False,
          check_base_name: bool = True, mesh=None, rules=None, allow_non_finite: bool = False,
+         quantize: str | None = None, quantize_group: int = DEFAULT_GROUP,
          **runtime) -> Pretrained:
     """Reads a model directory: config.json, safetensors weights (sharded or not, any
     float dtype, cast to `param_dtype`), the tokenizer files if any, and
@@ -207,6 +210,10 @@ def load(path: str, *, adapter: str | None = None, merge: bool = False,
             `models.axes.DEFAULT_RULES`), so no device holds the whole model.
         allow_non_finite: load weights (the base's and the adapter's) holding NaN or Inf
             (a warning names each such tensor and its counts) instead of refusing them.
+        quantize: "int8" or "int4": every attention, MLP and expert projection kernel
+            quantized as it is loaded (`models.quantize`; an adapter stays in float, over
+            the quantized base, or is merged first with `merge`).
+        quantize_group: int4's group of inputs per scale.
         runtime: how to run the model, not what it computes: `dtype` (compute),
             `param_dtype` (default float32), `scan_layers`, `remat`, dropout rates.
 
@@ -224,7 +231,10 @@ def load(path: str, *, adapter: str | None = None, merge: bool = False,
             raise UserError(f"{path} is itself an adapter directory: give its base as the "
                              f"path and one adapter (adapter={adapter!r} too)")
         return load(peft.named_base(path), adapter=path, merge=merge, check_base_name=False,
-                    mesh=mesh, rules=rules, allow_non_finite=allow_non_finite, **runtime)
+                    mesh=mesh, rules=rules, allow_non_finite=allow_non_finite,
+                    quantize=quantize, quantize_group=quantize_group, **runtime)
+    if quantize is not None:
+        check_scheme(quantize)
     family, cfg, hf = read_config(path, **runtime)
     if os.path.exists(os.path.join(path, MANIFEST)):
         wrong = atomic.check_manifest(path, MANIFEST)
@@ -250,6 +260,8 @@ def load(path: str, *, adapter: str | None = None, merge: bool = False,
     cfg = cfg.replace(lora=adapted)
     if merge:
         cfg, params = lora.merge(cfg, params)
+    if quantize is not None:
+        params = quantize_params(params, cfg, quantize, group=quantize_group)
     return Pretrained(model=build(cfg), config=cfg, params=params,
                       tokenizer=load_tokenizer(path, missing_ok=True),
                       generation=generation, model_type=family.model_type, tables=tables)
@@ -281,6 +293,10 @@ def save(path: str, config: TransformerConfig, params, tokenizer: Tokenizer | No
             save them alone with `models.save_adapter`); a table the type does not take
             from `tables`, or one `load` would refuse for `config` (named).
     """
+    if is_quantized(params):
+        raise UserError("models.save writes float weights, but these params are quantized "
+                        "(models.quantize): save the float params and quantize them as they "
+                        "are loaded (models.load(path, quantize=...))")
     if config.lora is not None:
         raise UserError("models.save writes a plain model, but config.lora is set: merge "
                          "the adapters into the weights first (models.lora.merge(config, "
