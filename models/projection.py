@@ -77,7 +77,7 @@ class Projection(nn.DenseGeneral):
         y = quant.dense(x, kernel, dtype)
         if self.use_bias:
             bias = self.param("bias", self.bias_init, features, self.param_dtype)
-            y = y + bias.astype(dtype)
+            y = y + bias.astype(dtype)[(None,) * (y.ndim - bias.ndim)]
         return y
 
 

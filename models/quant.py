@@ -152,7 +152,7 @@ def dense(x, kernel: Quantized, dtype) -> jax.Array:
         y = jax.lax.dot_general(
             x.astype(dtype), kernel.values.astype(dtype),
             ((tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in))), ((), ())))
-        return y * kernel.scales.astype(dtype)
+        return y * kernel.scales.astype(dtype)[(None,) * len(batch)]
     w = kernel.dequantize(dtype).reshape(math.prod(kernel.in_shape), *kernel.out_shape)
     y = jax.lax.dot_general(x.astype(dtype).reshape(*batch, -1), w,
                             (((len(batch),), (0,)), ((), ())))
@@ -222,8 +222,8 @@ class Embed(nn.Embed):
             return super().attend(query)
         dtype = self.dtype or jnp.float32
         if table.scheme == "int8":
-            return jnp.dot(query.astype(dtype), table.values.astype(dtype).T) * \
-                table.scales.astype(dtype)
+            logits = jnp.dot(query.astype(dtype), table.values.astype(dtype).T)
+            return logits * table.scales.astype(dtype)[(None,) * (logits.ndim - 1)]
         return jnp.dot(query.astype(dtype), table.dequantize(dtype).T)
 
 
