@@ -13,6 +13,7 @@ space-separated token ids. --workdir RUN is --model RUN/model. --adapter DIR app
 adapters (PEFT's layout: a run's RUN/adapter, or PEFT's own) to --model's weights without
 merging them; --model DIR of adapters alone reads their base from adapter_config.json
 (base_model_name_or_path), and so does --workdir of a run that exported only adapters.
+--quantize int8|int4 decodes with quantized projection weights (`models.quantize`).
 
 The directory's generation_config.json fills in what the command line does not give: the
 end tokens, the strategy (beam search when num_beams > 1), the beam size, the length
@@ -115,15 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n", 2)[2])
     p.add_argument("text", nargs="*", help="inputs; stdin lines when none")
-    source = p.add_mutually_exclusive_group(required=True)
-    source.add_argument("--model", help="a model directory (Hugging Face layout)")
-    source.add_argument("--workdir", help="a training run: its export, RUN/model (or an "
-                        "adapted run's RUN/adapter)")
-    source.add_argument("--config",
-                        help=f"a preset with random weights: {', '.join(models.list_configs())}")
-    p.add_argument("--adapter", default=None, metavar="DIR",
-                   help="LoRA adapters (PEFT's layout) applied to --model's weights")
-    p.add_argument("--seed", type=int, default=0, help="weights and sampling seed")
+    source.add_flags(p)
     task = p.add_mutually_exclusive_group()
     task.add_argument("--fill-mask", action="store_true",
                       help="encoder-only masked-LM model: the --top-k best fillers (default "

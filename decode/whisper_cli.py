@@ -68,7 +68,7 @@ def check_flags(args, parser) -> None:
 
 def _load(args):
     path = model_source(args)
-    pre = models.load(path)
+    pre = models.load(path, quantize=args.quantize, quantize_group=args.quantize_group)
     if pre.config.audio is None:
         raise UserError(f"--audio needs a Whisper model (an audio encoder); {path} is "
                         f"{pre.model_type} ({pre.config.architecture})")

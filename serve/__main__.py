@@ -17,6 +17,9 @@ splits them (`models.axes.param_shardings`): heads, MLP and vocabulary over `ten
 page pool by kv heads likewise, experts over `expert`; a model larger than one device
 serves unchanged.
 
+--quantize int8|int4: every attention, MLP and expert projection quantized as it is loaded
+(`models.quantize`; after --mesh places the float weights, each kernel on its shards).
+
 --api-key KEY (or the SERVE_API_KEY environment variable): every endpoint but /health
 needs `Authorization: Bearer KEY`. Binding another host than loopback without one warns.
 
@@ -36,6 +39,7 @@ import time
 import traceback
 
 import models
+from decode.source import add_quantize_flag
 from models.errors import UserError
 
 INTERNAL = "internal error (a bug in jax-transformer-zoo or a library it uses)"
@@ -105,6 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "(repeatable)")
     p.add_argument("--mesh", type=_mesh, default=None, metavar="tensor=N[,expert=M]",
                    help="split the parameters (and the page pool) over N (x M) devices")
+    add_quantize_flag(p)
     p.add_argument("--host", default="127.0.0.1", help="default: loopback only")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default=None, metavar="NAME",
@@ -169,6 +174,8 @@ def run(args) -> None:
         raise UserError(f"{args.model} has no tokenizer files: the server takes and gives text")
     if args.mesh:
         pre = placed(pre, args.mesh)
+    if args.quantize:             # after placing: each kernel is quantized on its shards
+        pre = models.quantize(pre, args.quantize, group=args.quantize_group)
     template = ChatTemplate.from_directory(args.model)
     options = {k: getattr(args, k) for k in ENGINE_FLAGS if getattr(args, k) is not None}
     adapters = {}

@@ -270,3 +270,31 @@ def test_bad_schemes_groups_trees_and_merges_are_refused_by_name():
     adapted = cfg.replace(lora=models.LoraConfig(rank=2))
     with pytest.raises(UserError, match="quantized base"):
         lora.merge(adapted, q)
+
+
+# --- the command lines -------------------------------------------------------------------
+
+def test_decode_quantize_flag_decodes_with_the_quantized_weights(tmp_path, capsys):
+    from decode.__main__ import main
+    cfg, model, params, _, _ = _trained()
+    models.save(str(tmp_path / "m"), cfg, params)
+    prompt = _sequences(5, 1)[:, :6]
+    args = ["--model", str(tmp_path / "m"), "--max-new-tokens", "8", "--no-compile-cache",
+            " ".join(map(str, prompt[0].tolist()))]
+    q = models.quantize(params, cfg, "int4", group=16)
+    expected = decode.generate(model, q, prompt, jnp.array([6]), max_new_tokens=8).tokens
+    assert main(args + ["--quantize", "int4", "--quantize-group", "16"]) == 0
+    out = capsys.readouterr()
+    assert out.out.split() == [str(t) for t in expected[0].tolist()]
+    assert "int4 weights" in out.err
+    assert main(args + ["--quantize", "int4", "--quantize-group", "12"]) == 2
+    assert "group=12 does not divide" in capsys.readouterr().err
+
+
+def test_the_server_takes_the_same_quantize_flags():
+    from serve.__main__ import build_parser
+    args = build_parser().parse_args(["--model", "m", "--quantize", "int4",
+                                      "--quantize-group", "64"])
+    assert (args.quantize, args.quantize_group) == ("int4", 64)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--model", "m", "--quantize", "fp8"])
