@@ -63,6 +63,11 @@ class LoraSettings(Part):
             query, key, value, out, gate, up, down; self_attention.query,
             cross_attention.value, decoder.mlp.down, ...
         base_dtype: the frozen weights' storage dtype (the compute dtype is `dtype`).
+        base_quant: "int8" or "int4": the frozen base's projection kernels quantized
+            (`models.quantize`; QLoRA, Dettmers et al. 2023, with our schemes); the
+            adapters train in float over it and export in PEFT's layout, for the float
+            base. "none" (default): as `base_dtype` stores them.
+        base_quant_group: int4's inputs per scale.
         export_merged: the run's export also writes WORKDIR/model, the adapters merged
             into the weights (always: WORKDIR/adapter, in PEFT's layout).
     """
@@ -75,6 +80,8 @@ class LoraSettings(Part):
         "comma-separated projection names, such as 'query,value'",
         lambda v: isinstance(v, str) and bool(v.strip(", "))))
     base_dtype: str = setting("bfloat16", float_dtype())
+    base_quant: str = setting("none", choice("none", "int8", "int4"))
+    base_quant_group: int = setting(128, integer(2))
     export_merged: bool = setting(False, boolean())
 
     def check(self) -> None:
@@ -114,7 +121,8 @@ class ModelSettings(Part):
     init_from: str = setting("", string())
     dtype: str = setting("float32", float_dtype())
     lora: LoraSettings = subpart(
-        LoraSettings, "a dict of rank, alpha, dropout, targets, base_dtype, export_merged")
+        LoraSettings, "a dict of rank, alpha, dropout, targets, base_dtype, base_quant, "
+        "base_quant_group, export_merged")
 
     @property
     def name(self) -> str:

@@ -21,6 +21,7 @@ dataset, the tokenizer) is made by the lead process first, then read by the othe
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 
@@ -40,6 +41,7 @@ from train import (
     state as state_lib,
     workdir as workdir_lib,
 )
+from train.config_checks import fail
 from train.export import write_outputs
 from train.metrics import MetricWriter
 from train.model_config import ModelChoice, choose_model
@@ -299,6 +301,7 @@ def _start_run(settings: RunConfig, workdir: str, lock: workdir_lib.Lock
 
     heads = set(jax.eval_shape(init))
     base_dtype = settings.model.lora.base_dtype if mcfg.lora is not None else None
+    quantize_base = _base_quantizer(settings, mcfg)
 
     def fresh_state(init_params=None):
         # The loaded parts replace the initialised ones (under jit, the replaced ones are
@@ -307,13 +310,19 @@ def _start_run(settings: RunConfig, workdir: str, lock: workdir_lib.Lock
         base, adapters = models.lora.split(init())
         base.update({k: v for k, v in (init_params or {}).items() if k in heads})
         return state_lib.TrainState.create(models.lora.join(base, adapters), tx, seed,
-                                           base_dtype=base_dtype)
+                                           base_dtype=base_dtype,
+                                           quantize_base=quantize_base)
 
     steps = Steps(model, objective, schedule, settings.optimizer.grad_accum_steps)
     wrapper = make_wrapper(settings.parallel, steps, tx, seed=seed, base_dtype=base_dtype)
     if lead:
         for line in wrapper.notes():
             print(line, flush=True)
+        if quantize_base is not None:
+            lora = settings.model.lora
+            print(f"the frozen base's projections are {lora.base_quant}"
+                  + (f" (groups of {lora.base_quant_group})" if lora.base_quant == "int4"
+                     else "") + "; the adapters train in float", flush=True)
     mngr = checkpoint.manager(workdir, settings.checkpoints.keep_checkpoints)
     iterator = data_lib.train_iterator(source, pcfg)
     template = wrapper.restore_template(jax.eval_shape(fresh_state))
@@ -326,7 +335,9 @@ def _start_run(settings: RunConfig, workdir: str, lock: workdir_lib.Lock
         state = restored.state
         if mcfg.lora is not None:        # checkpoints hold the adapters, not the base
             base = wrapper.load_params(init_from, **_runtime(mcfg, base_dtype))
-            state = state.replace(frozen=models.lora.split(base)[0])
+            frozen = models.lora.split(base)[0]
+            state = state.replace(frozen=frozen if quantize_base is None
+                                  else jax.jit(quantize_base)(frozen))
         state = wrapper.put_state(state)
         iterator.set_state(restored.data)
         saved = restored.config.get("data") if isinstance(restored.config, dict) else None
@@ -371,6 +382,24 @@ def _head_change(heads: set[str], loaded: dict) -> tuple[list[str], list[str]]:
     """(parts the run initialises anew, loaded parts it drops): a masked-LM checkpoint
     fine-tuned to classify trades `mlm_head` for `classifier`."""
     return sorted(heads - set(loaded)), sorted(set(loaded) - heads)
+
+
+def _base_quantizer(settings: RunConfig, config: models.TransformerConfig):
+    """`lora.base_quant`'s quantizer of the frozen base (None: not quantized).
+
+    Raises:
+        UserError: base_quant on a sharded mesh, whose state shardings come from the float
+            params' logical axes (data-parallel runs, pmap and shard_map, take it).
+    """
+    lora = settings.model.lora
+    if config.lora is None or lora.base_quant == "none":
+        return None
+    if settings.parallel.parallel == "sharded":
+        raise fail("lora.base_quant", lora.base_quant, "trains over data-parallel devices "
+                   "(parallel=pmap or shard_map); a sharded mesh keeps the base in "
+                   "lora.base_dtype")
+    return functools.partial(models.quantize, config_or_scheme=config.replace(lora=None),
+                             scheme=lora.base_quant, group=lora.base_quant_group)
 
 
 def _runtime(config: models.TransformerConfig, base_dtype=None) -> dict:

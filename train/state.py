@@ -40,15 +40,19 @@ class TrainState:
 
     @classmethod
     def create(cls, params, tx: optax.GradientTransformation, seed: int, *,
-               base_dtype=None) -> TrainState:
+               base_dtype=None, quantize_base=None) -> TrainState:
         """A fresh state of `params` (the model's whole tree). Where it holds adapters
         (`models.lora`), only they train: the rest is `frozen`, stored in `base_dtype`
-        (None: as given), and the optimiser state covers the adapters alone."""
+        (None: as given) and then, with `quantize_base` (a function of the base tree, such
+        as `models.quantize` with its config and scheme), quantized; the optimiser state
+        covers the adapters alone."""
         base, adapters = lora.split(params)
         frozen = None
         if adapters:
             frozen = base if base_dtype is None else jax.tree.map(
                 lambda x: x.astype(base_dtype), base)
+            if quantize_base is not None:
+                frozen = quantize_base(frozen)
             params = adapters
         return cls(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
                    rng=jax.random.key_data(jax.random.key(seed)), tx=tx, frozen=frozen)
