@@ -11,6 +11,11 @@ leaf. Embeddings, norms, biases, the output head and convolutions keep their dty
     int8   symmetric, one scale per output channel: w ~ values * scale[out], values in
            [-127, 127]. A projection computes (x @ values) * scale, so the kernel is never
            rebuilt in float: the only full-size work is reading the int8 values.
+    w8a8   int8's weights, and each row of the activations quantized to int8 as it
+           arrives (one scale per token, its largest |x|): the product runs in integers
+           with int32 sums, (x_q @ values) * x_scale * scale, where a backend multiplies
+           integers faster than it converts a kernel to float (XLA's CPU backend does; on
+           GPUs, int8 tensor cores do).
     int4   symmetric, one scale per output channel and per `group` consecutive inputs
            (128 by default, the common choice of GPTQ/AWQ checkpoints): values in [-7, 7],
            two to a byte (the low nibble holds the even input), so a kernel takes half a
@@ -39,16 +44,17 @@ import numpy as np
 
 from models.errors import UserError
 
-SCHEMES = ("int8", "int4")
+SCHEMES = ("int8", "int4", "w8a8")
 DEFAULT_GROUP = 128
-_MAX = {"int8": 127, "int4": 7}
+_MAX = {"int8": 127, "int4": 7, "w8a8": 127}
+_INT8_VALUES = ("int8", "w8a8")
 
 
 @flax.struct.dataclass
 class Quantized:
     """A kernel [*lead, *in, *out] in `scheme`'s integers and float32 scales.
 
-    int8: values int8 [*lead, *in, *out], scales [*lead, *out].
+    int8, w8a8: values int8 [*lead, *in, *out], scales [*lead, *out].
     int4: values uint8 [*lead, G, group // 2, *out] (I = prod(in) = G * group inputs, two
           to a byte), scales [*lead, G, *out].
     """
@@ -76,7 +82,7 @@ class Quantized:
     def dequantize(self, dtype=jnp.float32) -> jax.Array:
         """The float kernel [*lead, *in, *out] these values and scales stand for."""
         lead, n_out = self.lead_shape, len(self.out_shape)
-        if self.scheme == "int8":
+        if self.scheme in _INT8_VALUES:
             return self.values.astype(dtype) * self.scales.astype(dtype)[
                 (..., *([None] * len(self.in_shape)), *([slice(None)] * n_out))]
         w = _unpack_int4(self.values, len(lead)).astype(dtype)     # [*lead, G, group, *out]
@@ -103,7 +109,7 @@ def quantize_kernel(w, scheme: str, *, n_lead: int, n_in: int,
     lead = w.shape[:n_lead]
     in_shape, out_shape = w.shape[n_lead:n_lead + n_in], w.shape[n_lead + n_in:]
     top = _MAX[scheme]
-    if scheme == "int8":
+    if scheme in _INT8_VALUES:
         in_axes = tuple(range(n_lead, n_lead + n_in))
         scales = jnp.max(jnp.abs(w), axis=in_axes) / top
         safe = jnp.where(scales == 0, 1.0, scales)
@@ -148,15 +154,31 @@ def dense(x, kernel: Quantized, dtype) -> jax.Array:
     if kernel.lead_shape:
         raise ValueError(f"a stacked Quantized kernel {kernel.shape} reached a projection")
     batch = x.shape[:x.ndim - n_in]
+    contract = ((tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in))), ((), ()))
     if kernel.scheme == "int8":
-        y = jax.lax.dot_general(
-            x.astype(dtype), kernel.values.astype(dtype),
-            ((tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in))), ((), ())))
+        y = jax.lax.dot_general(x.astype(dtype), kernel.values.astype(dtype), contract)
         return y * kernel.scales.astype(dtype)[(None,) * len(batch)]
+    if kernel.scheme == "w8a8":
+        x_q, x_scale = quantize_rows(x, n_in)
+        y = jax.lax.dot_general(x_q, kernel.values, contract,
+                                preferred_element_type=jnp.int32).astype(dtype)
+        return (y * x_scale.astype(dtype)[(...,) + (None,) * (len(kernel.out_shape) - 1)]
+                * kernel.scales.astype(dtype)[(None,) * len(batch)])
     w = kernel.dequantize(dtype).reshape(math.prod(kernel.in_shape), *kernel.out_shape)
     y = jax.lax.dot_general(x.astype(dtype).reshape(*batch, -1), w,
                             (((len(batch),), (0,)), ((), ())))
     return y.reshape(*batch, *kernel.out_shape)
+
+
+def quantize_rows(x, n_in: int = 1):
+    """x [..., *in] as int8 and one float32 scale per row (over the last `n_in` axes):
+    (x_q, scale [..., 1]) with x ~ x_q * scale."""
+    axes = tuple(range(x.ndim - n_in, x.ndim))
+    x = x.astype(jnp.float32)
+    scale = jnp.max(jnp.abs(x), axis=axes) / 127
+    safe = jnp.where(scale == 0, 1.0, scale)
+    x_q = jnp.clip(jnp.round(x / jnp.expand_dims(safe, axes)), -127, 127).astype(jnp.int8)
+    return x_q, scale[..., None]
 
 
 def stored(module: nn.Module, name: str):
@@ -224,6 +246,11 @@ class Embed(nn.Embed):
         if table.scheme == "int8":
             logits = jnp.dot(query.astype(dtype), table.values.astype(dtype).T)
             return logits * table.scales.astype(dtype)[(None,) * (logits.ndim - 1)]
+        if table.scheme == "w8a8":
+            q_q, q_scale = quantize_rows(query)
+            logits = jnp.dot(q_q, table.values.T, preferred_element_type=jnp.int32)
+            return (logits.astype(dtype) * q_scale.astype(dtype)
+                    * table.scales.astype(dtype)[(None,) * (logits.ndim - 1)])
         return jnp.dot(query.astype(dtype), table.dequantize(dtype).T)
 
 

@@ -89,8 +89,9 @@ def quantize(target, config_or_scheme=None, scheme: str | None = None, *,
         target: a params tree of a model of `config`, or a `Pretrained` (its config used).
         config_or_scheme: the model's config (for a params tree); for a Pretrained, the
             scheme.
-        scheme: "int8" (per output channel) or "int4" (per output channel and `group`
-            inputs).
+        scheme: "int8" (per output channel), "w8a8" (int8's weights, activations
+            quantized per token as they arrive, integer products) or "int4" (per output
+            channel and `group` inputs).
         group: int4's group size; it must divide every projection's input width.
         embeddings: quantize the token embedding tables (one scale per token; int4 per
             token and group) and an untied output head as well.

@@ -50,6 +50,23 @@ def test_each_weight_is_within_half_a_step_of_its_scale(scheme, group):
                                jnp.max(jnp.abs(w), axis=1), rtol=1e-6)
 
 
+def test_w8a8_multiplies_integers_and_matches_the_float_product_to_both_roundings():
+    from models.quant import dense, quantize_rows
+    w = jax.random.normal(jax.random.key(0), (64, 4, 6))
+    x = jax.random.normal(jax.random.key(1), (3, 5, 64)).at[0, 0].set(0.0)   # a zero row
+    q = quantize_kernel(w, "w8a8", n_lead=0, n_in=1)
+    x_q, x_scale = quantize_rows(x)
+    assert x_q.dtype == jnp.int8 and float(x_scale[0, 0, 0]) == 0.0
+    got = dense(x, q, jnp.float32)
+    chex.assert_shape(got, (3, 5, 4, 6))
+    exact = jnp.einsum("btd,dnh->btnh", x, w)
+    np.testing.assert_allclose(got, exact, atol=0.02 * float(jnp.max(jnp.abs(exact))))
+    np.testing.assert_array_equal(got[0, 0], 0.0)
+    hlo = jax.jit(lambda x, q: dense(x, q, jnp.float32)).lower(x, q).as_text()
+    assert "tensor<15x64xi8>" in hlo or "tensor<3x5x64xi8>" in hlo
+    assert "-> tensor<3x5x4x6xi32>" in hlo                      # summed in int32
+
+
 def test_int4_packs_every_value_and_its_sign_into_its_nibble():
     values = jnp.arange(-7, 9, dtype=jnp.float32)[:16].at[15].set(7)        # -7 .. 7, 7
     w = values[:, None] * jnp.array([[1.0, -0.5]])                  # [16 inputs, 2 outputs]
@@ -179,7 +196,8 @@ def test_a_trained_models_int8_logits_and_greedy_tokens_follow_its_float_ones():
     assert loss < 0.1, loss
     held_out = _sequences(7, 64)
     logits = forward(params, held_out[:, :-1])
-    for scheme, tolerance, agreement in (("int8", 0.02, 0.99), ("int4", 0.25, 0.95)):
+    for scheme, tolerance, agreement in (("int8", 0.02, 0.99), ("w8a8", 0.04, 0.99),
+                                         ("int4", 0.25, 0.95)):
         q = models.quantize(params, cfg, scheme, group=16)
         got = forward(q, held_out[:, :-1])
         spread = float(jnp.max(logits) - jnp.min(logits))
