@@ -13,6 +13,7 @@ import pytest
 
 import models
 from models.errors import UserError
+from models.pretrained import GenerationDefaults
 from models.tokenizer import ByteTokenizer
 from tests.helpers import tiny
 from train import chunked_loss, losses
@@ -39,13 +40,24 @@ def _rows(cfg, rows: int = 3) -> dict:
         out.update({side: tok, f"{side}_segmentation": seg, f"{side}_position": pos})
     if not cfg.is_encoder_decoder and cfg.architecture != "encoder_only":
         del out["inputs"], out["inputs_segmentation"], out["inputs_position"]
+    if cfg.audio is not None:             # a clip's features [mel, frames] instead of tokens
+        del out["inputs_segmentation"], out["inputs_position"]
+        out["inputs"] = r.normal(size=(rows, cfg.audio.num_mel_bins, cfg.audio.num_frames)
+                                 ).astype(np.float32)
     return jax.tree.map(jnp.asarray, out)
+
+
+# An English-only Whisper's generation defaults: its prompt is start (2), <|notimestamps|>.
+WHISPER_GENERATION = GenerationDefaults.from_dict(
+    {"decoder_start_token_id": 2, "eos_token_id": 1, "no_timestamps_token_id": 7,
+     "forced_decoder_ids": [[1, 7]]}, TOK.vocab_size)
 
 
 def _objective(cfg, kind: str, chunks: int):
     settings = ObjectiveSettings(loss_chunks=chunks, **SMOOTH_Z)
     data = types.SimpleNamespace(name="d", kind=kind, label_names=())
-    return fit(cfg, data, TOK, settings, model_name="m")[1]
+    generation = WHISPER_GENERATION if kind == "speech" else None
+    return fit(cfg, data, TOK, settings, model_name="m", generation=generation)[1]
 
 
 def _loss_and_grad(cfg, kind: str, chunks: int):
@@ -84,6 +96,8 @@ HEADS = {
     "encdec-untied": ("encoder_decoder", "translation", dict(
         tie_embeddings=False, share_embeddings=False)),
     "masked-lm": ("encoder_only", "text", dict()),
+    "whisper": ("encoder_decoder", "speech", dict(
+        share_embeddings=False, audio=dict(num_mel_bins=4, max_source_positions=W // 2))),
 }
 
 
