@@ -93,11 +93,10 @@ HEADS = {
     "decoder-tied": ("decoder_only", "text", dict(tie_embeddings=True)),
     "encdec-shared-scaled": ("encoder_decoder", "translation", dict(
         tie_embeddings=True, share_embeddings=True, scale_head_input=True)),
-    "encdec-untied": ("encoder_decoder", "translation", dict(
-        tie_embeddings=False, share_embeddings=False)),
     "masked-lm": ("encoder_only", "text", dict()),
-    "whisper": ("encoder_decoder", "speech", dict(
-        share_embeddings=False, audio=dict(num_mel_bins=4, max_source_positions=W // 2))),
+    "whisper-untied": ("encoder_decoder", "speech", dict(
+        tie_embeddings=False, share_embeddings=False,
+        audio=dict(num_mel_bins=4, max_source_positions=W // 2))),
 }
 
 
