@@ -12,14 +12,20 @@ RMSNorm, SwiGLU) of 4 layers, D 512, 8 heads, MLP 1376, V 8192, float32, batch 1
   default (`layers: "scan"`); `--looped` adds looped layers, whose remat XLA's CPU
   compiler undoes (it drops the optimisation barriers and merges the recomputation
   back), so they show what each layer keeps without it. `step_s` (the best of 3 runs
-  after the compiling one) up to `--time-up-to`.
+  after the compiling one) up to `--time-up-to`. `loss`: "whole" (the head makes the
+  `[T, V]` logits, then their log-softmax) or, for the long-sequence configuration
+  (`chunked` attention), also "sliced": the head and the loss in `loss_chunks` slices of
+  `LOSS_SLICE` positions each, recomputed in the backward pass (`train.chunked_loss`,
+  the run config's `loss_chunks`).
 - `prefill`: a prompt of T tokens into a cache of T slots: `one_block` (one prefill call,
   logits of every token) against `chunks` (`models.prefill_in_chunks`, 512 tokens at a
   time, the last token's logits only), for each implementation.
 - `summary` lines: `growth` (temp bytes per doubling of T, from 2048 up; linear memory is
-  2.0), `ratio_at_4096` (chunked temp / xla temp), `time_ratio_at_2048` (chunked step /
-  xla step), and `auto`: what `attention_impl="auto"` runs at each timed T and whether it
-  is the fastest measured there.
+  2.0), `ratio_at_4096` (chunked temp / xla temp, with the whole loss and with the sliced
+  one, and `xla_over_best`: how many times below the materialised path the best
+  long-sequence configuration is), `time_ratio_at_2048` (chunked step / xla step, likewise),
+  and `auto`: what `attention_impl="auto"` runs at each timed T and whether it is the
+  fastest measured there.
 
 Times on a shared CPU are indicative; the ratios are what the README reports.
 """
@@ -37,11 +43,13 @@ import numpy as np
 
 import models
 from models import kernels
+from train import chunked_loss
 
 MODEL = dict(architecture="decoder_only", vocab_size=8192, d_model=512, num_heads=8,
              mlp_dim=1376, num_layers=4, positions="rope", norm="rmsnorm",
              activation="swiglu", use_bias=False, tie_embeddings=False)
 PREFILL_CHUNK = 512
+LOSS_SLICE = 512          # positions per slice of the sliced loss: loss_chunks = T / 512
 
 
 def config(T: int, *, impl: str, policy: str | None, scan: bool = True,
@@ -72,13 +80,22 @@ def _best_of(fn, args, runs: int = 3) -> float:
     return best
 
 
-def grad_line(T: int, *, impl: str, policy: str | None, scan: bool, timed: bool) -> dict:
-    """Memory (and time) of one gradient of the model at length T."""
+def grad_line(T: int, *, impl: str, policy: str | None, scan: bool, timed: bool,
+              sliced: bool = False) -> dict:
+    """Memory (and time) of one gradient of the model at length T; `sliced`: the loss in
+    slices of `LOSS_SLICE` positions (`train.chunked_loss`), never the whole logits."""
     cfg = config(T, impl=impl, policy=policy, scan=scan)
     model = models.build(cfg)
     tokens = _tokens(T)
+    chunks = max(1, T // LOSS_SLICE) if sliced else 0
 
     def loss(params, tokens):
+        if sliced:
+            x_BTD = model.apply({"params": params}, tokens, method="hidden")
+            weights_BT = jnp.ones(tokens[:, 1:].shape, jnp.float32)
+            sums = chunked_loss.model_loss(model, params, x_BTD[:, :-1], tokens[:, 1:],
+                                           weights_BT, chunks=chunks)
+            return sums["loss"] / (T - 1)
         logits = model.apply({"params": params}, tokens)
         logp = jax.nn.log_softmax(logits[:, :-1])
         return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1))
@@ -88,7 +105,8 @@ def grad_line(T: int, *, impl: str, policy: str | None, scan: bool, timed: bool)
     t0 = time.perf_counter()
     compiled = grad.lower(params, tokens).compile()
     out = {"case": "grad", "T": T, "impl": impl, "policy": policy,
-           "layers": "scan" if scan else "loop", "compile_s": round(time.perf_counter() - t0, 2),
+           "layers": "scan" if scan else "loop", "loss": "sliced" if sliced else "whole",
+           "loss_chunks": chunks, "compile_s": round(time.perf_counter() - t0, 2),
            **_memory(compiled)}
     if timed:
         real = jax.jit(model.init)(jax.random.key(0), tokens)["params"]
@@ -121,27 +139,32 @@ def prefill_line(T: int, *, impl: str, mode: str, timed: bool) -> dict:
 
 def summaries(lines: list[dict], lengths: list[int]) -> list[dict]:
     """The growth per doubling, the ratios at 4096 and 2048, and what `auto` chose."""
-    grads = {(x["impl"], x["policy"], x["layers"], x["T"]): x for x in lines
+    grads = {(x["impl"], x["policy"], x["layers"], x["loss"], x["T"]): x for x in lines
              if x["case"] == "grad"}
     out = []
-    for impl, policy, layers in sorted({k[:3] for k in grads}, key=str):
-        temps = [(T, grads[impl, policy, layers, T]["temp_bytes"]) for T in lengths
-                 if T >= 2048 and (impl, policy, layers, T) in grads]
+    for impl, policy, layers, loss in sorted({k[:4] for k in grads}, key=str):
+        temps = [(T, grads[impl, policy, layers, loss, T]["temp_bytes"]) for T in lengths
+                 if T >= 2048 and (impl, policy, layers, loss, T) in grads]
         if len(temps) >= 2:
             growth = [round(b / a, 2) for (_, a), (_, b) in zip(temps, temps[1:], strict=False)]
             out.append({"case": "summary", "what": "growth", "impl": impl, "policy": policy,
-                        "layers": layers, "per_doubling": growth})
+                        "layers": layers, "loss": loss, "per_doubling": growth})
     for what, T, key in (("ratio_at_4096", 4096, "temp_bytes"),
                          ("time_ratio_at_2048", 2048, "step_s")):
-        xla, chunked = grads.get(("xla", "full", "scan", T)), grads.get(
-            ("chunked", "full", "scan", T))
-        if xla and chunked and key in xla and key in chunked:
-            out.append({"case": "summary", "what": what, "chunked_over_xla":
-                        round(chunked[key] / xla[key], 3)})
+        xla = grads.get(("xla", "full", "scan", "whole", T), {})
+        ratios = {f"chunked_{loss}_loss_over_xla": round(line[key] / xla[key], 3)
+                  for loss in ("whole", "sliced")
+                  if key in (line := grads.get(("chunked", "full", "scan", loss, T), {}))
+                  and key in xla}
+        if ratios:
+            line = {"case": "summary", "what": what, **ratios}
+            if key == "temp_bytes":
+                line["xla_over_best"] = round(1 / min(ratios.values()), 2)
+            out.append(line)
     for T in lengths:
-        timed = {impl: grads[impl, "full", "scan", T]["step_s"]
+        timed = {impl: grads[impl, "full", "scan", "whole", T]["step_s"]
                  for impl in ("xla", "chunked", "auto")
-                 if "step_s" in grads.get((impl, "full", "scan", T), {})}
+                 if "step_s" in grads.get((impl, "full", "scan", "whole", T), {})}
         if len(timed) == 3:
             shape = jax.ShapeDtypeStruct((1, T, 8, 64), jnp.float32)
             chose = kernels.choose("auto", shape, shape, models.MaskSpec())
@@ -173,6 +196,7 @@ def main(argv=None) -> None:
         timed = T <= args.time_up_to
         for impl in ("xla", "chunked", "auto"):
             emit(grad_line(T, impl=impl, policy="full", scan=True, timed=timed))
+        emit(grad_line(T, impl="chunked", policy="full", scan=True, timed=timed, sliced=True))
         for policy in args.policies:
             if policy != "full":
                 emit(grad_line(T, impl="chunked", policy=policy, scan=True, timed=timed))

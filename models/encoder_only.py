@@ -5,6 +5,9 @@
     logits_BTC = model.apply(v, tokens, segment_ids=seg, positions=pos,
                              method="classify_positions")   # packed rows: read each
                                                             # example's first position
+    x_BTD      = model.apply(v, tokens, lengths=lengths, method="encode")
+    logits_BTV = model.apply({"params": head}, x_BTD, method="logits_from_hidden")
+                 # the masked-LM head alone; `head`: the entries head_param_names() names
 
 The stack is the encoder-decoder's encoder: the same attention function, layers and
 `LayerStack`, bidirectional, with padding (`lengths`, or segment id 0) and packed segments
@@ -120,7 +123,20 @@ class EncoderOnly(PlainInit, nn.Module):
         if self.config.num_labels:
             raise UserError(f"this model classifies (num_labels={self.config.num_labels}); "
                              "its logits come from method='classify'")
-        return self.mlm_head(self.encode(tokens, **kwargs))
+        return self.logits_from_hidden(self.encode(tokens, **kwargs))
+
+    def logits_from_hidden(self, x_BTD: Float[Array, "B T D"]) -> Float[Array, "B T V"]:
+        """The masked-LM head alone: what the forward makes of `encode`'s states. It
+        reads only the parameters `head_param_names()` names."""
+        if self.config.num_labels:
+            raise UserError(f"this model classifies (num_labels={self.config.num_labels}); "
+                             "it has no masked-LM head")
+        return self.mlm_head(x_BTD)
+
+    def head_param_names(self) -> tuple[str, ...]:
+        """The top-level parameter entries the masked-LM head reads (the tied token table
+        and the head's own). Needs no binding."""
+        return ("tokens", "mlm_head")
 
     def classify(self, tokens: Int[Array, "B T"], *, deterministic: bool = True,
                  **kwargs) -> Float[Array, "B C"]:

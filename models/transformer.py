@@ -83,6 +83,18 @@ class _CachedDecoder(nn.Module):
             logits = jnp.tanh(logits / cap) * cap
         return logits
 
+    def logits_from_hidden(self, x_BTD: Float[Array, "B T D"]) -> Float[Array, "B T V"]:
+        """The head alone (`_logits`): what the forward makes of `hidden`'s states. It
+        reads only the parameters `head_param_names()` names."""
+        return self._logits(x_BTD)
+
+    def head_param_names(self) -> tuple[str, ...]:
+        """The top-level parameter entries the head reads: the output table (the tied
+        token embedding, or `head`) and the logits bias if any. Needs no binding."""
+        cfg = self.config
+        names = (self._TIED_TABLE,) if cfg.tie_embeddings else ("head",)
+        return names + (("logits_bias",) if cfg.logits_bias else ())
+
     def _make_head(self):
         cfg = self.config
         if not cfg.tie_embeddings:
@@ -182,6 +194,8 @@ class _CachedDecoder(nn.Module):
 class DecoderOnly(PlainInit, _CachedDecoder):
     """A GPT/Llama-style causal language model."""
 
+    _TIED_TABLE = "tokens"
+
     def setup(self):
         cfg = self.config
         self.tgt_tokens = token_embedding(cfg, "tokens")
@@ -199,13 +213,25 @@ class DecoderOnly(PlainInit, _CachedDecoder):
     ) -> Float[Array, "B T V"]:
         """Teacher-forced logits of every position (packed rows: give segment_ids, with
         0 for padding, and per-segment positions)."""
+        return self._logits(self.hidden(tokens, segment_ids=segment_ids, positions=positions,
+                                        deterministic=deterministic))
+
+    def hidden(
+        self,
+        tokens: Int[Array, "B T"],
+        *,
+        segment_ids: Int[Array, "B T"] | None = None,
+        positions: Int[Array, "B T"] | None = None,
+        deterministic: bool = True,
+    ) -> Float[Array, "B T D"]:
+        """The last hidden states the head reads (arguments as the forward's)."""
         check_tokens(self.config, tokens, "tokens")
         check_same_shape(segment_ids, tokens, "segment_ids", "tokens")
         check_same_shape(positions, tokens, "positions", "tokens")
         positions, spec = _forward_spec(self.config, tokens, segment_ids, positions)
         x_BTD, _ = self._hidden(tokens, positions_BT=positions, spec=spec, cache=None,
                                 deterministic=deterministic)
-        return self._logits(x_BTD)
+        return x_BTD
 
     def _hidden(self, tokens_BT, *, positions_BT, spec, cache, deterministic,
                 key_positions_BS=None, read_only=False):
@@ -219,6 +245,10 @@ class EncoderDecoder(PlainInit, _CachedDecoder):
     """A Vaswani/T5/BART-style sequence-to-sequence model. The decoder input starts with
     `config.bos_id` (targets shifted right). Source padding is given by `src_lengths`
     (right-padded rows) or segment ids (0 = padding), never by a pad id."""
+
+    @property
+    def _TIED_TABLE(self) -> str:
+        return "src_tokens" if self.config.share_embeddings else "tgt_tokens"
 
     def setup(self):
         cfg = self.config
@@ -298,6 +328,25 @@ class EncoderDecoder(PlainInit, _CachedDecoder):
 
         Source padding: `src_lengths` for right-padded rows, or `src_segment_ids` (packed
         rows, 0 = padding); neither means every source token is real."""
+        return self._logits(self.hidden(
+            src, tgt_in, src_lengths=src_lengths, src_segment_ids=src_segment_ids,
+            tgt_segment_ids=tgt_segment_ids, src_positions=src_positions,
+            tgt_positions=tgt_positions, deterministic=deterministic))
+
+    def hidden(
+        self,
+        src: Int[Array, "B S"],
+        tgt_in: Int[Array, "B T"],
+        *,
+        src_lengths: Int[Array, " B"] | None = None,
+        src_segment_ids: Int[Array, "B S"] | None = None,
+        tgt_segment_ids: Int[Array, "B T"] | None = None,
+        src_positions: Int[Array, "B S"] | None = None,
+        tgt_positions: Int[Array, "B T"] | None = None,
+        deterministic: bool = True,
+    ) -> Float[Array, "B T D"]:
+        """The decoder's last hidden states, which the head reads (arguments as the
+        forward's)."""
         cfg = self.config
         check_tokens(cfg, tgt_in, "tgt_in")
         if tgt_in.shape[0] != src.shape[0]:
@@ -317,7 +366,7 @@ class EncoderDecoder(PlainInit, _CachedDecoder):
         inputs = LayerInputs(self_spec, positions, cross_k, cross_v, cross_spec,
                              deterministic=deterministic)
         x_BTD, _ = self.decoder(x_BTD, inputs)
-        return self._logits(x_BTD)
+        return x_BTD
 
     def init_cache(self, src: Int[Array, "B S"], cache_len: int, beams: int = 1, *,
                    src_lengths: Int[Array, " B"] | None = None) -> KVCache:

@@ -265,7 +265,10 @@ class OptimizerSettings(Part):
 @dataclasses.dataclass(frozen=True)
 class ObjectiveSettings(Part):
     """What the objectives read (`train.objectives`): the loss's label smoothing and
-    z-loss; masked LM's corruption (of the real, non-special tokens, `mlm_rate` are chosen;
+    z-loss, and `loss_chunks` (0: the head makes the whole [B, T, V] logits; N: the head
+    and the loss run over N slices of the sequence and recompute them in the backward
+    pass, `train.chunked_loss`; next-token prediction and masked LM); masked LM's
+    corruption (of the real, non-special tokens, `mlm_rate` are chosen;
     of those `mlm_mask_fraction` become the mask token, `mlm_random_fraction` a random one,
     the rest stay: BERT's 15% and 80/10/10); next-token prediction's scheduled sampling;
     sequence-level training (`sequence.*`: minimum risk training or self-critical
@@ -276,6 +279,7 @@ class ObjectiveSettings(Part):
 
     label_smoothing: float = setting(0.1, number("in [0, 1)", lambda v: 0 <= v < 1))
     z_loss: float = setting(0.0, number(">= 0", lambda v: v >= 0))
+    loss_chunks: int = setting(0, integer(0))
     mlm_rate: float = setting(Masking.rate, number("in (0, 1]", lambda v: 0 < v <= 1))
     mlm_mask_fraction: float = setting(Masking.mask_fraction,
                                        number("in [0, 1]", lambda v: 0 <= v <= 1))

@@ -44,12 +44,15 @@ class Objective(abc.ABC):
         name: how the objective is named in messages and logs.
         takes_scheduled_sampling: the objective can feed the model's own predictions
             (`scheduled_sampling.enabled`).
+        takes_loss_chunks: the objective scores every position over the vocabulary and
+            can do it in slices (`loss_chunks`, `train.chunked_loss`).
         reads_generation: `build` takes the model directory's decoding defaults
             (`generation=`, a `GenerationDefaults` or None from scratch).
     """
 
     name: ClassVar[str]
     takes_scheduled_sampling: ClassVar[bool] = False
+    takes_loss_chunks: ClassVar[bool] = False
     reads_generation: ClassVar[bool] = False
 
     @classmethod
@@ -64,6 +67,10 @@ class Objective(abc.ABC):
             what = model_config.architecture.replace("_", "-")
             raise UserError(f"scheduled_sampling.enabled=True needs a model that predicts "
                             f"the next token; {model_name!r} is {what}")
+        if settings.loss_chunks and not cls.takes_loss_chunks:
+            raise UserError(f"loss_chunks={settings.loss_chunks} slices a loss over the "
+                            f"vocabulary at every position, which the {cls.name} objective "
+                            "does not compute; leave it 0")
 
     @classmethod
     def adapt_model(cls, model_config, labels: tuple[str, ...], *, model_name: str,

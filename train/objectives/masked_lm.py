@@ -17,7 +17,7 @@ import dataclasses
 import jax.numpy as jnp
 
 from models.errors import UserError
-from train import losses
+from train import chunked_loss
 from train.masking import Masking, mask_tokens
 from train.objectives.base import Objective
 
@@ -32,15 +32,19 @@ class MaskedLM(Objective):
         special_ids: ids never chosen for masking (the tokenizer's specials).
         masking: the corruption's probabilities.
         label_smoothing, z_loss: the training loss's (`train.losses.cross_entropy`).
+        loss_chunks: 0, or the loss in this many slices of the sequence without the whole
+            logits (`train.chunked_loss`).
     """
 
     name = "masked LM"
+    takes_loss_chunks = True
     mask_id: int
     vocab_size: int
     special_ids: tuple[int, ...] = ()
     masking: Masking = Masking()
     label_smoothing: float = 0.0
     z_loss: float = 0.0
+    loss_chunks: int = 0
 
     @classmethod
     def build(cls, model_config, tokenizer, settings, *, model_name: str) -> MaskedLM:
@@ -51,7 +55,7 @@ class MaskedLM(Objective):
         return cls(mask_id=int(tokenizer.mask_id), vocab_size=model_config.vocab_size,
                    special_ids=tuple(sorted(int(i) for i in tokenizer.special_ids)),
                    masking=settings.masking, label_smoothing=settings.label_smoothing,
-                   z_loss=settings.z_loss)
+                   z_loss=settings.z_loss, loss_chunks=settings.loss_chunks)
 
     def pipeline_options(self) -> dict:
         return {"text_role": "sentence"}        # the tokenizer's model-input template
@@ -72,11 +76,11 @@ class MaskedLM(Objective):
     def loss_sums(self, model, params, batch: dict, task: dict, *, dropout_rng, sample_rng,
                   step, train: bool) -> dict:
         del sample_rng, step
-        logits_BTV = model.apply({"params": params}, task["inputs"],
-                                 segment_ids=batch["targets_segmentation"],
-                                 positions=batch["targets_position"],
-                                 deterministic=not train,
-                                 rngs={"dropout": dropout_rng} if train else None)
-        return losses.cross_entropy(logits_BTV, task["targets"], task["weights"],
-                                    label_smoothing=self.label_smoothing if train else 0.0,
-                                    z_loss=self.z_loss)
+        out = model.apply({"params": params}, task["inputs"],
+                          segment_ids=batch["targets_segmentation"],
+                          positions=batch["targets_position"], deterministic=not train,
+                          rngs={"dropout": dropout_rng} if train else None,
+                          method="encode" if self.loss_chunks else None)
+        return chunked_loss.token_sums(
+            model, params, out, task["targets"], task["weights"], chunks=self.loss_chunks,
+            label_smoothing=self.label_smoothing if train else 0.0, z_loss=self.z_loss)

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from models.errors import UserError
-from train import losses
+from train import chunked_loss
 from train.objectives import moe_terms
 from train.objectives.base import Objective
 from train.objectives.scheduled_sampling import ScheduledSampling, mix_predictions
@@ -41,9 +41,10 @@ def shift_right(targets_BT, positions_BT, segmentation_BT, bos_id: int):
 
 
 def forward(model, params, batch, decoder_inputs, *, dropout_rng, deterministic: bool,
-            mutable=False):
+            mutable=False, method=None):
     """Teacher-forced logits `[B, T, V]` for either generative family, segments respected;
-    with `mutable` collections (`moe_terms.COLLECTIONS`), (logits, those collections)."""
+    with `mutable` collections (`moe_terms.COLLECTIONS`), (logits, those collections).
+    `method="hidden"`: the last hidden states `[B, T, D]` instead of the logits."""
     rngs = None if deterministic else {"dropout": dropout_rng}
     if model.config.is_encoder_decoder:
         return model.apply({"params": params}, batch["inputs"], decoder_inputs,
@@ -51,11 +52,12 @@ def forward(model, params, batch, decoder_inputs, *, dropout_rng, deterministic:
                            tgt_segment_ids=batch["targets_segmentation"],
                            src_positions=batch["inputs_position"],
                            tgt_positions=batch["targets_position"],
-                           deterministic=deterministic, rngs=rngs, mutable=mutable)
+                           deterministic=deterministic, rngs=rngs, mutable=mutable,
+                           method=method)
     return model.apply({"params": params}, decoder_inputs,
                        segment_ids=batch["targets_segmentation"],
                        positions=batch["targets_position"], deterministic=deterministic,
-                       rngs=rngs, mutable=mutable)
+                       rngs=rngs, mutable=mutable, method=method)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,16 +68,21 @@ class NextToken(Objective):
         bos_id: the start token every segment's decoder input begins with.
         encoder_decoder: the model reads `inputs` (sources) too.
         label_smoothing, z_loss: the training loss's (`train.losses.cross_entropy`).
+        loss_chunks: 0, or the loss in this many slices of the sequence without the whole
+            logits (`train.chunked_loss`; scheduled sampling's first pass, which has no
+            gradient, still makes them).
         scheduled_sampling: the second pass's schedule (off by default).
         decodes: evaluations decode and score against references (translation).
     """
 
     name = "next token"
     takes_scheduled_sampling = True
+    takes_loss_chunks = True
     bos_id: int
     encoder_decoder: bool = False
     label_smoothing: float = 0.0
     z_loss: float = 0.0
+    loss_chunks: int = 0
     scheduled_sampling: ScheduledSampling = dataclasses.field(
         default_factory=ScheduledSampling)
     decodes: bool = False
@@ -93,6 +100,7 @@ class NextToken(Objective):
         return cls(bos_id=int(model_config.bos_id),
                    encoder_decoder=model_config.is_encoder_decoder,
                    label_smoothing=settings.label_smoothing, z_loss=settings.z_loss,
+                   loss_chunks=settings.loss_chunks,
                    scheduled_sampling=settings.scheduled_sampling, decodes=decodes)
 
     def init_inputs(self, row: dict) -> tuple[tuple, str | None]:
@@ -117,17 +125,23 @@ class NextToken(Objective):
                                      segmentation, rate=self.scheduled_sampling.rate(step),
                                      rng=sample_rng)
         routed = moe_terms.collects(model.config)
-        logits = forward(model, params, batch, dec_in, dropout_rng=dropout_rng,
-                         deterministic=not train,
-                         mutable=moe_terms.COLLECTIONS if routed else False)
-        logits, router = logits if routed else (logits, None)
-        sums = losses.cross_entropy(logits, task["targets"], task["weights"],
-                                    label_smoothing=self.label_smoothing if train else 0.0,
-                                    z_loss=self.z_loss)
+        out = forward(model, params, batch, dec_in, dropout_rng=dropout_rng,
+                      deterministic=not train,
+                      mutable=moe_terms.COLLECTIONS if routed else False,
+                      method="hidden" if self.loss_chunks else None)
+        out, router = out if routed else (out, None)
+        sums = self.token_sums(model, params, out, task, train=train)
         if routed:                # a mixture of experts: its router's terms (moe_terms)
             sums = moe_terms.add_router_terms(sums, model.config, router, task["weights"],
                                               train=train)
         return sums
+
+    def token_sums(self, model, params, out, task: dict, *, train: bool) -> dict:
+        """The token loss's sums of `out`: the logits, or with `loss_chunks` the last
+        hidden states, which the head scores slice by slice (`train.chunked_loss`)."""
+        return chunked_loss.token_sums(
+            model, params, out, task["targets"], task["weights"], chunks=self.loss_chunks,
+            label_smoothing=self.label_smoothing if train else 0.0, z_loss=self.z_loss)
 
     def evaluate(self, run, state, *, final: bool) -> tuple[dict, dict | None]:
         """Decoded scores: greedy (and beam search, on up to 100 examples) on

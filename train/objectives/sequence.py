@@ -76,13 +76,14 @@ class SequenceLevel(Objective):
 
     @classmethod
     def check_settings(cls, settings, model_config, *, model_name: str) -> None:
-        """Refuses scheduled sampling: the candidates are the model's own outputs already."""
-        del model_config, model_name
+        """Refuses scheduled sampling: the candidates are the model's own outputs already;
+        and `loss_chunks`: the candidates' pass needs their whole logits."""
         if settings.scheduled_sampling.enabled:
             raise UserError(f"scheduled_sampling.enabled=True is next-token prediction's "
                             f"option; sequence.objective={settings.sequence.objective!r} "
                             "trains on the model's own candidates already (set one of the "
                             "two)")
+        super().check_settings(settings, model_config, model_name=model_name)
 
     @classmethod
     def build(cls, model_config, tokenizer, settings, *, model_name: str,

@@ -41,7 +41,6 @@ import jax.numpy as jnp
 from jax import lax
 
 from models.errors import UserError
-from train import losses
 from train.objectives.next_token import NextToken, shift_right
 
 ENCODER_PARTS = ("src_embed", "encoder")      # a Whisper's parameters that freeze_encoder fixes
@@ -99,7 +98,8 @@ class Speech(NextToken):
                             f"model's {list(whisper.eos_ids)}")
         return cls(bos_id=prompt[0], encoder_decoder=True,
                    label_smoothing=settings.label_smoothing, z_loss=settings.z_loss,
-                   decodes=True, prompt=prompt, language=language, task=task,
+                   loss_chunks=settings.loss_chunks, decodes=True, prompt=prompt,
+                   language=language, task=task,
                    freeze_encoder=settings.freeze_encoder, audio=model_config.audio)
 
     def pipeline_options(self) -> dict[str, Any]:
@@ -132,12 +132,12 @@ class Speech(NextToken):
         del sample_rng, step
         dec_in = shift_right(batch["targets"], batch["targets_position"],
                              batch["targets_segmentation"], self.bos_id)
-        logits = model.apply({"params": self.trained(params)}, batch["inputs"], dec_in,
-                             deterministic=not train,
-                             rngs={"dropout": dropout_rng} if train else None)
-        return losses.cross_entropy(logits, task["targets"], task["weights"],
-                                    label_smoothing=self.label_smoothing if train else 0.0,
-                                    z_loss=self.z_loss)
+        params = self.trained(params)
+        out = model.apply({"params": params}, batch["inputs"], dec_in,
+                          deterministic=not train,
+                          rngs={"dropout": dropout_rng} if train else None,
+                          method="hidden" if self.loss_chunks else None)
+        return self.token_sums(model, params, out, task, train=train)
 
     def evaluate(self, run, state, *, final: bool) -> tuple[dict, dict | None]:
         """WER and CER of greedy transcriptions of `num_eval_decode` validation clips
