@@ -16,8 +16,8 @@ one JSON line per measurement:
   (sacrebleu), and the fraction of output tokens equal to float32's.
 
 Shapes (`--only speed` lines name them): opus-mt  B16/B1, source 32, 32 new tokens;
-gpt2-small and llama-1b  prompt 32, 32 new tokens (llama-1b: 8). `--quick`: tiny shapes
-and few tokens, for the suite.
+gpt2-small  prompt 32, 32 new tokens; llama-1b  prompt 8, 8 new tokens. `--quick`: tiny
+shapes and 8 tokens, for the suite.
 """
 
 from __future__ import annotations
@@ -140,12 +140,12 @@ def speed_lines(quick: bool, repeats: int):
     for name, fields in shapes(quick).items():
         cfg = _config(fields)
         seq2seq = cfg.is_encoder_decoder
-        new = 8 if quick or name == "llama-1b" else 32
+        new = prompt = 8 if quick or name == "llama-1b" else 32
         strategies = ("greedy", "beam4") if seq2seq else ("greedy",)
         for batch in (16, 1):
-            cases.append((name, cfg, batch, new, strategies))
-    for name, cfg, batch, new, strategies in cases:
-        prompts = _init_args(cfg, batch, 32 if not quick else 8)[0]
+            cases.append((name, cfg, batch, prompt, new, strategies))
+    for name, cfg, batch, prompt, new, strategies in cases:
+        prompts = _init_args(cfg, batch, prompt)[0]
         lengths = jnp.full((batch,), prompts.shape[1], jnp.int32)
         model = models.build(cfg)
         params = jax.jit(model.init)(jax.random.key(0), *_init_args(cfg, 1, 8))["params"]
