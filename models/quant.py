@@ -231,10 +231,10 @@ def nbytes(tree) -> int:
 
 
 class Embed(nn.Embed):
-    """`nn.Embed` whose table may be `Quantized` ([V, D] with V as its leading axis: one
-    scale per token row, int4 per row and group): rows are looked up in their integers and
-    rebuilt, and the tied output projection (`attend`) contracts the integers and scales
-    each token's logit."""
+    """`nn.Embed` whose table may be `Quantized`. A quantized table is stored as the output
+    projection a tied head reads, [D, V] with one scale per token (int4: per token and
+    group of D), so `attend` is an ordinary quantized projection; a lookup takes each
+    token's column of integers and rebuilds it."""
 
     def setup(self):
         table = stored(self, "embedding")
@@ -249,26 +249,16 @@ class Embed(nn.Embed):
             return super().__call__(inputs)
         if not jnp.issubdtype(inputs.dtype, jnp.integer):
             raise ValueError("Input type must be an integer or unsigned integer.")
-        rows = Quantized(jnp.take(table.values, inputs, axis=0),
-                         jnp.take(table.scales, inputs, axis=0), table.scheme,
-                         table.in_shape, table.out_shape)
-        return rows.dequantize(self.dtype or jnp.float32)
+        columns = Quantized(jnp.take(table.values, inputs, axis=-1),
+                            jnp.take(table.scales, inputs, axis=-1), table.scheme,
+                            table.in_shape, tuple(inputs.shape))
+        return jnp.moveaxis(columns.dequantize(self.dtype or jnp.float32), 0, -1)
 
     def attend(self, query):
         table = self.embedding
         if not isinstance(table, Quantized):
             return super().attend(query)
-        dtype = self.dtype or jnp.float32
-        if table.scheme == "int8":
-            logits = jnp.dot(query.astype(dtype), table.values.astype(dtype).T)
-            return logits * table.scales.astype(dtype)[(None,) * (logits.ndim - 1)]
-        if table.scheme == "w8a8":
-            q_q, q_scale = quantize_rows(query)
-            logits = _integer_product(q_q.reshape(-1, q_q.shape[-1]), table.values.T)
-            logits = logits.reshape(*query.shape[:-1], -1)
-            return (logits.astype(dtype) * q_scale.astype(dtype)
-                    * table.scales.astype(dtype)[(None,) * (logits.ndim - 1)])
-        return jnp.dot(query.astype(dtype), table.dequantize(dtype).T)
+        return dense(query, table, self.dtype or jnp.float32)
 
 
 class Dense(nn.Dense):

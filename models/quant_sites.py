@@ -36,6 +36,7 @@ class Site:
     path: tuple[str, ...]
     n_in: int
     n_out: int
+    transposed: bool = False      # a [V, D] table, stored as the [D, V] head that reads it
 
 
 def sites(config: TransformerConfig, *, embeddings: bool = False) -> list[Site]:
@@ -66,8 +67,9 @@ def sites(config: TransformerConfig, *, embeddings: bool = False) -> list[Site]:
             elif embeddings and isinstance(module, Dense):
                 found[(*where, "kernel")] = Site((*where, "kernel"), 1, 1)
         if embeddings and isinstance(module, Embed) and context.method_name in (
-                "__call__", "attend"):          # [V, D]: a scale per token (V leads)
-            found[(*module.path, "embedding")] = Site((*module.path, "embedding"), 1, 0)
+                "__call__", "attend"):          # [V, D] -> [D, V]: a scale per token
+            found[(*module.path, "embedding")] = Site((*module.path, "embedding"), 1, 1,
+                                                      transposed=True)
         return next_fun(*args, **kwargs)
 
     model = build(config.replace(lora=None))
@@ -135,7 +137,7 @@ def quantize_params(params, config: TransformerConfig, scheme: str, *,
         if name not in parent:
             raise UserError(f"the params have no {'/'.join(site.path)}, which a model of "
                             "this config has: are they this config's?")
-        kernel = parent[name]
+        kernel = parent[name].T if site.transposed else parent[name]
         n_lead = kernel.ndim - site.n_in - site.n_out
         parent[name] = _quantize_jit(kernel, scheme, n_lead, site.n_in, group,
                                      "/".join(site.path))
