@@ -5,10 +5,17 @@ built as the trainer builds it, compiled from abstract shapes, and its memory.
     wrapper, tx = make_wrapper(model, settings, mesh_shape=None, rows=16)   # pmap
     compiled, seconds, batch_bytes = compile_step(wrapper, model, tx, {"targets": (16, 64)})
     step_memory(compiled, batch_bytes)                # per-device bytes of the compiled step
+
+`StepSettings()` stands in for `bench_settings()` where the run config cannot be read: its
+checks open the dataset's builder, which needs TFDS. Nothing a data-parallel step needs
+imports TFDS, grain, orbax or ml_collections (`python -m bench.accelerator` runs on a GPU
+image that has none of them); the sharded wrappers and the run config import them when
+used.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 
@@ -16,19 +23,34 @@ import jax
 import jax.numpy as jnp
 
 import models
-from train import configs, setup, state as state_lib
+from train import state as state_lib
 from train.objectives import NextToken
-from train.run_config import RunConfig
-from train.settings import ParallelSettings
+from train.parallel import DataParallel
+from train.settings import LoopSettings, ObjectiveSettings, OptimizerSettings, ParallelSettings
 from train.step import Steps
 
 
-def bench_settings() -> RunConfig:
-    """The default run's config with a 1000-step schedule warming up over 100 steps (the
-    optimiser, loss and objective settings every benchmarked step uses)."""
+def bench_settings():
+    """The default run's config (a `train.run_config.RunConfig`) with a 1000-step schedule
+    warming up over 100 steps (the optimiser, loss and objective settings every benchmarked
+    step uses)."""
+    from train import configs
+    from train.run_config import RunConfig
     config = configs.get("default")
     config.update(num_train_steps=1000, warmup_steps=100)
     return RunConfig.from_config(config)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSettings:
+    """The three parts of a run config that `make_wrapper` reads, made directly: the
+    trainer's defaults (adamw behind clipping at 1.0, label smoothing 0.1) unless given.
+    What the step computes and costs is the same as under `bench_settings()` but for the
+    learning rate's values."""
+
+    optimizer: OptimizerSettings = dataclasses.field(default_factory=OptimizerSettings)
+    objective: ObjectiveSettings = dataclasses.field(default_factory=ObjectiveSettings)
+    loop: LoopSettings = dataclasses.field(default_factory=LoopSettings)
 
 
 def make_state_fn(model, tx, base_dtype=None):
@@ -52,14 +74,14 @@ def param_count(model) -> int:
     return sum(math.prod(x.shape) for x in jax.tree.leaves(params))
 
 
-def make_wrapper(model, settings: RunConfig, *, mesh_shape=None, rows: int,
-                 parallel: str = "pmap"):
+def make_wrapper(model, settings, *, mesh_shape=None, rows: int, parallel: str = "pmap"):
     """The trainer's wrapper of `model`'s next-token steps (`train.setup.make_wrapper`):
     `parallel` ("pmap" or "shard_map") when `mesh_shape` is None, else sharded over that
     (data, fsdp, tensor) mesh of all devices with the default rules.
 
     Args:
-        settings: the run config whose optimiser and objective settings the steps use.
+        settings: the run config (`bench_settings()`) or a `StepSettings`, whose
+            optimiser, objective and loop length the steps use.
         rows: the global batch, which must divide over data x fsdp.
 
     Returns:
@@ -71,11 +93,12 @@ def make_wrapper(model, settings: RunConfig, *, mesh_shape=None, rows: int,
     tx, schedule = state_lib.make_optimizer(settings.optimizer, settings.loop.num_train_steps)
     objective = NextToken.build(model.config, None, settings.objective, model_name="bench")
     steps = Steps(model, objective, schedule, settings.optimizer.grad_accum_steps)
-    where = (ParallelSettings(parallel=parallel) if mesh_shape is None
-             else ParallelSettings(parallel="sharded", mesh_shape=tuple(mesh_shape)))
+    if mesh_shape is None:                      # what train.setup.make_wrapper makes of it
+        return DataParallel(parallel, *steps.functions()), tx
+    from train import setup
+    where = ParallelSettings(parallel="sharded", mesh_shape=tuple(mesh_shape))
     wrapper = setup.make_wrapper(where, steps, tx, seed=0)
-    if mesh_shape is not None:
-        wrapper.check_rows(rows)
+    wrapper.check_rows(rows)
     return wrapper, tx
 
 
