@@ -56,6 +56,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import models
+from bench import chips
 from bench.common import (
     bench_settings,
     compile_step,
@@ -68,20 +69,11 @@ from bench.decode import best_of, timed
 from bench.largest import largest_models, parse_bytes
 from models.layers import GATED
 
-# Dense (no sparsity) datasheet peaks, FLOP/s, by device kind substring and dtype.
-CHIP_PEAKS = {
-    "H100": {"bfloat16": 989e12, "float32": 67e12},
-    "H200": {"bfloat16": 989e12, "float32": 67e12},
-    "A100": {"bfloat16": 312e12, "float32": 19.5e12},
-}
-
 
 def chip_peak(dtype: str) -> float | None:
-    kind = jax.devices()[0].device_kind
-    for name, peaks in CHIP_PEAKS.items():
-        if name in kind:
-            return peaks.get(dtype)
-    return None
+    """The device's dense datasheet peak for `dtype` (`bench.chips`), None if unknown."""
+    chip = chips.find(jax.devices()[0].device_kind)
+    return chip.peak(dtype) if chip else None
 
 
 def measured_peak(dtype: str, n: int, repeats: int = 5) -> float:
