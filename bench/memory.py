@@ -53,10 +53,10 @@ LOSS_SLICE = 512          # positions per slice of the sliced loss: loss_chunks 
 
 
 def config(T: int, *, impl: str, policy: str | None, scan: bool = True,
-           block: int = 512) -> models.TransformerConfig:
+           block: int = 512, dtype: str = "float32") -> models.TransformerConfig:
     remat = {} if policy is None else dict(remat=True, remat_policy=policy)
     return models.TransformerConfig(**MODEL, max_len=T, attention_impl=impl, scan_layers=scan,
-                                    attention_block=block, **remat)
+                                    attention_block=block, dtype=dtype, **remat)
 
 
 def _tokens(T: int):
@@ -81,10 +81,12 @@ def _best_of(fn, args, runs: int = 3) -> float:
 
 
 def grad_line(T: int, *, impl: str, policy: str | None, scan: bool, timed: bool,
-              sliced: bool = False) -> dict:
+              sliced: bool = False, dtype: str = "float32") -> dict:
     """Memory (and time) of one gradient of the model at length T; `sliced`: the loss in
-    slices of `LOSS_SLICE` positions (`train.chunked_loss`), never the whole logits."""
-    cfg = config(T, impl=impl, policy=policy, scan=scan)
+    slices of `LOSS_SLICE` positions (`train.chunked_loss`), never the whole logits;
+    computing in `dtype` (parameters float32; `python -m bench.accelerator` asks for
+    bfloat16, which cuDNN needs)."""
+    cfg = config(T, impl=impl, policy=policy, scan=scan, dtype=dtype)
     model = models.build(cfg)
     tokens = _tokens(T)
     chunks = max(1, T // LOSS_SLICE) if sliced else 0
@@ -104,7 +106,7 @@ def grad_line(T: int, *, impl: str, policy: str | None, scan: bool, timed: bool,
     grad = jax.jit(jax.grad(loss))
     t0 = time.perf_counter()
     compiled = grad.lower(params, tokens).compile()
-    out = {"case": "grad", "T": T, "impl": impl, "policy": policy,
+    out = {"case": "grad", "T": T, "impl": impl, "policy": policy, "dtype": dtype,
            "layers": "scan" if scan else "loop", "loss": "sliced" if sliced else "whole",
            "loss_chunks": chunks, "compile_s": round(time.perf_counter() - t0, 2),
            **_memory(compiled)}
