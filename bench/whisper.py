@@ -1,4 +1,5 @@
 """python -m bench.whisper [--quick] [--batch 8] [--beams 4] [--new-tokens 32] [--repeats 3]
+       [--torch-device cpu|cuda]
 
 Whisper beam search, ours against transformers', measured in one run on the same random
 weights: a transformers `WhisperForConditionalGeneration` of whisper-tiny's shape (D 384,
@@ -9,7 +10,8 @@ Both decode `--batch` windows of random features with `--beams` beams:
 - ours: `decode.whisper.transcribe(pre, features, num_beams=W, max_new_tokens=N)`, jitted
   (the first call compiles; then the best of `--repeats`);
 - theirs: `model.generate(features, num_beams=W, max_new_tokens=N, min_new_tokens=N)` on
-  torch under `torch.no_grad()` (one warm-up call, then the best of `--repeats`).
+  torch under `torch.no_grad()` (one warm-up call, then the best of `--repeats`), on
+  `--torch-device` (default cpu; `python -m bench.accelerator` gives cuda on a GPU).
 
 Equal work: both run exactly N new tokens for every beam. transformers' min_new_tokens=N
 bans the end token until the N-th, where max_new_tokens stops every beam; ours bans it at
@@ -91,7 +93,8 @@ def best_of(fn, repeats: int) -> tuple[float, object]:
     return best, out
 
 
-def measure(shape: dict, *, batch: int, beams: int, new_tokens: int, repeats: int) -> dict:
+def measure(shape: dict, *, batch: int, beams: int, new_tokens: int, repeats: int,
+            torch_device: str = "cpu") -> dict:
     import torch
 
     from decode.whisper import WhisperSettings, transcribe
@@ -108,10 +111,13 @@ def measure(shape: dict, *, batch: int, beams: int, new_tokens: int, repeats: in
                          settings=settings)
         return np.asarray(jax.block_until_ready(out.tokens))
 
+    model.to(torch_device)
+    their_features = torch.as_tensor(features).to(torch_device)
+
     def theirs():
         with torch.no_grad():
-            return model.generate(torch.as_tensor(features), num_beams=beams,
-                                  max_new_tokens=new_tokens, min_new_tokens=new_tokens).numpy()
+            return model.generate(their_features, num_beams=beams, max_new_tokens=new_tokens,
+                                  min_new_tokens=new_tokens).cpu().numpy()
 
     t0 = time.perf_counter()
     ours()
@@ -125,6 +131,7 @@ def measure(shape: dict, *, batch: int, beams: int, new_tokens: int, repeats: in
             "d_model": shape["d_model"], "layers": [shape["encoder_layers"],
                                                     shape["decoder_layers"]],
             "vocab_size": shape["vocab_size"], "audio_s": audio_s,
+            "transformers_device": torch_device,
             "ours_first_call_s": round(first, 3), "ours_s": round(ours_s, 3),
             "transformers_s": round(theirs_s, 3), "speedup": round(theirs_s / ours_s, 2),
             "ours_audio_s_per_s": round(audio_s / ours_s, 1),
@@ -141,13 +148,15 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--beams", type=int, default=4)
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3, help="timed runs after the first")
+    p.add_argument("--torch-device", default="cpu",
+                   help="where transformers runs (cuda: on the GPU ours runs on)")
     args = p.parse_args(argv)
     print(json.dumps({"device": jax.devices()[0].device_kind,
                       "platform": jax.devices()[0].platform, "jax": jax.__version__}),
           flush=True)
     line = measure(QUICK if args.quick else TINY, batch=args.batch, beams=args.beams,
                    new_tokens=min(args.new_tokens, 8) if args.quick else args.new_tokens,
-                   repeats=args.repeats)
+                   repeats=args.repeats, torch_device=args.torch_device)
     print(json.dumps(line), flush=True)
     return [line]
 
