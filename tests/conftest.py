@@ -1,18 +1,31 @@
-"""One strict test environment: 4 fake CPU devices for pmap, rank promotion raises."""
+"""One strict test environment: 4 fake CPU devices for pmap, rank promotion raises.
+
+`ZOO_TEST_PLATFORM=cuda` (or `rocm`, `tpu`) runs the chosen tests on that machine's
+accelerator instead (`python -m bench.accelerator` does, with the tests that can use one):
+JAX on that platform alone (no silent fall-back to the CPU), no fake devices (a test that
+needs four is not for that run), no CPU compiler flags, and float32 matrix products at full
+precision, as on a CPU (a GPU's default is TF32, which the suite's float32 tolerances do
+not allow).
+"""
 
 import atexit
 import os
 import shutil
 import tempfile
 
+TEST_PLATFORM = os.environ.get("ZOO_TEST_PLATFORM", "cpu")
+ON_CPU = TEST_PLATFORM == "cpu"
 # Before JAX is imported anywhere: simulate 4 devices so multi-device code runs on CPU, and
 # compile for speed of compilation, not of the code: with tiny configs XLA's CPU compiler is
 # most of the suite's time, and these two flags halve it (LLVM -O0, classic loop fusions).
 # What a program computes does not depend on them; tolerances are unchanged.
 FAST_COMPILE_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 TEST_XLA_FLAGS = "--xla_force_host_platform_device_count=4 " + FAST_COMPILE_XLA_FLAGS
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + TEST_XLA_FLAGS).strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if ON_CPU:
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + TEST_XLA_FLAGS).strip()
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+else:
+    os.environ["JAX_PLATFORMS"] = TEST_PLATFORM
 # The command lines keep compiled executables in the user's cache directory: the ones the
 # tests start as processes keep them in a directory of the test session's instead.
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="zoo-test-cache-")
@@ -21,6 +34,8 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
+if not ON_CPU:
+    jax.config.update("jax_default_matmul_precision", "highest")
 
 # Each module drops its compiled programs after it (below), so a worker's memory stays
 # bounded; the persistent compilation cache keeps them on disk for the modules after it,
@@ -57,7 +72,13 @@ def _prepared_examples_read_once():
     example, 20,000-50,000 examples a split), and the suite trains hundreds of runs on the
     same few prepared datasets. Keyed on the prepared directory, which names the dataset,
     its config (a local dataset's hashes its files' paths and contents) and version, so a
-    changed dataset is read from disk. Runs started as processes read as a user's do."""
+    changed dataset is read from disk. Runs started as processes read as a user's do.
+    Without TFDS (an accelerator's image, running tests that read no dataset) there is
+    nothing to keep."""
+    import importlib.util
+    if importlib.util.find_spec("tensorflow_datasets") is None:
+        yield
+        return
     from tensorflow_datasets.core.data_sources.array_record import ArrayRecordDataSource
 
     from train.data.datasets import Dataset
