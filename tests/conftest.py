@@ -9,6 +9,7 @@ not allow).
 """
 
 import atexit
+import importlib.metadata
 import os
 import shutil
 import tempfile
@@ -19,7 +20,10 @@ ON_CPU = TEST_PLATFORM == "cpu"
 # compile for speed of compilation, not of the code: with tiny configs XLA's CPU compiler is
 # most of the suite's time, and these two flags halve it (LLVM -O0, classic loop fusions).
 # What a program computes does not depend on them; tolerances are unchanged.
-FAST_COMPILE_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+# (jaxlib 0.11's XLA has no fusion-emitter switch, and an unknown flag is fatal.)
+_JAXLIB = tuple(int(x) for x in importlib.metadata.version("jaxlib").split(".")[:2])
+FAST_COMPILE_XLA_FLAGS = "--xla_backend_optimization_level=0" + (
+    " --xla_cpu_use_fusion_emitters=false" if _JAXLIB < (0, 11) else "")
 TEST_XLA_FLAGS = "--xla_force_host_platform_device_count=4 " + FAST_COMPILE_XLA_FLAGS
 if ON_CPU:
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + TEST_XLA_FLAGS).strip()
