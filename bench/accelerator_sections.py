@@ -81,7 +81,8 @@ def device_section(dry: bool) -> dict:
     chip = chips.find(d.device_kind)
     test_platform = "cpu"
     if d.platform == "gpu":
-        test_platform = "rocm" if "rocm" in d.client.platform_version.lower() else "cuda"
+        version = getattr(getattr(d, "client", None), "platform_version", "") or ""
+        test_platform = "rocm" if "rocm" in version.lower() else "cuda"
     elif d.platform != "cpu":
         test_platform = d.platform
     return {
@@ -124,6 +125,7 @@ TRAIN_CANDIDATES = (
     ("cudnn", "dots", "trainer"),
     ("cudnn", None, "unpacked"), ("cudnn", "dots", "unpacked"), ("cudnn", "full", "unpacked"),
 )
+COMPILE_THREADS = 3
 # A dry run's: each way a candidate can go on a CPU (timed as the trainer runs it, timed
 # unpacked, refused), in a third of the compiling.
 DRY_TRAIN_CANDIDATES = (("chunked", "dots", "trainer"), ("xla", None, "unpacked"),
@@ -168,10 +170,10 @@ def _steps(wrapper, compiled, state, batch, n: int) -> tuple[object, list[float]
 def train_section(dry: bool, peak_flops: float | None = None) -> dict:
     """Model FLOP utilisation of the trainer's step (adamw behind clipping, label
     smoothing; bfloat16 compute, float32 parameters; scanned layers) on the Llama-1B
-    shape: every candidate of `TRAIN_CANDIDATES` compiled at once in threads (XLA's
-    compiler releases the GIL), each that fits timed for a few steps from one shared
-    state, the fastest timed again for the figure. MFU divides by `peak_flops` or the
-    chip's datasheet peak (none on a CPU)."""
+    shape: the candidates of `TRAIN_CANDIDATES` compiled `COMPILE_THREADS` at a time in
+    threads (XLA's compiler releases the GIL), each that fits timed for a few steps from
+    one shared state, the fastest timed again for the figure. MFU divides by `peak_flops`
+    or the chip's datasheet peak (none on a CPU)."""
     rows, length = (2, 64) if dry else (4, 2048)
     base = llama_1b(dry, dtype="bfloat16", max_len=length, scan_layers=True)
     settings = StepSettings()
@@ -179,7 +181,9 @@ def train_section(dry: bool, peak_flops: float | None = None) -> dict:
               ("targets", "targets_segmentation", "targets_position")}
     limit = jax.devices()[0].memory_stats() or {}
     candidates = DRY_TRAIN_CANDIDATES if dry else TRAIN_CANDIDATES
-    with concurrent.futures.ThreadPoolExecutor(max_workers=len(candidates)) as pool:
+    # XLA's GPU compiler times kernels on the device while it compiles (autotuning): a few
+    # compilations at once, not all, so their timings disturb each other little.
+    with concurrent.futures.ThreadPoolExecutor(max_workers=COMPILE_THREADS) as pool:
         built = list(pool.map(lambda c: _compile_candidate(base, c, settings, shapes,
                                                            limit.get("bytes_limit")),
                               candidates))
@@ -307,7 +311,7 @@ def memory_section(dry: bool) -> dict:
     (`bench.memory.grad_line`: scanned layers, full remat)."""
     from bench.memory import grad_line
     rows = []
-    for T in ((64, 128) if dry else (8192, 32768)):
+    for T in ((64,) if dry else (8192, 32768)):       # a dry run: one length, compiling is slow
         for impl in ("cudnn", "chunked"):
             try:
                 line = grad_line(T, impl=impl, policy="full", scan=True, timed=True,
