@@ -149,11 +149,18 @@ def _compile_candidate(base, candidate, settings, shapes, memory_limit):
         compiled, seconds, batch_bytes = compile_step(wrapper, model, tx, shapes)
     except UserError as e:
         return wrapper, tx, None, {**line, "status": "refused", "why": str(e)}
+    except Exception as e:          # a compiler's failure is a finding here
+        return wrapper, tx, None, {**line, "status": "error", "why": _first_line(e)}
     memory = step_memory(compiled, batch_bytes)
     line.update(compile_s=round(seconds, 1), per_device_bytes=memory.get("per_device_bytes"))
     if memory_limit and memory.get("per_device_bytes", 0) > 0.95 * memory_limit:
         return wrapper, tx, None, {**line, "status": "does not fit"}
     return wrapper, tx, compiled, {**line, "status": "compiled"}
+
+
+def _first_line(error: BaseException) -> str:
+    return f"{type(error).__name__}: {str(error).strip().splitlines()[0][:300]}" if str(
+        error).strip() else type(error).__name__
 
 
 def _steps(wrapper, compiled, state, batch, n: int) -> tuple[object, list[float]]:
@@ -197,10 +204,13 @@ def train_section(dry: bool, peak_flops: float | None = None) -> dict:
         if compiled is not None:
             if state is None:       # one state for all: no candidate changes a parameter
                 state = wrapper.init_state(make_state_fn(models.build(base), tx))
-            state = state.replace(tx=tx)
-            state, _ = _steps(wrapper, compiled, state, batch, 1)
-            state, times = _steps(wrapper, compiled, state, batch, 2 if dry else 4)
-            line.update(status="timed", step_s=round(min(times), 4))
+            try:
+                state, _ = _steps(wrapper, compiled, state.replace(tx=tx), batch, 1)
+                state, times = _steps(wrapper, compiled, state, batch, 2 if dry else 4)
+                line.update(status="timed", step_s=round(min(times), 4))
+            except Exception as e:  # out of memory at run time, say
+                line.update(status="error", why=_first_line(e))
+                state = None        # donated to the failed step: made again for the next
         lines.append(emit({"what": "train_candidate", **line}))
     timed_lines = [x for x in lines if x["status"] == "timed"]
     result = {"model": "llama-tiny" if dry else "llama-1b", "params": _params(base),
@@ -216,6 +226,8 @@ def train_section(dry: bool, peak_flops: float | None = None) -> dict:
     if timed_lines:
         best = min(timed_lines, key=lambda x: x["step_s"])
         wrapper, tx, compiled, _ = built[lines.index(best)]
+        if state is None:
+            state = wrapper.init_state(make_state_fn(models.build(base), tx))
         state, times = _steps(wrapper, compiled, state.replace(tx=tx), batch,
                               3 if dry else 10)
         step_s = statistics.median(times)
@@ -318,6 +330,8 @@ def memory_section(dry: bool) -> dict:
                                  dtype="bfloat16")
             except UserError as e:
                 line = {"case": "grad", "T": T, "impl": impl, "refused": str(e)}
+            except Exception as e:  # a kernel's failure is a finding here
+                line = {"case": "grad", "T": T, "impl": impl, "error": _first_line(e)}
             rows.append(emit(line))
     return {"model": "bench.memory's (4 layers, D 512, 8 heads), bfloat16, batch 1",
             "rows": rows}

@@ -134,6 +134,8 @@ def memory_cell(lines: list[dict], T: int) -> str:
             parts.append(f"{impl}: not measured")
         elif "refused" in x:
             parts.append(f"{impl}: refused ({x['refused'].split(': ', 1)[-1]})")
+        elif "error" in x:
+            parts.append(f"{impl}: failed ({x['error']})")
         else:
             parts.append(f"{impl} {_gb(x['temp_bytes'])}, {_ms(x.get('step_s'))}")
     return "; ".join(parts)
