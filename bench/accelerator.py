@@ -17,14 +17,14 @@ say which:
              datasheet figures (`bench.chips`), a measured copy bandwidth and bf16 matmul rate
     tests    pytest on the GPU (`ZOO_TEST_PLATFORM`, tests/conftest.py) over `GPU_TESTS`:
              attention implementations (cuDNN against the materialised core, forward and
-             gradients; chunked against it), decoding, LoRA, and quantized decoding once
-             `INT8_READY`; in a dry run only collected
+             gradients; chunked against it), decoding, LoRA, and quantized decoding
+             (`INT8_READY`); in a dry run only collected
     train    MFU of the trainer's bf16 step on the Llama-1B shape, for each attention
              implementation and remat policy (`bench.accelerator_sections.TRAIN_CANDIDATES`),
              the fastest timed again: model FLOPs (6N + attention, `bench.train.model_flops`)
              per second over the chip's dense bf16 peak (`--peak-tflops` overrides)
     decode   greedy decoding's step time on the Llama-1B shape at batch 1 and 8, bf16 weights
-             (and int8 weights once `INT8_READY`), against the HBM bound: (the weights' bytes
+             and int8 weights (`INT8_READY`), against the HBM bound: (the weights' bytes
              + the filled KV cache's) / the datasheet bandwidth (`--bandwidth` overrides)
     memory   gradient memory and time at T 8k and 32k, cuDNN against chunked attention
              (`bench.memory`'s model, bf16)
@@ -54,10 +54,10 @@ import time
 from bench.accelerator_table import markdown
 from models.errors import UserError
 
-# Another engineer's `models.quantize(params, "int8")` (issue 38) is not on this branch:
-# switch this on once it is merged, and the int8 decoding rows (`--int8` to the decode
-# section) and the quantized tests (`INT8_TESTS`) join the plan.
-INT8_READY = False
+# Quantized decoding in the plan: the int8 decoding rows (`--int8` to the decode section,
+# `models.quantize(params, config, "int8")`) and the quantized tests (`INT8_TESTS`). Off,
+# both leave the plan and the table says so (for a tree where models.quantize is absent).
+INT8_READY = True
 
 # The tests that can use an accelerator, run on it by the `tests` section (none needs the
 # suite's four fake devices or a dataset).
@@ -70,7 +70,7 @@ GPU_TESTS = (
     "tests/test_lora.py",                # LoRA
     "tests/test_lora_decode.py",
 )
-# Quantized decoding's tests, run once `INT8_READY` (check the file's name then).
+# Quantized decoding's tests, run with `INT8_READY`.
 INT8_TESTS = ("tests/test_quantize.py",)
 
 

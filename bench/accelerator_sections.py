@@ -35,6 +35,7 @@ from bench.decode import timed
 from bench.lora import SHAPES
 from bench.train import make_batch, measured_peak, model_flops
 from models.errors import UserError
+from models.quant import nbytes
 
 SECTIONS = ("device", "train", "decode", "memory")
 
@@ -254,10 +255,6 @@ def _params(cfg) -> int:
 
 # --- decode --------------------------------------------------------------------------
 
-def tree_bytes(tree) -> int:
-    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
-
-
 def decode_row(model, params, *, weights: str, batch: int, prompt: int, new: int,
                bandwidth: float) -> dict:
     """Greedy decoding of `new` tokens after `prompt` random ones, per step, against the
@@ -274,9 +271,9 @@ def decode_row(model, params, *, weights: str, batch: int, prompt: int, new: int
     _, first = timed(run)
     seconds = min(timed(run)[1] for _ in range(3))
     cache = jax.eval_shape(lambda: models.KVCache.create(cfg, batch, prompt + new))
-    per_slot = tree_bytes((cache.k, cache.v)) / (batch * (prompt + new))
+    per_slot = nbytes((cache.k, cache.v)) / (batch * (prompt + new))
     kv = batch * (prompt + (new - 1) / 2) * per_slot
-    weight_bytes = tree_bytes(params)
+    weight_bytes = nbytes(params)
     bound = (weight_bytes + kv) / bandwidth
     step = seconds / new
     return {"what": "decode", "weights": weights, "batch": batch, "prompt": prompt,
@@ -287,8 +284,10 @@ def decode_row(model, params, *, weights: str, batch: int, prompt: int, new: int
 
 
 def decode_section(dry: bool, bandwidth: float | None, int8: bool) -> dict:
-    """Greedy decoding of the Llama-1B shape (bfloat16 weights and compute; int8 weights
-    with `int8`) at batch 1 and 8 against the HBM bound: the datasheet bandwidth
+    """Greedy decoding of the Llama-1B shape (bfloat16 weights and compute; with `int8`
+    also `models.quantize(..., "int8", embeddings=True)`'s weights: every projection, the
+    token table and the head in int8 with per-channel scales) at batch 1 and 8 against
+    the HBM bound: the datasheet bandwidth
     (`bench.chips`) or `bandwidth`; without either (a CPU), the measured copy bandwidth."""
     prompt, new = (8, 8) if dry else (64, 256)
     cfg = llama_1b(dry, dtype="bfloat16", param_dtype="bfloat16", max_len=prompt + new)
@@ -302,8 +301,8 @@ def decode_section(dry: bool, bandwidth: float | None, int8: bool) -> dict:
     model = models.build(cfg)
     params = jax.jit(model.init)(jax.random.key(0), jnp.ones((1, 8), jnp.int32))["params"]
     trees = {"bfloat16": params}
-    if int8:
-        trees["int8"] = models.quantize(params, "int8")
+    if int8:          # the tables and head too, as bench.quantize's speed lines: a step
+        trees["int8"] = models.quantize(params, cfg, "int8", embeddings=True)  # reads all
     rows = []
     for weights, tree in trees.items():
         for batch in (1, 8):

@@ -39,10 +39,14 @@ def test_the_dry_run_writes_every_section_and_the_table(tmp_path):
     assert sections["device"]["status"] == sections["decode"]["status"] == "ok"
     decode = sections["decode"]["result"]
     assert decode["bandwidth_source"] == "measured copy"
-    assert [(r["weights"], r["batch"]) for r in decode["rows"]] == [("bfloat16", 1),
-                                                                     ("bfloat16", 8)]
+    weights = ("bfloat16", "int8") if accelerator.INT8_READY else ("bfloat16",)
+    assert [(r["weights"], r["batch"]) for r in decode["rows"]] == [
+        (w, b) for w in weights for b in (1, 8)]
+    by = {(r["weights"], r["batch"]): r for r in decode["rows"]}
     for row in decode["rows"]:
         assert row["s_per_step"] > 0 and row["fraction_of_bound"] > 0
+    if accelerator.INT8_READY:          # int8 values and scales: about half bf16's bytes
+        assert 0.4 < by["int8", 1]["weight_bytes"] / by["bfloat16", 1]["weight_bytes"] < 0.7
     assert sections["serve"]["status"] == "skipped"
     assert "of the 30 s budget left; it needs about 40 s" in sections["serve"]["reason"]
     for name in ("tests", "train", "memory", "whisper"):
@@ -52,6 +56,8 @@ def test_the_dry_run_writes_every_section_and_the_table(tmp_path):
     rows = _table_rows(report["markdown"])
     assert list(rows) == list(accelerator_table.ROWS) and all(rows.values())
     assert "of the HBM bound" in rows["decode step, bf16 weights, batch 8"]
+    assert ("of the HBM bound" if accelerator.INT8_READY else "not in the plan") in rows[
+        "decode step, int8 weights, batch 1"]
     assert rows["training MFU, Llama-1B shape, bf16 (best implementation and remat)"] == \
         "skipped: not in --only"
     assert "A dry run" in report["markdown"].splitlines()[0]
