@@ -104,7 +104,7 @@ PLAN = (
     Section("decode", 60, 15),
     Section("memory", 45, 15),
     Section("whisper", 60, 25, needs=("torch", "transformers")),
-    Section("serve", 90, 40),
+    Section("serve", 90, 20),
 )
 NAMES = tuple(s.name for s in PLAN)
 
@@ -260,6 +260,21 @@ def status_of(section: str, ran: Ran, result: dict, dry: bool) -> str:
     return "ok" if ran.code == 0 and not result.get("partial") else "error"
 
 
+def why_skipped(section: Section, chosen, *, left: float, budget: float,
+                own: float) -> str | None:
+    """Why `section` does not run (None: it runs): not chosen, a package it needs is
+    missing, or its budget `own` no longer fits in the `left` of the whole `budget`
+    (`device` always runs)."""
+    missing = [m for m in section.needs if importlib.util.find_spec(m) is None]
+    if section.name not in chosen:
+        return "not in --only"
+    if missing:
+        return f"needs {' and '.join(missing)}, which this Python lacks"
+    if left < own and section.name != "device":
+        return f"{left:.0f} s of the {budget:.0f} s budget left; it needs about {own:.0f} s"
+    return None
+
+
 def run_plan(args) -> dict:
     """Runs the chosen sections within the budget; the whole report (see the module
     docstring)."""
@@ -272,15 +287,9 @@ def run_plan(args) -> dict:
         own = section.dry_budget_s if args.dry_run else section.budget_s
         left = budget - (time.perf_counter() - start)
         entry = {"budget_s": own}
-        missing = [m for m in section.needs if importlib.util.find_spec(m) is None]
-        if section.name not in chosen:
-            entry.update(status="skipped", reason="not in --only")
-        elif missing:
-            entry.update(status="skipped", reason=f"needs {' and '.join(missing)}, "
-                                                  "which this Python lacks")
-        elif left < own and section.name != "device":
-            entry.update(status="skipped", reason=f"{left:.0f} s of the {budget:.0f} s "
-                                                  f"budget left; it needs about {own:.0f} s")
+        reason = why_skipped(section, chosen, left=left, budget=budget, own=own)
+        if reason:
+            entry.update(status="skipped", reason=reason)
         else:
             extra = {}
             if section.name in ("tests", "whisper"):     # several processes on one GPU

@@ -21,16 +21,16 @@ def _table_rows(text: str) -> dict[str, str]:
 
 @pytest.mark.slow
 def test_the_dry_run_writes_every_section_and_the_table(tmp_path):
-    """device and decode run; serve is skipped by the budget (saying so), the rest by --only."""
+    """device and decode run, the other sections are skipped by --only, saying so."""
     out = tmp_path / "accelerator.json"
     run = subprocess.run([sys.executable, "-m", "bench.accelerator", "--dry-run", "--only",
-                          "decode", "serve", "--budget", "30", "--out", str(out)],
+                          "decode", "--budget", "120", "--out", str(out)],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     report = json.loads(out.read_text())
     assert set(report) >= {"command", "dry_run", "date", "budget_s", "elapsed_s",
                            "int8_ready", "device", "sections", "markdown"}
-    assert report["dry_run"] is True and report["budget_s"] == 30
+    assert report["dry_run"] is True and report["budget_s"] == 120
     device = report["device"]
     assert device["platform"] == "cpu" and device["versions"]["jax"]
     assert {"kind", "memory_bytes", "chip", "measured_copy_bytes_per_s"} <= set(device)
@@ -47,9 +47,7 @@ def test_the_dry_run_writes_every_section_and_the_table(tmp_path):
         assert row["s_per_step"] > 0 and row["fraction_of_bound"] > 0
     if accelerator.INT8_READY:          # int8 values and scales: about half bf16's bytes
         assert 0.4 < by["int8", 1]["weight_bytes"] / by["bfloat16", 1]["weight_bytes"] < 0.7
-    assert sections["serve"]["status"] == "skipped"
-    assert "of the 30 s budget left; it needs about 40 s" in sections["serve"]["reason"]
-    for name in ("tests", "train", "memory", "whisper"):
+    for name in ("tests", "train", "memory", "whisper", "serve"):
         assert sections[name] == {"budget_s": sections[name]["budget_s"],
                                   "status": "skipped", "reason": "not in --only"}
     assert report["markdown"] in run.stdout
@@ -61,6 +59,21 @@ def test_the_dry_run_writes_every_section_and_the_table(tmp_path):
     assert rows["training MFU, Llama-1B shape, bf16 (best implementation and remat)"] == \
         "skipped: not in --only"
     assert "A dry run" in report["markdown"].splitlines()[0]
+
+
+def test_a_section_runs_only_when_chosen_equipped_and_within_the_budget():
+    serve, device = accelerator.PLAN[-1], accelerator.PLAN[0]
+    chosen = accelerator.check_only(["serve"])
+    assert chosen == ("device", "serve")
+    assert accelerator.why_skipped(serve, chosen, left=100, budget=480, own=90) is None
+    assert accelerator.why_skipped(serve, chosen, left=42.4, budget=480, own=90) == \
+        "42 s of the 480 s budget left; it needs about 90 s"
+    assert accelerator.why_skipped(device, chosen, left=0, budget=480, own=30) is None
+    assert accelerator.why_skipped(accelerator.PLAN[2], chosen, left=400, budget=480,
+                                   own=150) == "not in --only"
+    lacking = accelerator.Section("x", 1, 1, needs=("no_such_package_here",))
+    assert accelerator.why_skipped(lacking, ("x",), left=400, budget=480, own=1) == \
+        "needs no_such_package_here, which this Python lacks"
 
 
 def _full_report() -> dict:
