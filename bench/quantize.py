@@ -58,10 +58,14 @@ TINY_DECODER = dict(architecture="decoder_only", num_layers=2, d_model=128, num_
                     mlp_dim=256, vocab_size=1000, max_len=128)
 
 
+SHAPES = {"opus-mt": OPUS_MT, "gpt2-small": GPT2_SMALL, "llama-1b": LLAMA_1B}
+CHOSEN: tuple[str, ...] = tuple(SHAPES)          # --shapes
+
+
 def shapes(quick: bool) -> dict[str, dict]:
     if quick:
         return {"tiny-seq2seq": TINY, "tiny-decoder": TINY_DECODER}
-    return {"opus-mt": OPUS_MT, "gpt2-small": GPT2_SMALL, "llama-1b": LLAMA_1B}
+    return {name: SHAPES[name] for name in CHOSEN}
 
 
 def _config(fields: dict) -> models.TransformerConfig:
@@ -220,7 +224,14 @@ def main(argv=None) -> int:
     parser.add_argument("--examples", type=int, default=500,
                         help="test examples bleu translates (default 500)")
     parser.add_argument("--repeats", type=int, default=3, help="timed greedy runs")
+    parser.add_argument("--shapes", nargs="*", default=list(SHAPES), metavar="SHAPE",
+                        help=f"of {' '.join(SHAPES)} (default all)")
     args = parser.parse_args(argv)
+    wrong = sorted(set(args.shapes) - set(SHAPES))
+    if wrong:
+        parser.error(f"--shapes {' '.join(wrong)}: the shapes are {', '.join(SHAPES)}")
+    global CHOSEN
+    CHOSEN = tuple(args.shapes)
     unknown = sorted(set(args.only) - set(SECTIONS))
     if unknown:
         parser.error(f"--only {' '.join(unknown)}: the sections are {', '.join(SECTIONS)}")
