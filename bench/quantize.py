@@ -59,13 +59,12 @@ TINY_DECODER = dict(architecture="decoder_only", num_layers=2, d_model=128, num_
 
 
 SHAPES = {"opus-mt": OPUS_MT, "gpt2-small": GPT2_SMALL, "llama-1b": LLAMA_1B}
-CHOSEN: tuple[str, ...] = tuple(SHAPES)          # --shapes
 
 
-def shapes(quick: bool) -> dict[str, dict]:
+def shapes(quick: bool, chosen=tuple(SHAPES)) -> dict[str, dict]:
     if quick:
         return {"tiny-seq2seq": TINY, "tiny-decoder": TINY_DECODER}
-    return {name: SHAPES[name] for name in CHOSEN}
+    return {name: SHAPES[name] for name in chosen}
 
 
 def _config(fields: dict) -> models.TransformerConfig:
@@ -90,8 +89,8 @@ def quantized(params, config, scheme: str, *, embeddings: bool):
                            embeddings=embeddings)
 
 
-def bytes_lines(quick: bool):
-    for name, fields in shapes(quick).items():
+def bytes_lines(quick: bool, chosen):
+    for name, fields in shapes(quick, chosen).items():
         cfg = _config(fields)
         model = models.build(cfg)
         abstract = jax.eval_shape(lambda *a, m=model: m.init(jax.random.key(0), *a)["params"],
@@ -139,9 +138,9 @@ def _decode(strategy: str, model, params, prompts, lengths, new: int):
                               max_new_tokens=new, eos_id=None).tokens
 
 
-def speed_lines(quick: bool, repeats: int):
+def speed_lines(quick: bool, repeats: int, chosen):
     cases = []
-    for name, fields in shapes(quick).items():
+    for name, fields in shapes(quick, chosen).items():
         cfg = _config(fields)
         seq2seq = cfg.is_encoder_decoder
         new = prompt = 8 if quick or name == "llama-1b" else 32
@@ -230,8 +229,6 @@ def main(argv=None) -> int:
     wrong = sorted(set(args.shapes) - set(SHAPES))
     if wrong:
         parser.error(f"--shapes {' '.join(wrong)}: the shapes are {', '.join(SHAPES)}")
-    global CHOSEN
-    CHOSEN = tuple(args.shapes)
     unknown = sorted(set(args.only) - set(SECTIONS))
     if unknown:
         parser.error(f"--only {' '.join(unknown)}: the sections are {', '.join(SECTIONS)}")
@@ -239,9 +236,9 @@ def main(argv=None) -> int:
                           cores=os.cpu_count(), jax=jax.__version__)), flush=True)
     try:
         if "bytes" in args.only:
-            bytes_lines(args.quick)
+            bytes_lines(args.quick, args.shapes)
         if "speed" in args.only:
-            speed_lines(args.quick, args.repeats)
+            speed_lines(args.quick, args.repeats, args.shapes)
         if "bleu" in args.only:
             bleu_lines(args.workdir, args.examples)
     except UserError as e:
