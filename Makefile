@@ -45,6 +45,7 @@ bench: $(STAMP)
 	$(PY) -m bench.moe
 	$(PY) -m bench.whisper
 	$(PY) -m bench.serve
+	$(PY) -m bench.quantize
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
