@@ -166,7 +166,8 @@ class SelfAttention(nn.Module):
             q_BTNH = apply_rope(q_BTNH, positions_BT, *rope)
             k_BTKH = apply_rope(k_BTKH, positions_BT, *rope)
         if read_only:
-            out_BTNH = _attend_new(self, q_BTNH, cache.read(layer), (k_BTKH, v_BTKH),
+            out_BTNH = _attend_new(self, q_BTNH, cache.read(layer),   # own k/v as stored
+                                   cache.as_cached(k_BTKH, v_BTKH),
                                    positions_BT=positions_BT, spec=spec, bias=bias)
             return _dense_out(cfg)(out_BTNH, det), (k_BTKH, v_BTKH)
         if cache is None:

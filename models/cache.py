@@ -24,6 +24,11 @@ Writing T new tokens into a row with `lengths[b] = 3` fills slots 3 .. 3+T-1:
 Slots at or beyond `lengths[b]` may hold stale values (the padding of a right-padded prompt
 after prefill); a query reads only slots before its own position (causal over absolute
 positions, and a decoding step's `filled` slots).
+
+An int8 cache (`create(..., dtype="int8")`, `models.cache_int8`) holds int8 keys and values
+and their scales, `k_scale` and `v_scale` ([B, K, S, 1] per layer: the layout of `k` and
+`v` with H = 1), quantized by `write` and `commit` and dequantized by `read`. Every other
+operation treats the four self-attention leaves alike (`SELF_FIELDS`).
 """
 
 from __future__ import annotations
@@ -32,10 +37,16 @@ import flax.struct
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
+from models.cache_int8 import as_cached, empty_self, layers_dtype, quantize, read_kv
 from models.config import TransformerConfig
 from models.errors import UserError, check_positive_int, is_int
 
 Layers = Float[Array, "L B K S H"] | tuple[Float[Array, "B K S H"], ...]
+
+# The self-attention leaves of every cache, laid out alike per layer (the scales, present
+# only in an int8 cache, with H = 1): written at the same rows and slots, gathered by the
+# same rows, padded into the same beam regions, paged into the same pages.
+SELF_FIELDS = ("k", "v", "k_scale", "v_scale")
 
 
 def per_layer(x_L, looped: bool):
@@ -80,6 +91,34 @@ def _read(x: Layers, layer):
     return jnp.swapaxes(x[layer], 1, 2)
 
 
+def self_leaves(cache) -> dict:
+    """The cache's self-attention leaves by name (`SELF_FIELDS`; the scales only when it
+    is int8)."""
+    return {n: getattr(cache, n) for n in SELF_FIELDS if getattr(cache, n) is not None}
+
+
+def map_self(fn, cache) -> dict:
+    """`fn` applied to every layer of every self-attention leaf (`map_layers`), as
+    `replace` keywords."""
+    return {n: map_layers(fn, x) for n, x in self_leaves(cache).items()}
+
+
+def written(cache, layer, rows, slots, k_new, v_new) -> dict:
+    """The self-attention leaves with `k_new` / `v_new` written at (rows, slots) of `layer`
+    (`_set_rows`), as `replace` keywords; an int8 cache quantizes them first and writes
+    their scales at the same places."""
+    if cache.k_scale is None:
+        return dict(k=_set_rows(cache.k, layer, rows, slots, k_new),
+                    v=_set_rows(cache.v, layer, rows, slots, v_new))
+    out, dtype = {}, layers_dtype(cache.k_scale)
+    for name, new in (("k", k_new), ("v", v_new)):
+        q, scale = quantize(new, dtype)
+        out[name] = _set_rows(getattr(cache, name), layer, rows, slots, q)
+        out[f"{name}_scale"] = _set_rows(getattr(cache, f"{name}_scale"), layer, rows, slots,
+                                         scale)
+    return out
+
+
 @flax.struct.dataclass
 class KVCache:
     """Decoding state of a transformer decoder.
@@ -93,6 +132,8 @@ class KVCache:
             Bs divides B: beams of one source share its rows (B = Bs * beams).
         cross_v: cross-attention values, likewise, or None.
         cross_mask: bool[Bs, Ssrc] True at real (non-padding) source tokens, or None.
+        k_scale, v_scale: an int8 cache's scales per layer [B, K, S, 1] (k and v then
+            int8); None in a float cache.
     """
 
     k: Layers
@@ -101,23 +142,27 @@ class KVCache:
     cross_k: Layers | None = None
     cross_v: Layers | None = None
     cross_mask: Bool[Array, "Bs Ssrc"] | None = None
+    k_scale: Layers | None = None
+    v_scale: Layers | None = None
 
     @classmethod
     def create(cls, config: TransformerConfig, batch_size: int,
-               cache_len: int | None = None) -> KVCache:
+               cache_len: int | None = None, *, dtype: str = "auto") -> KVCache:
         """An empty cache of `cache_len` slots (default `config.max_len`) per row, in the
-        layout of the config's stack."""
+        layout of the config's stack: keys and values in the config's dtype ("auto"), or
+        int8 with a scale per token per kv head ("int8", `models.cache_int8`).
+
+        Raises:
+            UserError: a size out of range, or a dtype not in `KV_CACHE_DTYPES`.
+        """
         cache_len = config.max_len if cache_len is None else cache_len
         batch_size = check_positive_int(batch_size, "batch_size")
         if not is_int(cache_len) or not 1 <= cache_len <= config.max_len:
             raise UserError(
                 f"cache_len={cache_len!r} must be an int in [1, max_len={config.max_len}]")
         shape = (batch_size, config.num_kv_heads, int(cache_len), config.head_dim)
-        if config.scan_layers:
-            zeros = jnp.zeros((config.decoder_layers, *shape), config.dtype)
-        else:
-            zeros = tuple(jnp.zeros(shape, config.dtype) for _ in range(config.decoder_layers))
-        return cls(k=zeros, v=zeros, lengths=jnp.zeros((batch_size,), jnp.int32))
+        return cls(**empty_self(config, shape, dtype),
+                   lengths=jnp.zeros((batch_size,), jnp.int32))
 
     @property
     def batch_size(self) -> int:
@@ -129,7 +174,11 @@ class KVCache:
 
     def read(self, layer):
         """Keys and values of `layer` as [B, S, K, H]."""
-        return _read(self.k, layer), _read(self.v, layer)
+        return read_kv(self, layer, _read)
+
+    def as_cached(self, k_BTKH, v_BTKH):
+        """New keys and values as a read will give them back once written (`as_cached`)."""
+        return as_cached(self, k_BTKH, v_BTKH)
 
     def key_positions(self) -> Int[Array, "B S"]:
         """The position of each slot's key: slot s holds position s."""
@@ -153,8 +202,7 @@ class KVCache:
         """
         rows_BT = jnp.broadcast_to(jnp.arange(k_BTKH.shape[0], dtype=jnp.int32)[:, None],
                                    positions_BT.shape)
-        return self.replace(k=_set_rows(self.k, layer, rows_BT, positions_BT, k_BTKH),
-                            v=_set_rows(self.v, layer, rows_BT, positions_BT, v_BTKH))
+        return self.replace(**written(self, layer, rows_BT, positions_BT, k_BTKH, v_BTKH))
 
     def commit(self, new_kv, active_B=None) -> KVCache:
         """Writes one token per row, every layer's (k_LBKH, v_LBKH) from a `read_step`, at
@@ -166,8 +214,7 @@ class KVCache:
         k_LBKH, v_LBKH = new_kv
         rows_B = jnp.arange(self.batch_size, dtype=jnp.int32)
         step = 1 if active_B is None else active_B.astype(jnp.int32)
-        return self.replace(k=_set_rows(self.k, None, rows_B, self.lengths, k_LBKH),
-                            v=_set_rows(self.v, None, rows_B, self.lengths, v_LBKH),
+        return self.replace(**written(self, None, rows_B, self.lengths, k_LBKH, v_LBKH),
                             lengths=self.lengths + step)
 
     def take_rows(self, rows_B) -> KVCache:
@@ -178,7 +225,7 @@ class KVCache:
 
         def take(x):
             return jnp.take(x, rows_B, axis=axis)
-        return self.replace(k=map_layers(take, self.k), v=map_layers(take, self.v),
+        return self.replace(**map_self(take, self),
                             lengths=jnp.take(self.lengths, rows_B, axis=0))
 
 
@@ -207,6 +254,7 @@ class BeamKVCache:
         lengths: int32[Bs * W] filled positions per beam (= the position of its next token).
         origin: int32[Bs, W, S] the region holding each beam's position s.
         cross_k, cross_v, cross_mask: as in `KVCache` (one row per source).
+        k_scale, v_scale: an int8 cache's scales, per layer [Bs, K, W * S, 1], or None.
         beams: W (static).
     """
 
@@ -217,6 +265,8 @@ class BeamKVCache:
     cross_k: Layers | None = None
     cross_v: Layers | None = None
     cross_mask: Bool[Array, "Bs Ssrc"] | None = None
+    k_scale: Layers | None = None
+    v_scale: Layers | None = None
     beams: int = flax.struct.field(pytree_node=False, default=1)
 
     @classmethod
@@ -234,8 +284,7 @@ class BeamKVCache:
             pad = [(0, 0)] * x.ndim
             pad[-2] = (0, (W - 1) * S)
             return jnp.pad(x, pad)
-        return cls(k=map_layers(regions, cache.k), v=map_layers(regions, cache.v),
-                   lengths=jnp.repeat(cache.lengths, W),
+        return cls(**map_self(regions, cache), lengths=jnp.repeat(cache.lengths, W),
                    origin=_own_after(jnp.zeros((Bs, W, S), jnp.int32), cache.lengths),
                    cross_k=cache.cross_k, cross_v=cache.cross_v, cross_mask=cache.cross_mask,
                    beams=W)
@@ -253,7 +302,11 @@ class BeamKVCache:
     def read(self, layer):
         """Keys and values of `layer` as [Bs, W * S, K, H]: every region of a source, read
         by its W beams (the attention core's keys shared by several query rows)."""
-        return _read(self.k, layer), _read(self.v, layer)
+        return read_kv(self, layer, _read)
+
+    def as_cached(self, k_RTKH, v_RTKH):
+        """New keys and values as a read will give them back once written (`as_cached`)."""
+        return as_cached(self, k_RTKH, v_RTKH)
 
     def _slots(self, positions_RT):
         """(source rows, slots) of each beam's positions: slot w * S + s of row b."""
@@ -268,8 +321,7 @@ class BeamKVCache:
         """Writes each beam's new keys/values of `layer` into its own region at
         `positions_RT`; positions past the last slot are not written."""
         rows, slots = self._slots(positions_RT)
-        return self.replace(k=_set_rows(self.k, layer, rows, slots, k_RTKH),
-                            v=_set_rows(self.v, layer, rows, slots, v_RTKH))
+        return self.replace(**written(self, layer, rows, slots, k_RTKH, v_RTKH))
 
     def commit(self, new_kv, active_R=None) -> BeamKVCache:
         """Writes each beam's new token, every layer's (k_LRKH, v_LRKH), into its own region
@@ -277,8 +329,7 @@ class BeamKVCache:
         k_LRKH, v_LRKH = new_kv
         rows, slots = self._slots(self.lengths[:, None])
         step = 1 if active_R is None else active_R.astype(jnp.int32)
-        return self.replace(k=_set_rows(self.k, None, rows[:, 0], slots[:, 0], k_LRKH),
-                            v=_set_rows(self.v, None, rows[:, 0], slots[:, 0], v_LRKH),
+        return self.replace(**written(self, None, rows[:, 0], slots[:, 0], k_LRKH, v_LRKH),
                             lengths=self.lengths + step)
 
     def key_positions(self) -> Int[Array, "Bs WS"]:

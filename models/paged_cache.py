@@ -19,6 +19,10 @@ run on it unchanged. `read` gathers each row's pages into a [B, M * page, K, H] 
 the jitted computation: what attention reads anyway (a paged attention kernel would read
 the pages in place, behind the same interface). Cross-attention keys/values belong to the
 row for its life: [B, K, Ssrc, H] per layer, written once per request (`set_cross`).
+
+An int8 pool (`create(..., dtype="int8")`, `models.cache_int8`) pages int8 keys and values
+and their scales ([P, K, page, 1] per layer) alike: a write quantizes each token into its
+page, a read gathers the int8 pages and dequantizes them.
 """
 
 from __future__ import annotations
@@ -27,7 +31,8 @@ import flax.struct
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Int
 
-from models.cache import Layers, _set_rows, layer_shape
+from models.cache import Layers, layer_shape, written
+from models.cache_int8 import as_cached, empty_self, read_kv
 from models.config import TransformerConfig
 from models.errors import UserError, check_positive_int
 
@@ -45,6 +50,7 @@ class PagedKVCache:
         lengths: int32[B] filled positions per row (= the position of its next token).
         cross_k, cross_v: cross-attention keys/values per layer [B, K, Ssrc, H], or None.
         cross_mask: bool[B, Ssrc] the real source positions of each row, or None.
+        k_scale, v_scale: an int8 pool's scales per layer [P, K, page, 1], or None.
     """
 
     k: Layers
@@ -54,17 +60,22 @@ class PagedKVCache:
     cross_k: Layers | None = None
     cross_v: Layers | None = None
     cross_mask: Bool[Array, "B Ssrc"] | None = None
+    k_scale: Layers | None = None
+    v_scale: Layers | None = None
 
     @classmethod
     def create(cls, config: TransformerConfig, *, rows: int, num_pages: int, page_size: int,
-               pages_per_row: int, source_len: int | None = None) -> PagedKVCache:
+               pages_per_row: int, source_len: int | None = None,
+               dtype: str = "auto") -> PagedKVCache:
         """An empty pool of `num_pages` pages of `page_size` tokens per layer and `rows`
         page tables of `pages_per_row` entries (all no page); with `source_len` (an
         encoder-decoder) zero cross-attention regions of that many positions per row.
+        `dtype`: "auto" pages keys and values in the config's dtype, "int8" as int8 with a
+        scale per token per kv head (`models.cache_int8`).
 
         Raises:
-            UserError: a size that is not a positive int, or rows whose pages would reach
-                past the model's max_len.
+            UserError: a size that is not a positive int, rows whose pages would reach
+                past the model's max_len, or a dtype not in `KV_CACHE_DTYPES`.
         """
         rows = check_positive_int(rows, "rows")
         num_pages = check_positive_int(num_pages, "num_pages")
@@ -74,7 +85,7 @@ class PagedKVCache:
             raise UserError(f"pages_per_row={pages_per_row} of page_size={page_size} reach "
                             f"past the model's max_len {config.max_len}")
         shape = (num_pages, config.num_kv_heads, page_size, config.head_dim)
-        cache = cls(k=_layers(config, shape), v=_layers(config, shape),   # apart: donated
+        cache = cls(**empty_self(config, shape, dtype),       # each leaf apart: donated
                     page_table=jnp.full((rows, pages_per_row), num_pages, jnp.int32),
                     lengths=jnp.zeros((rows,), jnp.int32))
         if source_len is None:
@@ -113,8 +124,7 @@ class PagedKVCache:
         """Writes the new keys/values of `layer` at each row's positions, into the pages
         its table names; a position without a page is not written."""
         pages_BT, offsets_BT = self._pages(positions_BT)
-        return self.replace(k=_set_rows(self.k, layer, pages_BT, offsets_BT, k_BTKH),
-                            v=_set_rows(self.v, layer, pages_BT, offsets_BT, v_BTKH))
+        return self.replace(**written(self, layer, pages_BT, offsets_BT, k_BTKH, v_BTKH))
 
     def commit(self, new_kv, active_B=None) -> PagedKVCache:
         """Writes one token per row, every layer's (k_LBKH, v_LBKH), at position
@@ -123,8 +133,7 @@ class PagedKVCache:
         pages_B1, offsets_B1 = self._pages(self.lengths[:, None])
         step = 1 if active_B is None else active_B.astype(jnp.int32)
         return self.replace(
-            k=_set_rows(self.k, None, pages_B1[:, 0], offsets_B1[:, 0], k_LBKH),
-            v=_set_rows(self.v, None, pages_B1[:, 0], offsets_B1[:, 0], v_LBKH),
+            **written(self, None, pages_B1[:, 0], offsets_B1[:, 0], k_LBKH, v_LBKH),
             lengths=self.lengths + step)
 
     def read(self, layer):
@@ -132,11 +141,16 @@ class PagedKVCache:
         its table's order (an entry without a page reads some page, never seen)."""
         table_BM = jnp.minimum(self.page_table, self.num_pages - 1)
 
-        def gather(x):
+        def gather(x, layer):
             pages_BMKpH = jnp.take(x[layer], table_BM, axis=0)
             B, M, K, page, H = pages_BMKpH.shape
             return pages_BMKpH.transpose(0, 1, 3, 2, 4).reshape(B, M * page, K, H)
-        return gather(self.k), gather(self.v)
+        return read_kv(self, layer, gather)
+
+    def as_cached(self, k_BTKH, v_BTKH):
+        """New keys and values as a read will give them back once written
+        (`models.cache_int8.as_cached`)."""
+        return as_cached(self, k_BTKH, v_BTKH)
 
     def key_positions(self) -> Int[Array, "B S"]:
         """Slot s of the gathered view holds position s."""

@@ -369,18 +369,22 @@ class EncoderDecoder(PlainInit, _CachedDecoder):
         return x_BTD
 
     def init_cache(self, src: Int[Array, "B S"], cache_len: int, beams: int = 1, *,
-                   src_lengths: Int[Array, " B"] | None = None) -> KVCache:
+                   src_lengths: Int[Array, " B"] | None = None,
+                   kv_cache_dtype: str = "auto") -> KVCache:
         """Encodes `src` once and returns an empty cache of `cache_len` decoder slots, with
         the cross-attention keys/values of every layer filled in.
 
         `src_lengths` are the right-padded sources' true lengths (None: no padding). With
         `beams` > 1 the self-attention part has B * beams rows (row b * beams + w is beam w
         of source b) while the cross-attention part keeps B rows, shared by beams.
+        `kv_cache_dtype` is the self-attention part's (`KVCache.create`'s dtype: "auto" or
+        "int8"); the cross-attention keys/values stay in the config's dtype.
         """
         beams = check_positive_int(beams, "beams")
         encoded_BSD = self.encode(src, lengths=src_lengths)
         cross_k, cross_v = self.cross_kv(encoded_BSD)
-        cache = KVCache.create(self.config, src.shape[0] * beams, cache_len)
+        cache = KVCache.create(self.config, src.shape[0] * beams, cache_len,
+                               dtype=kv_cache_dtype)
         looped = not self.config.scan_layers                  # the cache's layout
         return cache.replace(cross_k=per_layer(cross_k, looped),
                              cross_v=per_layer(cross_v, looped),
