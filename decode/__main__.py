@@ -169,6 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="no end token before this many (default: the directory's minimum)")
     p.add_argument("--no-repeat-ngram-size", type=_non_negative_int, default=None,
                    help="no n-gram of this size twice; 0 is off (default: the directory's)")
+    cli_request.add_cache_flags(p)
     p.add_argument("--batch-size", type=_positive_int, default=16,
                    help="inputs decoded together")
     p.add_argument("--truncate", action="store_true",

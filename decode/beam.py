@@ -105,15 +105,17 @@ class BeamInputs:
 
 @functools.partial(jax.jit, static_argnames=("model", "beam_size", "max_new_tokens", "cache_len",
                                              "eos_ids", "normalization", "no_repeat",
-                                             "constrained", "beam_cache", "cache_sharding"))
+                                             "constrained", "beam_cache", "cache_sharding",
+                                             "kv_cache_dtype"))
 def _beam_search(model, params, inputs: BeamInputs, *, beam_size, max_new_tokens, cache_len,
                  eos_ids, normalization, no_repeat, constrained=True, beam_cache="table",
-                 cache_sharding=None) -> BeamOutput:
+                 cache_sharding=None, kv_cache_dtype="auto") -> BeamOutput:
     """The jitted computation; `beam_search_arguments` gives its (args, static)."""
     W = beam_size
     prompts_BP, lengths_B = inputs.prompts, inputs.lengths
     logits_RV, cache = start_decoding(model, params, prompts_BP, lengths_B, cache_len, beams=W,
-                                      beam_cache=beam_cache, cache_sharding=cache_sharding)
+                                      beam_cache=beam_cache, cache_sharding=cache_sharding,
+                                      kv_cache_dtype=kv_cache_dtype)
     history = None
     if no_repeat:   # row b * W + w is beam w of source b
         prefix_BP, prefix_lengths_B = decoder_prefix(model.config, prompts_BP, lengths_B)
@@ -142,7 +144,9 @@ def beam_search_arguments(model: nn.Module, params, prompts, lengths,
             below (`DecodeRequest.beam_options`), and a keyword given too wins over its
             field.
         **options: the keywords:
-            max_new_tokens, eos_id, cache_len: as in `decode.generate_arguments`.
+            max_new_tokens, eos_id, cache_len, kv_cache_dtype: as in
+                `decode.generate_arguments` (an int8 cache's scales are reordered with
+                its keys and values, whichever `beam_cache`).
             beam_size: W >= 1 (static; default 4); W = 1 with length_penalty 0 is greedy
                 decoding.
             length_penalty: alpha, a scalar (default 0.6); traced, so changing it never
@@ -171,8 +175,8 @@ def beam_search_arguments(model: nn.Module, params, prompts, lengths,
     Returns:
         (args, static): `(model, params, BeamInputs)` and the static keywords `beam_size`,
         `max_new_tokens`, `cache_len`, `eos_ids`, `normalization`, `no_repeat`,
-        `constrained`, `beam_cache`, and `cache_sharding` when the params split their kv
-        heads over a mesh (absent otherwise).
+        `constrained`, `beam_cache`, `cache_sharding` when the params split their kv
+        heads over a mesh, and `kv_cache_dtype` when it is "int8" (both absent otherwise).
 
     Raises:
         UserError: naming the argument, its value and the limit it breaks (values only
@@ -190,14 +194,15 @@ def _keyword_arguments(model: nn.Module, params, prompts, lengths, *, beam_size:
                        forced_bos_id=None, forced_eos_id=None, banned_ids=(), min_new_tokens=0,
                        no_repeat_ngram_size=0, renormalize_logits=False,
                        early_stopping: bool | str = "never", cache_len: int | None = None,
-                       beam_cache: str = "table") -> tuple[tuple, dict]:
+                       beam_cache: str = "table",
+                       kv_cache_dtype: str = "auto") -> tuple[tuple, dict]:
     """`beam_search_arguments` on its keywords alone (their defaults are the keyword API's)."""
     cfg = model.config
     shared = shared_arguments(
         model, params, prompts, lengths, max_new_tokens=max_new_tokens, cache_len=cache_len,
         eos_id=eos_id, forced_bos_id=forced_bos_id, forced_eos_id=forced_eos_id,
         banned_ids=banned_ids, min_new_tokens=min_new_tokens,
-        no_repeat_ngram_size=no_repeat_ngram_size)
+        no_repeat_ngram_size=no_repeat_ngram_size, kv_cache_dtype=kv_cache_dtype)
     beam_size = check_positive_int(beam_size, "beam_size")
     if beam_cache not in BEAM_CACHES:
         raise UserError(f"beam_cache={beam_cache!r} must be one of {BEAM_CACHES}")
@@ -243,9 +248,9 @@ Args:
     **options: `max_new_tokens` (required, here or in the request), `beam_size`,
         `length_penalty`, `length_normalization`, `eos_id`, `forced_bos_id`,
         `forced_eos_id`, `banned_ids`, `min_new_tokens`, `no_repeat_ngram_size`,
-        `renormalize_logits`, `early_stopping`, `cache_len`, `beam_cache`, each documented in
-        `decode.beam_search_arguments`, which checks them; each wins over the request's
-        field.
+        `renormalize_logits`, `early_stopping`, `cache_len`, `beam_cache`, `kv_cache_dtype`,
+        each documented in `decode.beam_search_arguments`, which checks them; each wins
+        over the request's field.
 
 Returns:
     A `BeamOutput`.

@@ -22,6 +22,7 @@ from decode.defaults import generation_strategy, unapplied
 from decode.request import DecodeRequest
 from decode.source import note
 from decode.text import LengthLimit, length_limit
+from models.cache_int8 import KV_CACHE_DTYPES
 from models.config import TransformerConfig
 from models.errors import UserError
 from models.pretrained.generation import GenerationDefaults
@@ -64,6 +65,14 @@ def input_limit(args, gen: GenerationDefaults, cfg: TransformerConfig) -> Length
     limit = length_limit(cfg, gen.max_new_tokens, max_length=gen.max_length)
     return dataclasses.replace(limit, overlong="cut" if args.truncate else "refuse",
                                advice="shorten it or pass --truncate")
+
+
+def add_cache_flags(parser: argparse.ArgumentParser) -> None:
+    """The KV cache's flag (`decode.__main__.build_parser` adds it with the others)."""
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=None,
+                        help="the KV cache's keys and values: auto (default: the model's "
+                             "dtype) or int8 (a scale per token per kv head: about a quarter "
+                             "of float32's bytes, docs/decoding.md)")
 
 
 def _given_ids(args) -> dict:
@@ -123,7 +132,7 @@ def request_for(args, gen: GenerationDefaults, cfg: TransformerConfig,
     request = request.override(
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
         repetition_penalty=args.repetition_penalty, min_new_tokens=args.min_new_tokens,
-        no_repeat_ngram_size=args.no_repeat_ngram_size)
+        no_repeat_ngram_size=args.no_repeat_ngram_size, kv_cache_dtype=args.kv_cache_dtype)
     if request.strategy == "beam" and request.beam_size > cfg.vocab_size:
         given = "--beam-size" if args.beam_size else "the directory's num_beams"
         raise UserError(f"{given} {request.beam_size} exceeds the vocabulary "

@@ -134,15 +134,16 @@ class GenerateInputs:
     jax.jit,
     static_argnames=("model", "max_new_tokens", "cache_len", "eos_ids", "strategy", "loop",
                      "no_repeat", "constrained", "cache_sharding", "draft_model",
-                     "draft_tokens"))
+                     "draft_tokens", "kv_cache_dtype"))
 def _generate(model, params, inputs: GenerateInputs, *, max_new_tokens, cache_len, eos_ids,
               strategy, loop, no_repeat, constrained=True, cache_sharding=None,
-              draft_model=None, draft_tokens=0) -> DecodeOutput:
+              draft_model=None, draft_tokens=0, kv_cache_dtype="auto") -> DecodeOutput:
     """The jitted computation; `generate_arguments` gives its (args, static)."""
     cfg = model.config
     prompts_BP, lengths_B = inputs.prompts, inputs.lengths
     logits_BV, cache = start_decoding(model, params, prompts_BP, lengths_B, cache_len,
-                                      cache_sharding=cache_sharding)
+                                      cache_sharding=cache_sharding,
+                                      kv_cache_dtype=kv_cache_dtype)
     seen = _prompt_seen(cfg, prompts_BP, lengths_B) if strategy.penalty else None
     history = None
     if no_repeat:
@@ -154,7 +155,7 @@ def _generate(model, params, inputs: GenerateInputs, *, max_new_tokens, cache_le
             inputs.sampling, inputs.constraints if constrained else None, strategy=strategy,
             eos_ids=eos_ids, max_new_tokens=max_new_tokens, pad_id=output_pad_id(cfg))
         _, draft_cache = start_decoding(draft_model, inputs.draft_params, prompts_BP,
-                                        lengths_B, cache_len)
+                                        lengths_B, cache_len, kv_cache_dtype=kv_cache_dtype)
         known = speculative.History(seen, history)
         rng, first_key = jax.random.split(inputs.rng)
         start = speculative.start_state(
@@ -219,6 +220,9 @@ def generate_arguments(model: nn.Module, params, prompts, lengths,
                 no_repeat_ngram_size is traced or > 0. They apply after the repetition
                 penalty and before the temperature (`decode.processors` gives the order).
             cache_len: decoder cache slots; default the decoder prompt width + N (static).
+            kv_cache_dtype: the KV cache's (static): "auto" (default: the config's dtype)
+                or "int8" (int8 keys and values with a scale per token per kv head,
+                `models.cache_int8`; a draft model's cache too).
             loop: "scan" (default; differentiable) or "while" (stops once all rows are done;
                 speculative decoding's, and its default).
             draft_model, draft_params, draft_tokens: speculative decoding (see `generate`):
@@ -233,9 +237,9 @@ def generate_arguments(model: nn.Module, params, prompts, lengths,
     Returns:
         (args, static): the traced arguments `(model, params, GenerateInputs)` and the
         static keywords `max_new_tokens`, `cache_len`, `eos_ids`, `strategy`, `loop`,
-        `no_repeat`, `constrained`, and `cache_sharding` when the params split their kv
-        heads over a mesh
-        (`decode.placement.cache_sharding`; absent otherwise).
+        `no_repeat`, `constrained`, `cache_sharding` when the params split their kv
+        heads over a mesh (`decode.placement.cache_sharding`; absent otherwise), and
+        `kv_cache_dtype` when it is "int8" (absent otherwise).
 
     Raises:
         UserError: naming the argument, its value and the limit it breaks. Shapes and
@@ -253,6 +257,7 @@ def _keyword_arguments(model: nn.Module, params, prompts, lengths, *, max_new_to
                        eos_id: int | tuple[int, ...] | str | None = "config",
                        forced_bos_id=None, forced_eos_id=None, banned_ids=(), min_new_tokens=0,
                        no_repeat_ngram_size=0, cache_len: int | None = None,
+                       kv_cache_dtype: str = "auto",
                        loop: str | None = None, strategy: Strategy | None = None,
                        draft_model: nn.Module | None = None, draft_params=None,
                        draft_tokens: int = 4) -> tuple[tuple, dict]:
@@ -261,7 +266,7 @@ def _keyword_arguments(model: nn.Module, params, prompts, lengths, *, max_new_to
         model, params, prompts, lengths, max_new_tokens=max_new_tokens, cache_len=cache_len,
         eos_id=eos_id, forced_bos_id=forced_bos_id, forced_eos_id=forced_eos_id,
         banned_ids=banned_ids, min_new_tokens=min_new_tokens,
-        no_repeat_ngram_size=no_repeat_ngram_size)
+        no_repeat_ngram_size=no_repeat_ngram_size, kv_cache_dtype=kv_cache_dtype)
     if loop is not None and loop not in LOOPS:
         raise UserError(f"loop={loop!r} must be one of {LOOPS}")
     draft = {}
@@ -331,9 +336,9 @@ Args:
     **options: `max_new_tokens` (required, here or in the request), `rng`,
         `temperature`, `top_k`, `top_p`, `min_p`, `repetition_penalty`, `eos_id`,
         `forced_bos_id`, `forced_eos_id`, `banned_ids`, `min_new_tokens`,
-        `no_repeat_ngram_size`, `cache_len`, `loop`, `strategy`, each documented in
-        `decode.generate_arguments`, which checks them; each wins over the request's field.
-        Speculative decoding (`decode.speculative`): `draft_model` (a smaller
+        `no_repeat_ngram_size`, `cache_len`, `kv_cache_dtype`, `loop`, `strategy`, each
+        documented in `decode.generate_arguments`, which checks them; each wins over the
+        request's field. Speculative decoding (`decode.speculative`): `draft_model` (a smaller
         `models.build(...)` module of the same family and vocabulary), `draft_params`, and
         `draft_tokens` (k, default 4): the draft proposes k tokens, the model checks them
         in one call; greedy gives the model's own greedy tokens, sampling its own

@@ -34,7 +34,8 @@ BEAM_CACHES = ("table", "gathered")
 
 
 def start_decoding(model: nn.Module, params, prompts_BP, lengths_B, cache_len: int, *,
-                   beams: int = 1, beam_cache: str = "table", cache_sharding=None):
+                   beams: int = 1, beam_cache: str = "table", cache_sharding=None,
+                   kv_cache_dtype: str = "auto"):
     """Prefill: the cache after the decoder prompt and the logits of the first new token.
 
     Decoder-only: the prompts, each row at its own length (in chunks of `PREFILL_CHUNK`
@@ -57,6 +58,8 @@ def start_decoding(model: nn.Module, params, prompts_BP, lengths_B, cache_len: i
             gathers by parent beam every step); static.
         cache_sharding: the cache's K/V sharding (`decode.placement.cache_sharding`,
             static); None leaves it to the compiler.
+        kv_cache_dtype: the self-attention cache's, "auto" (the config's dtype) or "int8"
+            (`models.cache_int8`); static.
 
     Returns:
         (logits float32[B * beams, V] of the first new token, the cache of B * beams rows).
@@ -66,14 +69,15 @@ def start_decoding(model: nn.Module, params, prompts_BP, lengths_B, cache_len: i
     B, P = prompts_BP.shape
     if cfg.is_encoder_decoder:
         cache = model.apply(variables, prompts_BP, cache_len, src_lengths=lengths_B,
-                            method="init_cache")
+                            kv_cache_dtype=kv_cache_dtype, method="init_cache")
         cache = constrain_cache(cache, cache_sharding)
         start_B1 = jnp.full((B, 1), cfg.bos_id, jnp.int32)
         ones_B = jnp.ones((B,), jnp.int32)
         logits_BV, cache = model.apply(variables, start_B1, ones_B, cache, ones_B - 1,
                                        method="prefill")
     else:
-        cache = constrain_cache(KVCache.create(cfg, B, cache_len), cache_sharding)
+        cache = constrain_cache(KVCache.create(cfg, B, cache_len, dtype=kv_cache_dtype),
+                                cache_sharding)
         if P > PREFILL_CHUNK:
             logits_BV, cache = prefill_in_chunks(model, params, prompts_BP, lengths_B, cache,
                                                  chunk=PREFILL_CHUNK)

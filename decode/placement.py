@@ -24,6 +24,7 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from models import KVCache
+from models.cache import self_leaves
 
 # Parameters whose dimension -2 is the kv heads: self-attention "key" / "value" kernels
 # [(L,) D, K, H] and the encoder-decoder's stacked cross-attention "key_kernel" /
@@ -72,8 +73,9 @@ def _dim_axes(spec: P, dim: int):
 
 
 def constrain_cache(cache: KVCache, sharding: NamedSharding | None) -> KVCache:
-    """The cache with its self- and cross-attention K/V pinned to `sharding` (a
-    `cache_sharding` result); unchanged when it is None. Call it inside jit."""
+    """The cache with its self- and cross-attention K/V (and an int8 cache's scales, whose
+    kv-heads axis is where K/V have theirs) pinned to `sharding` (a `cache_sharding`
+    result); unchanged when it is None. Call it inside jit."""
     if sharding is None:
         return cache
 
@@ -88,7 +90,7 @@ def constrain_cache(cache: KVCache, sharding: NamedSharding | None) -> KVCache:
     def pin_layers(x):
         return None if x is None else jax.tree.map(pin, x)
 
-    return cache.replace(k=pin_layers(cache.k), v=pin_layers(cache.v),
+    return cache.replace(**{n: pin_layers(x) for n, x in self_leaves(cache).items()},
                          cross_k=pin_layers(cache.cross_k), cross_v=pin_layers(cache.cross_v))
 
 

@@ -32,6 +32,7 @@ import numpy as np
 from decode.beam_steps import NORMALIZATIONS, stopping_rule
 from decode.checks import CONFIG_EOS, check_in_range
 from decode.defaults import STRATEGIES, request_fields
+from models.cache_int8 import check_kv_cache_dtype
 from models.checks import is_concrete
 from models.config import TransformerConfig
 from models.errors import UserError, check_positive_int, is_int
@@ -69,6 +70,9 @@ class DecodeRequest:
             finished and the W-th scores at least the best alive beam at its current
             length; True, once W have finished. A model directory's comes from its
             generation_config.json (`from_generation`).
+        kv_cache_dtype: the self-attention KV cache's: "auto" (the config's dtype) or
+            "int8" (int8 keys and values with a scale per token per kv head,
+            `models.cache_int8`); every strategy.
 
     Raises:
         UserError: a value of the wrong type or out of range, naming the field, the value
@@ -93,6 +97,7 @@ class DecodeRequest:
     length_normalization: str = "gnmt"
     renormalize_logits: bool = False
     early_stopping: bool | str = "never"
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self):
         if self.strategy not in STRATEGIES:
@@ -122,7 +127,8 @@ class DecodeRequest:
                             _number(self.length_penalty, "length_penalty", -np.inf, np.inf,
                                     lo_open=True, hi_open=True)),
             renormalize_logits=_bool(self.renormalize_logits, "renormalize_logits"),
-            early_stopping=_early_stopping(self.early_stopping))
+            early_stopping=_early_stopping(self.early_stopping),
+            kv_cache_dtype=check_kv_cache_dtype(_one(self.kv_cache_dtype, "kv_cache_dtype")))
         for name, value in checked.items():
             object.__setattr__(self, name, value)
 
@@ -203,6 +209,8 @@ class DecodeRequest:
         for name in ("banned_ids", "min_new_tokens", "no_repeat_ngram_size"):
             if getattr(self, name):
                 options[name] = getattr(self, name)
+        if self.kv_cache_dtype != "auto":
+            options["kv_cache_dtype"] = self.kv_cache_dtype
         return options
 
     @classmethod

@@ -32,6 +32,7 @@ import jax
 from decode import checks, placement, trace_cache
 from decode.processors import Constraints
 from decode.request import DecodeRequest
+from models.cache_int8 import check_kv_cache_dtype
 from models.errors import UserError
 
 
@@ -46,8 +47,8 @@ class Shared:
         constraints: the token constraints, traced (`decode.processors.Constraints`).
         static: the compile-time keywords every call has: `max_new_tokens`, `cache_len`,
             `eos_ids`, `no_repeat`, `constrained` (any token constraint set: none is
-            compiled in otherwise), and `cache_sharding` when the parameters split their kv
-            heads over a mesh.
+            compiled in otherwise), `cache_sharding` when the parameters split their kv
+            heads over a mesh, and `kv_cache_dtype` when the cache is int8.
     """
 
     prompts: object
@@ -62,9 +63,11 @@ class Shared:
 
 def shared_arguments(model, params, prompts, lengths, *, max_new_tokens, cache_len, eos_id,
                      forced_bos_id, forced_eos_id, banned_ids, min_new_tokens,
-                     no_repeat_ngram_size) -> Shared:
+                     no_repeat_ngram_size, kv_cache_dtype="auto") -> Shared:
     """Checks the arguments both calls take (each as `decode.generate_arguments` documents
-    it) and places the cache like the parameters' kv heads.
+    it) and places the cache like the parameters' kv heads. An int8 cache adds
+    `kv_cache_dtype` to the static keywords (a float one does not: its compilations are
+    keyed as they always were).
 
     Raises:
         UserError: naming the argument, its value and the limit it breaks.
@@ -78,6 +81,8 @@ def shared_arguments(model, params, prompts, lengths, *, max_new_tokens, cache_l
         no_repeat_ngram_size=no_repeat_ngram_size)
     static = dict(max_new_tokens=common.max_new_tokens, cache_len=common.cache_len,
                   eos_ids=common.eos_ids, no_repeat=no_repeat, constrained=constrained)
+    if check_kv_cache_dtype(kv_cache_dtype) != "auto":
+        static["kv_cache_dtype"] = kv_cache_dtype
     return Shared(common.prompts, common.lengths, constraints,
                   placement.with_cache_sharding(static, params))
 
