@@ -40,11 +40,12 @@ import traceback
 
 import models
 from decode.source import add_quantize_flag
+from models.cache_int8 import KV_CACHE_DTYPES
 from models.errors import UserError
 
 INTERNAL = "internal error (a bug in jax-transformer-zoo or a library it uses)"
 ENGINE_FLAGS = ("max_slots", "page_size", "num_pages", "max_tokens_per_step", "prefill_chunk",
-                "max_queue", "decode_steps")
+                "max_queue", "decode_steps", "kv_cache_dtype")
 
 
 def _positive_int(text: str) -> int:
@@ -133,6 +134,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="tokens a decode call makes per request while none waits")
     engine.add_argument("--max-queue", type=_positive_int,
                         help="waiting requests before new ones get 429")
+    engine.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES,
+                        help="the page pool's keys and values: auto (the model's dtype) or "
+                             "int8 (a scale per token per kv head; about a quarter of "
+                             "float32's bytes)")
     p.add_argument("--verbose", action="store_true", help="tracebacks with errors")
     return p
 

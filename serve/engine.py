@@ -39,6 +39,7 @@ import numpy as np
 
 import models
 from decode.placement import cache_sharding
+from models.cache_int8 import check_kv_cache_dtype
 from models.errors import UserError, check_positive_int
 from serve import step as device
 from serve.adapters import stack as stack_adapters
@@ -79,6 +80,12 @@ class Engine:
         adapters: LoRA adapters of this base served by name, {name: (LoraConfig, adapter
             tree)} as `models.read_adapter` gives them; a request names one
             (`Submission.adapter`) or none, and one step mixes them (`serve.adapters`).
+        kv_cache_dtype: the pool's pages: "auto" (the config's dtype) or "int8" (int8 keys
+            and values with a scale per token per kv head, `models.cache_int8`: about a
+            quarter of float32's bytes, so `num_pages`' default holds about four times the
+            tokens where the device reports its memory). Every request is decoded with
+            it; one whose `DecodeRequest.kv_cache_dtype` names another (not "auto") is
+            refused.
 
     Raises:
         UserError: a size out of range (naming it), or a model the engine cannot serve.
@@ -87,7 +94,8 @@ class Engine:
     def __init__(self, pre, *, max_slots: int = 8, page_size: int = 16,
                  num_pages: int | None = None, max_tokens_per_step: int = 256,
                  prefill_chunk: int = 64, max_queue: int = 256, decode_steps: int = 4,
-                 metrics=None, banned_ids=None, banned_first_ids=None, adapters=None):
+                 metrics=None, banned_ids=None, banned_first_ids=None, adapters=None,
+                 kv_cache_dtype: str = "auto"):
         self.model, self.params, self.config = pre.model, pre.params, pre.config
         self.adapters = self._adapters = None
         if adapters:
@@ -109,9 +117,11 @@ class Engine:
                             f"max_slots={max_slots}: every slot feeds a token each step")
         self.max_queue = check_positive_int(max_queue, "max_queue")
         self.decode_steps = check_positive_int(decode_steps, "decode_steps")
+        self.kv_cache_dtype = check_kv_cache_dtype(kv_cache_dtype)
         pages_per_slot = -(-cfg.max_len // self.page_size)
         if num_pages is None:
-            num_pages = default_num_pages(cfg, self.max_slots, pages_per_slot, self.page_size)
+            num_pages = default_num_pages(cfg, self.max_slots, pages_per_slot, self.page_size,
+                                          self.kv_cache_dtype)
         self.num_pages = check_positive_int(num_pages, "num_pages")
         self.metrics = metrics if metrics is not None else _NoMetrics()
         self.pool = PagePool(self.num_pages, self.page_size, self.max_slots, pages_per_slot)
@@ -127,7 +137,8 @@ class Engine:
                                           page_size=self.page_size,
                                           pages_per_slot=pages_per_slot,
                                           source_len=self._source_len,
-                                          cache_sharding=self._sharding)
+                                          cache_sharding=self._sharding,
+                                          kv_cache_dtype=self.kv_cache_dtype)
         self._cv = threading.Condition()
         self._incoming: collections.deque[Live] = collections.deque()
         self._waiting: collections.deque[Live] = collections.deque()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
+from models.cache_int8 import bytes_per_token
 from models.errors import UserError
 
 
@@ -73,14 +74,15 @@ class PagePool:
         self._held[slot] = 0
 
 
-def default_num_pages(config, slots: int, pages_per_slot: int, page_size: int) -> int:
+def default_num_pages(config, slots: int, pages_per_slot: int, page_size: int,
+                      kv_cache_dtype: str = "auto") -> int:
     """Pages for every slot at the model's full window; fewer when the device reports less
-    free memory than that needs (90% of what is free goes to the pool)."""
+    free memory than that needs (90% of what is free goes to the pool, whose pages hold
+    `kv_cache_dtype` keys and values: `models.cache_int8.bytes_per_token`)."""
     full = slots * pages_per_slot
     stats = getattr(jax.devices()[0], "memory_stats", lambda: None)() or {}
     if "bytes_limit" not in stats:
         return full
-    per_page = (2 * config.decoder_layers * config.num_kv_heads * page_size * config.head_dim
-                * np.dtype(config.dtype).itemsize)
+    per_page = page_size * bytes_per_token(config, kv_cache_dtype)
     free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
     return max(1, min(full, int(0.9 * free) // per_page))

@@ -129,6 +129,10 @@ def checked(engine, s: Submission, number: int) -> Live:
     if bad:
         raise UserError(f"token id {bad[0]} is outside the vocabulary [0, "
                         f"{cfg.vocab_size})")
+    if request.kv_cache_dtype not in ("auto", engine.kv_cache_dtype):
+        raise UserError(f"kv_cache_dtype={request.kv_cache_dtype!r}: the engine's page pool "
+                        f"is {engine.kv_cache_dtype!r} for every request "
+                        "(Engine(kv_cache_dtype=...), python -m serve --kv-cache-dtype)")
     if request.banned_ids and set(request.banned_ids) != set(engine.banned_ids):
         raise UserError(f"banned_ids={request.banned_ids!r}: the engine bans the same ids "
                         f"for every request, {engine.banned_ids!r} (Engine(banned_ids=...))")

@@ -35,6 +35,7 @@ from decode.processors import (
     ban_tokens,
     process_logits,
 )
+from models.cache import self_leaves
 from models.errors import UserError
 from models.lora import join
 from models.paged_cache import PagedKVCache
@@ -128,13 +129,15 @@ class StepRows:
 
 
 def create_state(config, *, slots: int, num_pages: int, page_size: int, pages_per_slot: int,
-                 source_len: int | None, cache_sharding=None) -> DeviceState:
+                 source_len: int | None, cache_sharding=None,
+                 kv_cache_dtype: str = "auto") -> DeviceState:
     """An empty state: no page written, no token seen; made where it will live (split
-    over kv heads by `cache_sharding`, never whole on one device first)."""
+    over kv heads by `cache_sharding`, never whole on one device first). The pool holds
+    `kv_cache_dtype` pages ("auto": the config's dtype; "int8")."""
     def make():
         cache = PagedKVCache.create(config, rows=slots, num_pages=num_pages,
                                     page_size=page_size, pages_per_row=pages_per_slot,
-                                    source_len=source_len)
+                                    source_len=source_len, dtype=kv_cache_dtype)
         V = config.vocab_size
         return pinned(DeviceState(cache, jnp.zeros((slots, V), bool),
                                   jnp.zeros((slots, V), jnp.int32)), cache_sharding)
@@ -296,7 +299,7 @@ def _one_step(model, params, state: DeviceState, rows: StepRows, banned: Banned,
     def put(x, new):
         return new if all_slots else x.at[rows.slots].set(new, mode="drop")
     state = DeviceState(
-        cache=state.cache.replace(k=cache.k, v=cache.v),
+        cache=state.cache.replace(**self_leaves(cache)),
         seen=put(state.seen, seen_RV), counts=put(state.counts, counts_RV))
     return token_R, logprob_R, state
 
