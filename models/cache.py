@@ -177,7 +177,8 @@ class KVCache:
         return read_kv(self, layer, _read)
 
     def as_cached(self, k_BTKH, v_BTKH):
-        """New keys and values as a read will give them back once written (`as_cached`)."""
+        """New keys and values as a read gives them back once written
+        (`models.cache_int8.as_cached`)."""
         return as_cached(self, k_BTKH, v_BTKH)
 
     def key_positions(self) -> Int[Array, "B S"]:
@@ -305,7 +306,8 @@ class BeamKVCache:
         return read_kv(self, layer, _read)
 
     def as_cached(self, k_RTKH, v_RTKH):
-        """New keys and values as a read will give them back once written (`as_cached`)."""
+        """New keys and values as a read gives them back once written
+        (`models.cache_int8.as_cached`)."""
         return as_cached(self, k_RTKH, v_RTKH)
 
     def _slots(self, positions_RT):

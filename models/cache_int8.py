@@ -9,15 +9,17 @@ dequantizes, both inside the jitted computation that reads the cache; nothing el
 changes, and a float cache ("auto", the config's dtype) is the cache it always was.
 
 The granularity: symmetric absmax over the head dimension H, one scale per (token, kv
-head). A token's key and value vectors are written once and never change, so a scale
-computed at write time from the vector itself needs no later rescaling (a per-channel scale
-over positions would have to grow as tokens arrive), and its error is bounded by that
-vector's own largest entry: |x - dequantize(quantize(x))| <= scale / 2 = max|x| / 254 per
-element. Keys differ by orders of magnitude across heads and tokens (RoPE and qk norms
-rotate them, an attention sink's key is large), so a coarser scale (per head over all
-tokens, per layer) would round small keys to zero. Its cost is one scale per H int8
-entries: with H = 64 and float32 scales, 68 bytes a token per kv head where float32 takes
-256 and bfloat16 128 (docs/decoding.md, "An int8 cache").
+head). A cache written one token at a time can compute it as it writes: each token's key
+(value) vector of each head is known whole then and never changes, so its scale needs no
+later rescaling (a per-channel scale shared by positions, as KIVI uses for keys, needs a
+group of tokens first, and would have to grow as tokens arrive). Its error is bounded by
+that vector's own largest entry: |x - dequantize(quantize(x))| <= scale / 2 = max|x| / 254
+per element. Keys and values vary in size from token to token and head to head (a
+model's first tokens often carry much larger ones), so a scale shared over tokens, heads
+or layers would be set by the largest of them and round the small ones coarsely or to
+zero. Its cost is one scale per H int8 entries: with H = 64 and float32 scales, 68 bytes
+a token per kv head, where float32 takes 256 and bfloat16 128 (`bytes_per_token`;
+docs/decoding.md, "An int8 KV cache").
 
 Scales are kept in the config's dtype (the dtype a read returns), rounded up, never
 down, to it, so that max|x| / scale <= 127 exactly and no entry is clipped:
