@@ -27,7 +27,7 @@ import pytest
 import decode
 import models
 import serve
-from decode import cli_request
+from decode import cli_request, encoder_cli, whisper_cli
 from decode.__main__ import build_parser
 from models.cache_int8 import bytes_per_token, dequantize, quantize
 from models.errors import UserError
@@ -326,6 +326,13 @@ def test_the_command_lines_flag():
                                    prompt_len=3).kv_cache_dtype == "auto"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--config", "gpt-tiny", "--kv-cache-dtype", "fp8"])
+    parser = build_parser()       # the encoder-only and audio tasks refuse it: no such cache
+    args = parser.parse_args(["--model", "m", "--fill-mask", "--kv-cache-dtype", "int8"])
+    with pytest.raises(UserError, match="--kv-cache-dtype applies to generation"):
+        encoder_cli.check_flags(args, parser)
+    args = parser.parse_args(["--model", "m", "--audio", "a.wav", "--kv-cache-dtype", "int8"])
+    with pytest.raises(UserError, match="--kv-cache-dtype applies to text generation"):
+        whisper_cli.check_flags(args, parser)
     from serve.__main__ import build_parser as serve_parser
     assert serve_parser().parse_args(["--model", "m", "--kv-cache-dtype", "int8"]
                                      ).kv_cache_dtype == "int8"
