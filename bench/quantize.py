@@ -145,7 +145,8 @@ def speed_lines(quick: bool, repeats: int, chosen):
         seq2seq = cfg.is_encoder_decoder
         new = prompt = 8 if quick or name == "llama-1b" else 32
         strategies = ("greedy", "beam4") if seq2seq else ("greedy",)
-        for batch in (16, 1):
+        batches = ((2,) if seq2seq else (1,)) if quick else (16, 1)   # quick: each path once
+        for batch in batches:
             cases.append((name, cfg, batch, prompt, new, strategies))
     for name, cfg, batch, prompt, new, strategies in cases:
         prompts = _init_args(cfg, batch, prompt)[0]

@@ -103,8 +103,8 @@ def quantize(target, config_or_scheme=None, scheme: str | None = None, *,
             divide a kernel's inputs (naming the kernel); a tree that lacks a kernel the
             model has.
     """
-    from models.pretrained import Pretrained
-    if isinstance(target, Pretrained):
+    if dataclasses.is_dataclass(target) and hasattr(target, "params"):   # a Pretrained
+        # (known by its fields: models.pretrained imports this module to quantize as it loads)
         if scheme is not None:
             raise UserError("quantize(pretrained, scheme): the config comes from the "
                             "Pretrained, so give the scheme alone")

@@ -30,7 +30,8 @@ def test_the_quick_run_prints_bytes_speed_and_bleu_lines(capsys, data_dir):
     speed = [x for x in lines if x["section"] == "speed"]
     variants = ["float32", "bfloat16", *SCHEMES]
     seq2seq = [x["variant"] for x in speed if x["shape"] == "tiny-seq2seq"]
-    assert seq2seq == variants * 4                       # greedy and beam4, B16 and B1
+    assert seq2seq == variants * 2                       # greedy and beam4 (B2)
+    assert [x["batch"] for x in speed if x["shape"] == "tiny-decoder"] == [1] * len(variants)
     assert all(x["new_tokens_per_s"] > 0 and x["over_float32"] > 0 for x in speed)
     assert all("over_bfloat16" in x for x in speed if x["variant"] in SCHEMES)
     bleu = [x for x in lines if x["section"] == "bleu"]
