@@ -166,7 +166,7 @@ class Arm:
 
     def validation(self) -> dict:
         """Next-token loss metrics of the current parameters on the validation split."""
-        out = evaluate.loss_metrics(self.run.wrapper, self.state.model_params,
+        out = evaluate.loss_metrics(self.run.wrapper, self.state.eval_params,
                                     self.run.eval_batches)
         return {f"validation_{k}": round(float(out[k]), 4) for k in ("nll", "accuracy")}
 

@@ -27,7 +27,7 @@ def _data(kind: str, labels=()):
 
 
 def _config(architecture: str, **overrides):
-    return tiny(architecture, vocab_size=TOK.vocab_size, max_len=W, **overrides)
+    return tiny(architecture, vocab_size=TOK.vocab_size, **{"max_len": W, **overrides})
 
 
 @pytest.mark.parametrize("architecture,labels,kind,expected", [
@@ -101,8 +101,9 @@ def test_each_objective_fixes_how_the_pipeline_reads_text():
                                                          "label_names": ("a", "b")}
 
 
-def _rows(cfg, rows: int = 4) -> dict:
-    """Packed rows of two segments with padding, with every key any objective reads."""
+def _rows(cfg, rows: int = 4, sides: tuple[str, ...] = ()) -> dict:
+    """Packed rows of two segments with padding, with every key any objective reads (with
+    `sides` "rejected": unpacked preference pairs, the prompt in `inputs`)."""
     r = np.random.default_rng(0)
     out = {}
     for side in ("inputs", "targets"):
@@ -113,8 +114,18 @@ def _rows(cfg, rows: int = 4) -> dict:
         seg[:, -2:], pos[:, -2:], tok[:, -2:] = 0, 0, 0
         out.update({side: tok, f"{side}_segmentation": seg, f"{side}_position": pos})
     out["labels"] = r.integers(0, max(cfg.num_labels, 1), (rows, W)).astype(np.int32)
-    if not cfg.is_encoder_decoder and cfg.architecture != "encoder_only":
+    if (not cfg.is_encoder_decoder and cfg.architecture != "encoder_only"
+            and "rejected" not in sides):
         del out["inputs"], out["inputs_segmentation"], out["inputs_position"]
+    if "rejected" in sides:               # one preference pair a row: a third side
+        out["rejected"] = out["targets"][:, ::-1].copy()
+        out["rejected_segmentation"] = out["targets_segmentation"].copy()
+        for side in ("inputs", "targets", "rejected"):
+            out[f"{side}_segmentation"] = np.minimum(out[f"{side}_segmentation"], 1)
+            out[f"{side}_position"] = np.tile(np.arange(W, dtype=np.int32), (rows, 1))
+            out[side][:, -2:] = 0
+            out[f"{side}_segmentation"][:, -2:] = out[f"{side}_position"][:, -2:] = 0
+        return out
     if cfg.audio is not None:             # a clip's features [mel, frames] instead of tokens
         del out["inputs_segmentation"], out["inputs_position"]
         out["inputs"] = r.normal(size=(rows, cfg.audio.num_mel_bins, cfg.audio.num_frames)
@@ -130,6 +141,8 @@ WHISPER_GENERATION = GenerationDefaults.from_dict(
 
 def _entry_config(entry):
     """The model config and generation defaults an entry's contract test trains."""
+    if entry.data_kind == "preference":                  # each response behind a prompt
+        return _config(entry.architecture, max_len=2 * W), None
     if entry.data_kind == "speech":                      # a Whisper-like audio model
         return _config(entry.architecture, share_embeddings=False,
                        audio=dict(num_mel_bins=4, max_source_positions=W // 2)
@@ -141,22 +154,26 @@ def _entry_config(entry):
 @pytest.mark.parametrize("entry", ENTRIES, ids=lambda e: f"{e.architecture}-{e.data_kind}")
 def test_every_registered_objective_keeps_the_interface_contract(entry):
     cfg, generation = _entry_config(entry)
-    cfg, objective = fit(cfg, _data(entry.data_kind, ("a", "b")), TOK, SETTINGS,
+    preference = entry.data_kind == "preference"     # unsmoothed; a pair a row
+    settings = ObjectiveSettings(label_smoothing=0.0) if preference else SETTINGS
+    cfg, objective = fit(cfg, _data(entry.data_kind, ("a", "b")), TOK, settings,
                          model_name="m", generation=generation)
     model = models.build(cfg)
-    batch = jax.tree.map(jnp.asarray, _rows(cfg))
+    batch = jax.tree.map(jnp.asarray, _rows(cfg, sides=("rejected",) if preference else ()))
     args, method = objective.init_inputs(batch)
     params = model.init(jax.random.key(0), *args, method=method)["params"]
     task = objective.prepare(batch, key=jax.random.key(1), row_ids=jnp.arange(4))
     assert task["targets"].shape == task["weights"].shape
     assert task["weights"].dtype == jnp.float32 and float(task["weights"].sum()) > 0
     keys = dict(dropout_rng=jax.random.key(2), sample_rng=jax.random.key(3), step=0)
+    if objective.needs_reference_copy:          # the train state's copy of the start
+        keys["reference"] = params
     for train in (True, False):
         sums = objective.loss_sums(model, params, batch, task, train=train, **keys)
         assert {"loss", "nll", "correct", "weight"} <= set(sums)
         assert float(sums["weight"]) == float(task["weights"].sum())
         assert np.isfinite(float(sums["loss"])) and float(sums["loss"]) > 0
-    assert objective == fit(cfg, _data(entry.data_kind, ("a", "b")), TOK, SETTINGS,
+    assert objective == fit(cfg, _data(entry.data_kind, ("a", "b")), TOK, settings,
                             model_name="m", generation=generation
                             )[1]         # frozen values: equal when rebuilt
     hash(objective)

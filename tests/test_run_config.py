@@ -38,9 +38,9 @@ def _flat(d: dict, prefix: str = "") -> dict:
 def test_the_defaults_build_and_base_config_is_made_of_the_parts_fields():
     run = RunConfig()
     base = base_config().to_dict()
-    # Every key has a rule, and no other (scheduled_sampling, lora and sequence: the dict
+    # Every key has a rule, and no other (scheduled_sampling, lora, sequence, dpo: the dict
     # and each of its keys).
-    assert set(_flat(base)) | {"scheduled_sampling", "lora", "sequence"} == set(RULES)
+    assert set(_flat(base)) | {"scheduled_sampling", "lora", "sequence", "dpo"} == set(RULES)
     for name, part in PARTS.items():
         made = getattr(run, name)
         for field in dataclasses.fields(part):
@@ -91,7 +91,8 @@ def test_a_part_added_to_the_table_reaches_base_config_with_its_default(monkeypa
      "them -1"),
     (lambda: DataSettings(data_files="book.txt"),
      "data_files='book.txt' is only read by the local datasets (local_classification, "
-     "local_speech, local_text, local_translation), not dataset='toy_translation'"),
+     "local_preference, local_speech, local_text, local_translation), not "
+     "dataset='toy_translation'"),
     (lambda: ModelSettings(model="gpt-huge"), "model='gpt-huge' must be one of "),
     (lambda: ModelSettings(init_from="/no/such/model"),
      "init_from='/no/such/model' does not exist"),

@@ -93,10 +93,14 @@ class RunConfig:
     def needed_max_len(self) -> int:
         """The positions the run's longest sequence needs: the rows, and a decoded output
         (or a sequence-level candidate) behind its start token."""
+        from train.data import kinds
         sequence = self.objective.sequence
         candidate = sequence.max_new_tokens + 1 if sequence.enabled else 0
+        # A preference pair's response is read behind its prompt (the prompt's EOS dropped).
+        joined = (self.data.max_source_length + self.data.max_target_length - 1
+                  if self.data.kind == kinds.PREFERENCE.name else 0)
         return max(self.data.max_source_length, self.data.max_target_length,
-                   self.evaluation.max_decode_length + 1, candidate)
+                   self.evaluation.max_decode_length + 1, candidate, joined)
 
     def check(self) -> None:
         """The rules between parts: the tokenizer's size, one example per row for
@@ -124,6 +128,7 @@ class RunConfig:
                        "which parallel='shard_map' cannot trace (its loop's carry does not "
                        "vary over the devices); use parallel='pmap' or 'sharded'")
         self._check_speech()
+        self._check_preference()
         if not model.init_from:     # a directory's own config was read by ModelSettings
             self._check_preset()
 
@@ -140,6 +145,24 @@ class RunConfig:
             if getattr(objective, key) != unset:
                 raise fail(key, getattr(objective, key), "is read by speech recognition "
                            f"only (dataset='local_speech'), not dataset={data.dataset!r}")
+
+    def _check_preference(self) -> None:
+        """A preference pair is one row; the `dpo.*` keys are read with preference data
+        only."""
+        from train.data import kinds
+        from train.objectives.preference_settings import PreferenceSettings
+        data, dpo = self.data, self.objective.dpo
+        if data.kind == kinds.PREFERENCE.name:
+            if data.packing:
+                raise fail("packing", True, f"must be False for dataset={data.dataset!r}: "
+                           "each row holds one prompt with its two responses")
+            return
+        for field in dataclasses.fields(PreferenceSettings):
+            if getattr(dpo, field.name) != field.default:
+                raise fail(f"dpo.{field.name}", getattr(dpo, field.name),
+                           "is read by preference training only (dataset="
+                           f"'local_preference' or 'addition_preference'), not "
+                           f"dataset={data.dataset!r}")
 
     def _check_preset(self) -> None:
         from models.config import check_keys

@@ -38,12 +38,14 @@ from train.config_checks import (
     subpart,
 )
 from train.masking import Masking
+from train.objectives.preference_settings import PreferenceSettings
 from train.objectives.scheduled_sampling import ScheduledSampling
 from train.objectives.sequence_settings import SequenceSettings
 
 __all__ = ["BatchSettings", "CheckpointSettings", "DataSettings", "EvalSettings",
            "HostSettings", "LoopSettings", "LoraSettings", "ModelSettings", "ObjectiveSettings",
-           "OptimizerSettings", "ParallelSettings", "ScheduledSampling", "SequenceSettings"]
+           "OptimizerSettings", "ParallelSettings", "PreferenceSettings", "ScheduledSampling",
+           "SequenceSettings"]
 
 SPLITS = ("train", "validation", "test")
 SPM_MODEL_TYPES = ("unigram", "bpe", "char", "word")
@@ -275,7 +277,9 @@ class ObjectiveSettings(Part):
     REINFORCE, `train.objectives.sequence`); speech recognition's decoder prompt
     (`language`, `task`: "" is the checkpoint's generation_config.json default) and
     `freeze_encoder` (a Whisper's audio encoder, its convolutional front end included,
-    gets no updates and no optimiser state; `train.objectives.speech`)."""
+    gets no updates and no optimiser state; `train.objectives.speech`); preference
+    training's loss and strength (`dpo.*`: DPO, IPO or SimPO,
+    `train.objectives.preference`)."""
 
     label_smoothing: float = setting(0.1, number("in [0, 1)", lambda v: 0 <= v < 1))
     z_loss: float = setting(0.0, number(">= 0", lambda v: v >= 0))
@@ -290,6 +294,7 @@ class ObjectiveSettings(Part):
     sequence: SequenceSettings = subpart(
         SequenceSettings, "a dict of objective, candidates, alpha, reward, include_gold, "
         "sampling, temperature, top_k, max_new_tokens, loss_weight")
+    dpo: PreferenceSettings = subpart(PreferenceSettings, "a dict of loss, beta, simpo_gamma")
     language: str = setting("", Rule(
         "'' (the checkpoint's default) or a language code or token, such as 'en' or "
         "'<|en|>'", lambda v: isinstance(v, str) and v == v.strip()))

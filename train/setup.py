@@ -229,11 +229,11 @@ def pipeline_config(settings: RunConfig, objective: Objective | None = None, *,
 
 
 def make_wrapper(settings: ParallelSettings, steps: Steps, tx, *, seed: int,
-                 base_dtype=None) -> Wrapper:
+                 base_dtype=None, reference: bool = False) -> Wrapper:
     """The wrapper `settings.parallel` names: data parallel (pmap, shard_map), or sharded
     over `settings.mesh_shape` with the state's shardings derived from its logical axes
-    (`tx`, `seed` and an adapted model's `base_dtype` make the state whose shardings those
-    are).
+    (`tx`, `seed`, an adapted model's `base_dtype` and `reference`, a kept copy of the
+    model, make the state whose shardings those are).
 
     Raises:
         UserError: a mesh that does not match the device count, or attention heads that
@@ -244,7 +244,7 @@ def make_wrapper(settings: ParallelSettings, steps: Steps, tx, *, seed: int,
     return sharding.for_model(steps, tx, mesh=sharding.make_mesh(settings.mesh_shape,
                                                                  expert=settings.mesh_expert),
                               rules=sharding.check_rules(settings.rules), seed=seed,
-                              base_dtype=base_dtype)
+                              base_dtype=base_dtype, reference=reference)
 
 
 def start_run(config, workdir: str) -> tuple[Run, Start]:
@@ -311,10 +311,12 @@ def _start_run(settings: RunConfig, workdir: str, lock: workdir_lib.Lock
         base.update({k: v for k, v in (init_params or {}).items() if k in heads})
         return state_lib.TrainState.create(models.lora.join(base, adapters), tx, seed,
                                            base_dtype=base_dtype,
-                                           quantize_base=quantize_base)
+                                           quantize_base=quantize_base,
+                                           reference=objective.needs_reference_copy)
 
     steps = Steps(model, objective, schedule, settings.optimizer.grad_accum_steps)
-    wrapper = make_wrapper(settings.parallel, steps, tx, seed=seed, base_dtype=base_dtype)
+    wrapper = make_wrapper(settings.parallel, steps, tx, seed=seed, base_dtype=base_dtype,
+                           reference=objective.needs_reference_copy)
     if lead:
         for line in wrapper.notes():
             print(line, flush=True)
@@ -338,6 +340,11 @@ def _start_run(settings: RunConfig, workdir: str, lock: workdir_lib.Lock
             frozen = models.lora.split(base)[0]
             state = state.replace(frozen=frozen if quantize_base is None
                                   else jax.jit(quantize_base)(frozen))
+        elif objective.needs_reference_copy:     # nor the reference: the run's start again
+            start = (wrapper.load_params(init_from, **_runtime(mcfg, base_dtype))
+                     if init_from else None)
+            state = state.replace(reference=jax.jit(
+                lambda loaded: fresh_state(loaded).reference)(start))
         state = wrapper.put_state(state)
         iterator.set_state(restored.data)
         saved = restored.config.get("data") if isinstance(restored.config, dict) else None

@@ -172,7 +172,7 @@ class Sharded(Wrapper):
                               out_shardings=(self.state_shardings, self.replicated),
                               donate_argnums=(0,))
         self._eval = jax.jit(eval_step,
-                             in_shardings=(self.state_shardings.model_params,
+                             in_shardings=(self.state_shardings.eval_params,
                                            self.batch_sharding),
                              out_shardings=self.replicated)
 
@@ -273,13 +273,14 @@ class Sharded(Wrapper):
 
 
 def for_model(steps: Steps, tx, *, mesh: Mesh, rules: dict, seed: int = 0,
-              base_dtype=None) -> Sharded:
+              base_dtype=None, reference: bool = False) -> Sharded:
     """`steps` (`Steps.functions(axis=None)`) under `Sharded` on `mesh`, the state's
     shardings derived from the params' logical axes.
 
     Args:
         tx: the optimiser the state is made with (`TrainState.create(params, tx, seed)`;
-            an adapted model's frozen base in `base_dtype`).
+            an adapted model's frozen base in `base_dtype`; with `reference`, a frozen
+            copy of the model beside it).
         rules: {logical axis: mesh axes} (`check_rules`).
 
     Raises:
@@ -291,7 +292,8 @@ def for_model(steps: Steps, tx, *, mesh: Mesh, rules: dict, seed: int = 0,
     boxed = boxed_params(model, *args, method=method)
 
     def make_state(params):
-        return state_lib.TrainState.create(params, tx, seed, base_dtype=base_dtype)
+        return state_lib.TrainState.create(params, tx, seed, base_dtype=base_dtype,
+                                           reference=reference)
 
     specs = state_specs(boxed, make_state)
     abstract = jax.eval_shape(make_state, meta.unbox(boxed))

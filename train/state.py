@@ -30,6 +30,9 @@ class TrainState:
         tx: the optimiser (static, not saved).
         frozen: an adapted model's base weights, which never train (None otherwise).
             Checkpoints leave them out: a resumed run reads them from `init_from` again.
+        reference: a frozen copy of the whole model as the run started, for an objective
+            that compares the trained model with it (full fine-tuning with DPO,
+            `train.objectives.preference`); None otherwise. Checkpoints leave it out.
     """
     step: jax.Array
     params: Any
@@ -37,17 +40,20 @@ class TrainState:
     rng: jax.Array
     tx: optax.GradientTransformation = struct.field(pytree_node=False)
     frozen: Any = None
+    reference: Any = None
 
     @classmethod
     def create(cls, params, tx: optax.GradientTransformation, seed: int, *,
-               base_dtype=None, quantize_base=None) -> TrainState:
+               base_dtype=None, quantize_base=None, reference: bool = False) -> TrainState:
         """A fresh state of `params` (the model's whole tree). Where it holds adapters
         (`models.lora`), only they train: the rest is `frozen`, stored in `base_dtype`
         (None: as given) and then, with `quantize_base` (a function of the base tree, such
         as `models.quantize` with its config and scheme), quantized; the optimiser state
-        covers the adapters alone."""
+        covers the adapters alone. With `reference` (a model without adapters), the state
+        also keeps a frozen copy of `params` (`reference`)."""
         base, adapters = lora.split(params)
         frozen = None
+        kept = jax.tree.map(jnp.copy, params) if reference and not adapters else None
         if adapters:
             frozen = base if base_dtype is None else jax.tree.map(
                 lambda x: x.astype(base_dtype), base)
@@ -55,13 +61,22 @@ class TrainState:
                 frozen = quantize_base(frozen)
             params = adapters
         return cls(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
-                   rng=jax.random.key_data(jax.random.key(seed)), tx=tx, frozen=frozen)
+                   rng=jax.random.key_data(jax.random.key(seed)), tx=tx, frozen=frozen,
+                   reference=kept)
 
     @property
     def model_params(self):
         """The model's whole parameter tree: `params`, joined with the frozen base of an
         adapted model (no copy: the same leaves)."""
         return self.params if self.frozen is None else lora.join(self.frozen, self.params)
+
+    @property
+    def eval_params(self):
+        """What the eval step reads (`train.step.eval_step`): `model_params`, or with a
+        `reference`, the pair (model_params, reference)."""
+        if self.reference is None:
+            return self.model_params
+        return self.model_params, self.reference
 
     def apply_gradients(self, grads) -> TrainState:
         updates, opt_state = self.tx.update(grads, self.opt_state, self.params)

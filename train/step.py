@@ -49,11 +49,14 @@ def _row_ids(batch, axis: str | None = AXIS) -> jax.Array:
     return _index(axis) * rows + jnp.arange(rows)
 
 
-def _sums(model, objective: Objective, params, batch, task, *, rng, step, train: bool):
-    """The objective's loss sums, with the dropout key and a key of its own from `rng`."""
+def _sums(model, objective: Objective, params, batch, task, *, rng, step, train: bool,
+          reference=None):
+    """The objective's loss sums, with the dropout key and a key of its own from `rng`
+    (and the train state's `reference` copy, to an objective that keeps one)."""
     dropout_rng, sample_rng = jax.random.split(rng)
+    extra = {} if reference is None else {"reference": reference}
     return objective.loss_sums(model, params, batch, task, dropout_rng=dropout_rng,
-                               sample_rng=sample_rng, step=step, train=train)
+                               sample_rng=sample_rng, step=step, train=train, **extra)
 
 
 def train_step(state: TrainState, batch, *, model, objective: Objective, schedule,
@@ -80,7 +83,7 @@ def train_step(state: TrainState, batch, *, model, objective: Objective, schedul
     def loss_fn(params):
         whole = state.replace(params=params).model_params     # with an adapted model's base
         sums = _sums(model, objective, whole, batch, task, rng=rng, step=state.step,
-                     train=True)
+                     train=True, reference=state.reference)
         return sums["loss"] * num_devices / jnp.maximum(global_weight, 1.0), sums
 
     # Differentiate per device: under shard_map the replicated params would otherwise get
@@ -102,13 +105,15 @@ def per_device(tree, axis: str = AXIS):
 def eval_step(params, batch, *, model, objective: Objective, axis: str | None = AXIS):
     """Loss sums without dropout or smoothing, psum-ed over devices. The objective's draws
     (masked LM's masks) use a fixed key and each row's example index (`example_index`,
-    when the batch has it), so every evaluation scores the same positions."""
+    when the batch has it), so every evaluation scores the same positions. `params` is
+    `TrainState.eval_params`: the model's, or (the model's, the reference copy's)."""
+    params, reference = params if isinstance(params, tuple) else (params, None)
     row_ids = batch.get("example_index")
     batch = {k: v for k, v in batch.items() if k != "example_index"}
     row_ids = _row_ids(batch, axis) if row_ids is None else row_ids
     task = objective.prepare(batch, key=jax.random.key(MASKING_STREAM), row_ids=row_ids)
     sums = _sums(model, objective, params, batch, task, rng=jax.random.key(0), step=0,
-                 train=False)
+                 train=False, reference=reference)
     return _psum(sums, axis)
 
 

@@ -172,7 +172,7 @@ def _evaluate(run: Run, state, step: int, *, final: bool) -> dict:
     translation); at the end (`final`) the test split's metrics where the objective scores
     one (decoded for translation; loss, accuracy and F1 for classification)."""
     data, lead = run.config.data, run.lead
-    val = evaluate.loss_metrics(run.wrapper, state.model_params, run.eval_batches,
+    val = evaluate.loss_metrics(run.wrapper, state.eval_params, run.eval_batches,
                                 run.choice.config.label_names)
     more, test = run.objective.evaluate(run, state, final=final)
     val.update(more)

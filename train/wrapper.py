@@ -8,7 +8,7 @@ benchmarks use only what `Wrapper` declares, so none of them asks which one it h
     wrapper.load_params(path, dtype=...)        # init_from's params, placed as they are read
     wrapper.put_state(restored)                 # a host or restored state, placed
     state, metrics = wrapper.train_step(state, batch)     # batch: [R, B, W] per process
-    sums = wrapper.eval_step(state.model_params, batch)
+    sums = wrapper.eval_step(state.eval_params, batch)
     wrapper.metrics(sums)                       # host numbers
     wrapper.host_state(state), wrapper.saved_state(state)  # for export, for checkpoints
     wrapper.lower(state, batch)                 # the train step lowered (to compile, to

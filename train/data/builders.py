@@ -36,6 +36,7 @@ from train.data.local_files import (
     classification_label_names,
     file_sources,
     read_classification_files,
+    read_preference_files,
     read_text_files,
     read_translation_files,
     translation_sources,
@@ -132,6 +133,17 @@ class _GeneratedText(_GeneratedTask):
                                      features=_text_features(*self.keys))
 
 
+class _GeneratedPreference(_GeneratedTask):
+    """A `grammar` preference task as (`prompt`, `chosen`, `rejected`) strings in disjoint
+    splits."""
+
+    kind = "preference"
+
+    def _info(self) -> tfds.core.DatasetInfo:
+        return tfds.core.DatasetInfo(builder=self, description=self.__doc__,
+                                     features=_text_features(*self.keys))
+
+
 def _generated_builder(task: str, doc: str, train_size: int,
                        base: type = _GeneratedTask, name: str | None = None) -> type:
     sizes = (("train", train_size), ("validation", 1_000), ("test", 1_000))
@@ -155,6 +167,9 @@ GENERATED = {
     "toy_text": _generated_builder(
         "toy_translation", "The English-like sentences of toy_translation as plain text.",
         50_000, _GeneratedText, name="toy_text"),
+    "addition_preference": _generated_builder(
+        "addition_preference", "'a+b=' with its sum preferred to the sum with one digit "
+        "changed (numbers of up to 6 digits).", 20_000, _GeneratedPreference),
 }
 
 
@@ -292,8 +307,17 @@ class LocalSpeech(_LocalBuilder):
         return read_speech_files(files, bad)
 
 
+class LocalPreference(_LocalBuilder):
+    """Preference pairs from local JSON Lines files, one `{"prompt", "chosen", "rejected"}`
+    object a line, for preference training (`train.objectives.preference`)."""
+    name = "local_preference"
+    kind = "preference"
+    _read = staticmethod(read_preference_files)
+
+
 LOCAL = {"local_translation": LocalTranslation, "local_text": LocalText,
-         "local_classification": LocalClassification, "local_speech": LocalSpeech}
+         "local_classification": LocalClassification, "local_speech": LocalSpeech,
+         "local_preference": LocalPreference}
 
 
 def label_names(builder: tfds.core.DatasetBuilder) -> tuple[str, ...]:

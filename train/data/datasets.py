@@ -238,8 +238,9 @@ def load_dataset(name: str, data_dir: str | None = None, *, data_files: tuple[st
 
     Args:
         name: a generated task (`toy_translation`, `copy`, `reverse`, `sort`, `addition`;
-            `toy_classification`, sentences labelled "grammatical" or "ungrammatical"),
-            `local_translation`, `local_text` or `local_classification` (TSV lines
+            `toy_classification`, sentences labelled "grammatical" or "ungrammatical";
+            `addition_preference`: preference pairs), `local_translation`, `local_text`,
+            `local_preference` (JSON Lines pairs) or `local_classification` (TSV lines
             `text TAB label`; with `data_files`), or a standard TFDS name from `STANDARD`.
         data_dir: the TFDS data directory (default: TFDS's, `~/tensorflow_datasets`).
         data_files: paths for the local builders.

@@ -381,6 +381,17 @@ def _addition_pair(draw: _Draw) -> tuple[str, str]:
     return f"{a}+{b}", str(a + b)
 
 
+def _addition_preference(draw: _Draw) -> tuple[str, str, str]:
+    """(prompt "a+b=", the sum, a near miss): the sum with one digit changed (never a
+    leading zero), so the preference is checkable and the two responses differ little."""
+    prompt, total = _addition_pair(draw)
+    at = min(int(draw._rng.random() * len(total)), len(total) - 1)
+    digits = [d for d in "0123456789" if d != total[at] and not (at == 0 and d == "0"
+                                                                    and len(total) > 1)]
+    wrong = total[:at] + draw.pick(digits) + total[at + 1:]
+    return f"{prompt}=", total, wrong
+
+
 def _symbols(draw: _Draw, alphabet: str, lo: int, hi: int) -> str:
     n = lo + min(int(draw._rng.random() * (hi - lo + 1)), hi - lo)
     return "".join(draw.pick(alphabet) for _ in range(n))
@@ -396,6 +407,8 @@ TASKS = {
 
 # (text, label) examples; the label names, in class order.
 CLASSIFICATION_TASKS = {"toy_classification": _toy_classification_example}
+# (prompt, chosen, rejected) examples: a checkable preference.
+PREFERENCE_TASKS = {"addition_preference": _addition_preference}
 CLASSIFICATION_LABELS = {"toy_classification": ("grammatical", "ungrammatical")}
 
 SPLITS = ("train", "validation", "test")
@@ -408,12 +421,13 @@ def generate_splits(task: str, sizes: dict[str, int], seed: int = 0
     Pairs are drawn in order and a source already seen is skipped, so no source appears twice
     in a split or in two splits. Test and validation are filled first, so growing the training
     split never changes them. A task of `CLASSIFICATION_TASKS` gives (text, label) pairs, kept
-    apart the same way by their text.
+    apart the same way by their text; one of `PREFERENCE_TASKS` (prompt, chosen, rejected)
+    triples, by their prompt.
 
     Raises:
         UserError: if the task cannot produce that many distinct sources.
     """
-    tasks = {**TASKS, **CLASSIFICATION_TASKS}
+    tasks = {**TASKS, **CLASSIFICATION_TASKS, **PREFERENCE_TASKS}
     if task not in tasks:
         raise UserError(f"unknown generated task {task!r}; available: {sorted(tasks)}")
     make, draw, seen = tasks[task], _Draw(seed), set()
@@ -421,7 +435,8 @@ def generate_splits(task: str, sizes: dict[str, int], seed: int = 0
     for split in ("test", "validation", "train"):
         pairs, misses = [], 0
         while len(pairs) < sizes[split]:
-            src, tgt = make(draw)
+            example = make(draw)
+            src = example[0]
             if src in seen:
                 misses += 1
                 if misses > 100 * sizes[split] + 10_000:
@@ -429,7 +444,7 @@ def generate_splits(task: str, sizes: dict[str, int], seed: int = 0
                                      f"{len(seen)}; asked for {sum(sizes.values())}")
                 continue
             seen.add(src)
-            pairs.append((src, tgt))
+            pairs.append(example)
         out[split] = pairs
     return out
 

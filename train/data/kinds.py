@@ -21,6 +21,9 @@ they become batches:
     classification  inputs  max_source_length  sentence               yes       no       no
     speech          targets max_target_length  transcript             no        no       no
                     (+ audio: `inputs` are the clip's log-mel features, made on the host)
+    preference      inputs  max_source_length  text (the prompt)      no        no       no
+                    targets max_target_length  text (the chosen response)
+                    rejected max_target_length text (the rejected response)
 
 A role is how one side of an example is tokenised (see `train.data.pipeline.encode_side`):
 
@@ -171,7 +174,14 @@ CLASSIFICATION = DataKind("classification", ("text", "label"),
                           (Side("inputs", "max_source_length", SENTENCE_ROLE),), labelled=True)
 SPEECH = DataKind("speech", ("text", "audio", "origin"),
                   (Side("targets", "max_target_length", TRANSCRIPT_ROLE),), audio=True)
-KINDS = {k.name: k for k in (TRANSLATION, TEXT, CLASSIFICATION, SPEECH)}
+# A prompt and two responses to it, the first preferred (`train.objectives.preference`):
+# each side is pieces then EOS; the objective drops the prompt's EOS and joins each
+# response to it, so a row holds one pair (never packed).
+PREFERENCE = DataKind("preference", ("prompt", "chosen", "rejected"),
+                      (Side("inputs", "max_source_length", TEXT_ROLE),
+                       Side("targets", "max_target_length", TEXT_ROLE),
+                       Side("rejected", "max_target_length", TEXT_ROLE)))
+KINDS = {k.name: k for k in (TRANSLATION, TEXT, CLASSIFICATION, SPEECH, PREFERENCE)}
 
 
 def get(name: str) -> DataKind:

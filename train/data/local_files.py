@@ -9,8 +9,10 @@ sources, and sources become splits (`_assign_splits`):
     ("tr.tsv", "va.tsv", "te.tsv")  train, validation, test
 
 A translation source is one `.tsv` file (source TAB target) or two line-aligned files
-(`translation_sources`); every other kind reads one file a source. Classification labels
-become class names in class order (`classification_label_names`).
+(`translation_sources`); every other kind reads one file a source. A preference file is
+JSON Lines, one `{"prompt": ..., "chosen": ..., "rejected": ...}` object a line
+(`read_preference_files`). Classification labels become class names in class order
+(`classification_label_names`).
 
 Nothing here needs TFDS: `train.data.builders` turns what these readers return into
 prepared datasets.
@@ -21,6 +23,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import hashlib
+import json
 import os
 import re
 
@@ -267,3 +270,48 @@ def classification_label_names(labels) -> tuple[str, ...]:
         return tuple(str(i) for i in range(top + 1))
     return tuple(sorted(distinct))
 
+
+
+PREFERENCE_FIELDS = ("prompt", "chosen", "rejected")
+
+
+def read_preference_files(files: tuple[str, ...], bad: BadLines) -> dict[str, list]:
+    """(prompt, chosen, rejected) triples from JSON Lines files, one object a line with
+    those three string fields (others are ignored), one file a source (one file is split by
+    a hash of the prompt). The texts are kept as written: a response's leading space is
+    part of it, as a BPE tokenizer reads it. A line that is not such an object, or has an
+    empty prompt or response, or whose two responses are equal, is skipped and counted."""
+    sources = [list(_preference_triples(path, bad)) for path in files]
+    return _assign_splits(sources, key=lambda triple: triple[0])
+
+
+def _preference_triples(path: str, bad: BadLines):
+    for number, line in _lines(path, bad):
+        if not line.strip():
+            bad.add(path, number, "blank line")
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            bad.add(path, number, "not JSON")
+            continue
+        if not isinstance(record, dict):
+            bad.add(path, number, "not a JSON object")
+            continue
+        missing = [f for f in PREFERENCE_FIELDS if f not in record]
+        if missing:
+            bad.add(path, number, f"no {missing[0]!r} field")
+            continue
+        values = [record[f] for f in PREFERENCE_FIELDS]
+        kind = next((f for f, v in zip(PREFERENCE_FIELDS, values, strict=True)
+                     if not isinstance(v, str)), None)
+        if kind:
+            bad.add(path, number, f"{kind!r} is not a string")
+        elif not all(v.strip() for v in values):
+            empty = next(f for f, v in zip(PREFERENCE_FIELDS, values, strict=True)
+                         if not v.strip())
+            bad.add(path, number, f"empty {empty!r}")
+        elif values[1] == values[2]:
+            bad.add(path, number, "chosen equals rejected")
+        else:
+            yield tuple(values)

@@ -91,6 +91,12 @@ class Objective(abc.ABC):
             UserError: the model or tokenizer lacks what the objective needs (named).
         """
 
+    @property
+    def needs_reference_copy(self) -> bool:
+        """The train state keeps a frozen copy of the model as the run started
+        (`TrainState.reference`), which `loss_sums` then gets as `reference=`."""
+        return False
+
     def pipeline_options(self) -> dict[str, Any]:
         """The `train.data.PipelineConfig` fields this objective fixes (none: text is
         pieces then EOS, as language modelling reads it)."""

@@ -92,4 +92,4 @@ class Classification(Objective):
         from train import data as data_lib, evaluate
         batches, _ = data_lib.eval_batches(run.dataset, run.tokenizer, run.eval_pipeline,
                                            data.test_split)
-        return {}, evaluate.loss_metrics(run.wrapper, state.model_params, batches, self.label_names)
+        return {}, evaluate.loss_metrics(run.wrapper, state.eval_params, batches, self.label_names)

@@ -11,6 +11,7 @@ architecture with a dataset's kind.
     encoder_only      text             masked LM (a model without a classifier head)
     encoder_only      classification   classification (a masked-LM model gets a head)
     encoder_decoder   speech           speech recognition (a Whisper: audio encoder)
+    decoder_only      preference       preference (DPO, IPO or SimPO: `dpo.*`)
     with sequence.objective "mrt" or "scst":
     encoder_decoder   translation      sequence level (`train.objectives.sequence`)
 
@@ -29,6 +30,7 @@ from train.objectives.base import Objective
 from train.objectives.classification import Classification
 from train.objectives.masked_lm import MaskedLM
 from train.objectives.next_token import NextToken
+from train.objectives.preference import Preference
 from train.objectives.sequence import SequenceLevel
 from train.objectives.speech import Speech
 
@@ -81,6 +83,7 @@ ENTRIES: tuple[Entry, ...] = (
           options=(("decodes", True),), sequence_level=True),
     Entry("encoder_decoder", "speech", Speech,
           model_text="a Whisper model (an audio encoder-decoder)"),
+    Entry("decoder_only", "preference", Preference, model_text="a decoder-only model"),
 )
 
 
