@@ -27,6 +27,8 @@ transformers' output and that are not applied here are named in one warning on s
     python -m decode --model path/to/opus-mt-en-de "An English sentence."   # beam 4 (file)
     echo "5 6 7" | python -m decode --config transformer-tiny --strategy beam --beam-size 4
 
+--chat: each input is a user's message in the directory's chat template (decode.chat_cli).
+
 Encoder-only models (BERT, RoBERTa) do not generate; one of two flags says what to do
 with them (and a model without the one it needs is refused, naming the flag that fits):
 
@@ -81,7 +83,7 @@ import traceback
 import jax
 
 import models
-from decode import cli_request, encoder_cli, source, whisper_cli
+from decode import chat_cli, cli_request, encoder_cli, source, whisper_cli
 from decode.cli_request import DEFAULT_NEW_TOKENS, DEFAULTS
 from decode.text import Batching, TextDecoder, one_line
 from models.errors import UserError
@@ -123,6 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
                            f"{encoder_cli.DEFAULT_FILLERS}) of each mask token")
     task.add_argument("--classify", action="store_true",
                       help="encoder-only classifier: label<TAB>probability of each input")
+    chat_cli.add_flag(p)
     p.add_argument("--audio", nargs="+", default=None, metavar="FILE",
                    help="Whisper: transcribe these audio files (one line each)")
     p.add_argument("--language", default=None,
@@ -190,6 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run(args) -> None:
     parser = build_parser()
+    chat_cli.check_flags(args)
     whisper_cli.check_flags(args, parser)
     if args.audio is not None:
         whisper_cli.run(args, lambda line: print(line, flush=True))
@@ -202,11 +206,13 @@ def run(args) -> None:
     if args.fill_mask or args.classify:
         encoder_cli.run(args, model, params, tok, lines)
         return
+    encode, gen = chat_cli.setup(args, tok, gen)
     strategy = cli_request.checked_strategy(args, gen)
     gen = cli_request.with_new_tokens(args, gen)
     draft = source.load_draft(args, strategy)
     service = TextDecoder(model, params, tok, limit=cli_request.input_limit(args, gen, cfg),
-                          batching=Batching(size=args.batch_size), draft=draft)
+                          batching=Batching(size=args.batch_size), draft=draft,
+                          **({"encode": encode} if encode else {}))
     request_for = functools.partial(cli_request.request_for, args, gen, cfg)
     for text in service.decode(lines, request_for, rng=jax.random.key(args.seed)):
         print(one_line(text), flush=True)

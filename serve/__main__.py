@@ -166,8 +166,8 @@ def _default_name(path: str) -> str:
 def run(args) -> None:
     import uvicorn
 
+    from models.chat import ChatTemplate
     from serve import server
-    from serve.chat import ChatTemplate
     from serve.engine import Engine
     from serve.metrics import Metrics
     sock = _listen(args.host, args.port)

@@ -6,7 +6,7 @@
 Endpoints: POST /v1/completions, POST /v1/chat/completions, POST /v1/audio/transcriptions
 (Whisper), GET /v1/models, GET /health, GET /metrics. The app parses and checks a request
 (`serve.protocol`: bad input is a 400 naming the field), tokenises it (a chat with the
-model's own template, `serve.chat`), submits it and streams what the engine yields: no
+model's own template, `models.chat`), submits it and streams what the engine yields: no
 model logic and no scheduling live here. The engine's refusals map to statuses: a
 `QueueFull` is 429 with Retry-After, an `EngineStopped` 503, any other `UserError` 400.
 
@@ -32,9 +32,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from models.chat import ChatTemplate
 from models.errors import UserError
 from serve.api import EngineStopped, QueueFull, Submission
-from serve.chat import ChatTemplate
 from serve.protocol import (
     AUDIO_FIELDS,
     Call,

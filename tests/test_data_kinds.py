@@ -73,10 +73,10 @@ def test_kind_table_entries():
 
 def test_unknown_kinds_roles_and_datasets_are_named():
     with pytest.raises(ValueError, match=r"dataset kind 'audio' must be one of "
-                                         r"\['classification', 'preference', 'speech', "
+                                         r"\['chat', 'classification', 'preference', 'speech', "
                                          r"'text', 'translation'\]"):
         kinds.get("audio")
-    with pytest.raises(ValueError, match=r"role 'caption' must be one of \['sentence', "
+    with pytest.raises(ValueError, match=r"role 'caption' must be one of \['chat', 'sentence', "
                                          r"'source', 'target', 'text', 'transcript'\]"):
         data.pipeline.encode_side(TOK, ["x"], "caption")
     with pytest.raises(ValueError, match="text_role='source' must be 'text' or 'sentence'"):

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import models
+from models.chat import ChatTemplate
 from models.pretrained import GenerationDefaults
 from models.tokenizer import ByteTokenizer
 from tests.helpers import tiny
@@ -126,6 +127,8 @@ def _rows(cfg, rows: int = 4, sides: tuple[str, ...] = ()) -> dict:
             out[side][:, -2:] = 0
             out[f"{side}_segmentation"][:, -2:] = out[f"{side}_position"][:, -2:] = 0
         return out
+    if "chat" in sides:                   # the assistant's tokens flagged
+        out["targets_weights"] = (r.random((rows, W)) < 0.5).astype(np.float32)
     if cfg.audio is not None:             # a clip's features [mel, frames] instead of tokens
         del out["inputs_segmentation"], out["inputs_position"]
         out["inputs"] = r.normal(size=(rows, cfg.audio.num_mel_bins, cfg.audio.num_frames)
@@ -156,10 +159,12 @@ def test_every_registered_objective_keeps_the_interface_contract(entry):
     cfg, generation = _entry_config(entry)
     preference = entry.data_kind == "preference"     # unsmoothed; a pair a row
     settings = ObjectiveSettings(label_smoothing=0.0) if preference else SETTINGS
+    chat = ChatTemplate("{% for m in messages %}<{{ m['content'] }}>{% endfor %}")
     cfg, objective = fit(cfg, _data(entry.data_kind, ("a", "b")), TOK, settings,
-                         model_name="m", generation=generation)
+                         model_name="m", generation=generation, chat_template=chat)
     model = models.build(cfg)
-    batch = jax.tree.map(jnp.asarray, _rows(cfg, sides=("rejected",) if preference else ()))
+    sides = {"preference": ("rejected",), "chat": ("chat",)}.get(entry.data_kind, ())
+    batch = jax.tree.map(jnp.asarray, _rows(cfg, sides=sides))
     args, method = objective.init_inputs(batch)
     params = model.init(jax.random.key(0), *args, method=method)["params"]
     task = objective.prepare(batch, key=jax.random.key(1), row_ids=jnp.arange(4))
@@ -174,6 +179,7 @@ def test_every_registered_objective_keeps_the_interface_contract(entry):
         assert float(sums["weight"]) == float(task["weights"].sum())
         assert np.isfinite(float(sums["loss"])) and float(sums["loss"]) > 0
     assert objective == fit(cfg, _data(entry.data_kind, ("a", "b")), TOK, settings,
-                            model_name="m", generation=generation
+                            model_name="m", generation=generation,
+                            chat_template=ChatTemplate(chat.source)
                             )[1]         # frozen values: equal when rebuilt
     hash(objective)

@@ -90,8 +90,8 @@ def test_a_part_added_to_the_table_reaches_base_config_with_its_default(monkeypa
      "mesh_shape=(1, -1, -1) must be three sizes (data, fsdp, tensor), each >= 1 or one of "
      "them -1"),
     (lambda: DataSettings(data_files="book.txt"),
-     "data_files='book.txt' is only read by the local datasets (local_classification, "
-     "local_preference, local_speech, local_text, local_translation), not "
+     "data_files='book.txt' is only read by the local datasets (local_chat, "
+     "local_classification, local_preference, local_speech, local_text, local_translation), not "
      "dataset='toy_translation'"),
     (lambda: ModelSettings(model="gpt-huge"), "model='gpt-huge' must be one of "),
     (lambda: ModelSettings(init_from="/no/such/model"),

@@ -35,9 +35,9 @@ import pytest
 
 import models
 from decode.request import DecodeRequest
+from models.chat import ChatTemplate
 from models.errors import UserError
 from serve.api import EngineStopped, Event, QueueFull, Submission, Usage
-from serve.chat import ChatTemplate
 from serve.metrics import Metrics
 from serve.protocol import COMPLETION_MAX_TOKENS
 

@@ -279,7 +279,8 @@ class ObjectiveSettings(Part):
     `freeze_encoder` (a Whisper's audio encoder, its convolutional front end included,
     gets no updates and no optimiser state; `train.objectives.speech`); preference
     training's loss and strength (`dpo.*`: DPO, IPO or SimPO,
-    `train.objectives.preference`)."""
+    `train.objectives.preference`); chat data's template (`chat_template`: a Jinja file
+    instead of the model directory's own)."""
 
     label_smoothing: float = setting(0.1, number("in [0, 1)", lambda v: 0 <= v < 1))
     z_loss: float = setting(0.0, number(">= 0", lambda v: v >= 0))
@@ -295,6 +296,9 @@ class ObjectiveSettings(Part):
         SequenceSettings, "a dict of objective, candidates, alpha, reward, include_gold, "
         "sampling, temperature, top_k, max_new_tokens, loss_weight")
     dpo: PreferenceSettings = subpart(PreferenceSettings, "a dict of loss, beta, simpo_gamma")
+    chat_template: str = setting("", Rule(
+        "'' (the model directory's own) or the path of a Jinja chat template file",
+        lambda v: isinstance(v, str)))
     language: str = setting("", Rule(
         "'' (the checkpoint's default) or a language code or token, such as 'en' or "
         "'<|en|>'", lambda v: isinstance(v, str) and v == v.strip()))

@@ -277,8 +277,12 @@ def _start_run(settings: RunConfig, workdir: str, lock: workdir_lib.Lock
     ds = load_dataset(settings.data)
     tok = get_tokenizer(settings.model, settings.data, ds, workdir)
     choice = choose_model(settings.model, tok.vocab_size, max_len=settings.needed_max_len)
+    chat_template = _chat_template(settings, ds)
+    if chat_template is not None and settings.objective.chat_template:
+        tok.hf.chat_template = chat_template.source     # so the export carries it
     mcfg, objective = fit(choice.config, ds, tok, settings.objective,
-                          model_name=settings.model.name, generation=choice.generation)
+                          model_name=settings.model.name, generation=choice.generation,
+                          chat_template=chat_template)
     choice = dataclasses.replace(choice, config=mcfg)
     model = models.build(mcfg)
     pcfg, eval_pcfg = (pipeline_config(settings, objective, eval_=e) for e in (False, True))
@@ -376,6 +380,23 @@ def _start_run(settings: RunConfig, workdir: str, lock: workdir_lib.Lock
               eval_pipeline=eval_pcfg, eval_batches=eval_batches, wrapper=wrapper,
               writer=writer, checkpoints=mngr, lock=lock)
     return run, Start(state, iterator, step, resumed_from)
+
+
+def _chat_template(settings: RunConfig, ds):
+    """Chat data's template: `chat_template`'s file, or the model directory's own (the
+    tokenizer's directory: `tokenizer_from`, else `init_from`); None for other data or
+    without one (the objective then refuses by name)."""
+    from models.chat import ChatTemplate
+    from train.data import kinds
+    if not any(r.chat for r in kinds.get(ds.kind).roles()):
+        return None
+    directory = settings.data.tokenizer_from or settings.model.init_from
+    if not directory:
+        if settings.objective.chat_template:
+            raise fail("chat_template", settings.objective.chat_template, "renders "
+                       "conversations for a model directory's tokenizer: set init_from")
+        return None
+    return ChatTemplate.from_directory(directory, settings.objective.chat_template)
 
 
 def _frozen_parts(settings: RunConfig) -> tuple[str, ...]:

@@ -35,6 +35,7 @@ from train.data.local_files import (
     check_source_count,
     classification_label_names,
     file_sources,
+    read_chat_files,
     read_classification_files,
     read_preference_files,
     read_text_files,
@@ -315,9 +316,17 @@ class LocalPreference(_LocalBuilder):
     _read = staticmethod(read_preference_files)
 
 
+class LocalChat(_LocalBuilder):
+    """Conversations from local JSON Lines files, one `{"messages": [...]}` object a line,
+    for chat fine-tuning in the model's own template (`finetune_chat`)."""
+    name = "local_chat"
+    kind = "chat"
+    _read = staticmethod(read_chat_files)
+
+
 LOCAL = {"local_translation": LocalTranslation, "local_text": LocalText,
          "local_classification": LocalClassification, "local_speech": LocalSpeech,
-         "local_preference": LocalPreference}
+         "local_preference": LocalPreference, "local_chat": LocalChat}
 
 
 def label_names(builder: tfds.core.DatasetBuilder) -> tuple[str, ...]:

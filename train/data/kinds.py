@@ -24,6 +24,7 @@ they become batches:
     preference      inputs  max_source_length  text (the prompt)      no        no       no
                     targets max_target_length  text (the chosen response)
                     rejected max_target_length text (the rejected response)
+    chat            targets max_target_length  chat (scored: the assistant's ids)  no  no  no
 
 A role is how one side of an example is tokenised (see `train.data.pipeline.encode_side`):
 
@@ -33,6 +34,7 @@ A role is how one side of an example is tokenised (see `train.data.pipeline.enco
     text      no           no                                   EOS (appended)
     sentence  no           every tokenizer's, nothing appended  the template's last id
     transcript yes         no; after `target_prefix`            EOS (appended)
+    chat      no           the model's chat template            EOS (appended if missing)
 
 Adding a kind is one `DataKind` here (and a builder that names it): the builders, the
 datasets and the pipeline ask the table and compare no kind or role names.
@@ -62,12 +64,17 @@ class Role:
             with the template's last id.
         prefixed: the pipeline's `target_prefix` ids come first (Whisper's decoder prompt
             after its start token), then the pieces and EOS.
+        chat: the side is a conversation (its messages as JSON) rendered by the model's
+            chat template (`models.chat`), its first id (the template's start, which the
+            model reads as its start token) dropped, EOS appended unless the template ends
+            with it; only the assistant's ids are scored (the side's weights).
     """
     name: str
     target: bool = False
     template: bool = False
     model_input: bool = False
     prefixed: bool = False
+    chat: bool = False
 
 
 SOURCE_ROLE = Role("source", template=True)
@@ -75,8 +82,9 @@ TARGET_ROLE = Role("target", target=True, template=True)
 TEXT_ROLE = Role("text")
 SENTENCE_ROLE = Role("sentence", model_input=True)
 TRANSCRIPT_ROLE = Role("transcript", target=True, prefixed=True)
+CHAT_ROLE = Role("chat", chat=True)
 ROLES = {r.name: r for r in (SOURCE_ROLE, TARGET_ROLE, TEXT_ROLE, SENTENCE_ROLE,
-                             TRANSCRIPT_ROLE)}
+                             TRANSCRIPT_ROLE, CHAT_ROLE)}
 TEXT_ROLES = (TEXT_ROLE.name, SENTENCE_ROLE.name)    # how a text dataset's side may be read
 
 
@@ -181,7 +189,10 @@ PREFERENCE = DataKind("preference", ("prompt", "chosen", "rejected"),
                       (Side("inputs", "max_source_length", TEXT_ROLE),
                        Side("targets", "max_target_length", TEXT_ROLE),
                        Side("rejected", "max_target_length", TEXT_ROLE)))
-KINDS = {k.name: k for k in (TRANSLATION, TEXT, CLASSIFICATION, SPEECH, PREFERENCE)}
+# Conversations (`{"messages": [...]}`) in the model's chat template; batches carry
+# `targets_weights`, 1 on the assistant's tokens.
+CHAT = DataKind("chat", ("messages",), (Side("targets", "max_target_length", CHAT_ROLE),))
+KINDS = {k.name: k for k in (TRANSLATION, TEXT, CLASSIFICATION, SPEECH, PREFERENCE, CHAT)}
 
 
 def get(name: str) -> DataKind:

@@ -11,7 +11,8 @@ sources, and sources become splits (`_assign_splits`):
 A translation source is one `.tsv` file (source TAB target) or two line-aligned files
 (`translation_sources`); every other kind reads one file a source. A preference file is
 JSON Lines, one `{"prompt": ..., "chosen": ..., "rejected": ...}` object a line
-(`read_preference_files`). Classification labels become class names in class order
+(`read_preference_files`); a chat file JSON Lines of `{"messages": [...]}`
+(`read_chat_files`). Classification labels become class names in class order
 (`classification_label_names`).
 
 Nothing here needs TFDS: `train.data.builders` turns what these readers return into
@@ -315,3 +316,50 @@ def _preference_triples(path: str, bad: BadLines):
             bad.add(path, number, "chosen equals rejected")
         else:
             yield tuple(values)
+
+
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+
+def read_chat_files(files: tuple[str, ...], bad: BadLines) -> dict[str, list]:
+    """Conversations from JSON Lines files, one `{"messages": [{"role": ..., "content":
+    ...}, ...]}` object a line (other fields are ignored), kept as the JSON of their
+    messages; one file a source (one file is split by a hash of the conversation). A line
+    that is not such an object, has a message without a known role (`CHAT_ROLES`) or
+    string content, or has no assistant message, is skipped and counted."""
+    sources = [list(_conversations(path, bad)) for path in files]
+    return _assign_splits(sources, key=lambda conversation: conversation)
+
+
+def _conversations(path: str, bad: BadLines):
+    for number, line in _lines(path, bad):
+        if not line.strip():
+            bad.add(path, number, "blank line")
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            bad.add(path, number, "not JSON")
+            continue
+        messages = record.get("messages") if isinstance(record, dict) else None
+        if not isinstance(messages, list) or not messages:
+            bad.add(path, number, "no 'messages' list")
+            continue
+        problem = next((p for p in map(_message_problem, messages) if p), None)
+        if problem:
+            bad.add(path, number, problem)
+        elif not any(m["role"] == "assistant" for m in messages):
+            bad.add(path, number, "no assistant message")
+        else:
+            yield json.dumps([{"role": m["role"], "content": m["content"]} for m in messages],
+                             ensure_ascii=False)
+
+
+def _message_problem(message) -> str | None:
+    if not isinstance(message, dict):
+        return "a message that is not an object"
+    if message.get("role") not in CHAT_ROLES:
+        return f"a message whose role is not one of {list(CHAT_ROLES)}"
+    if not isinstance(message.get("content"), str):
+        return "a message whose content is not a string"
+    return None

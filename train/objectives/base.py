@@ -48,12 +48,15 @@ class Objective(abc.ABC):
             can do it in slices (`loss_chunks`, `train.chunked_loss`).
         reads_generation: `build` takes the model directory's decoding defaults
             (`generation=`, a `GenerationDefaults` or None from scratch).
+        reads_chat_template: `build` takes the model's chat template (`chat_template=`,
+            a `models.chat.ChatTemplate` or None).
     """
 
     name: ClassVar[str]
     takes_scheduled_sampling: ClassVar[bool] = False
     takes_loss_chunks: ClassVar[bool] = False
     reads_generation: ClassVar[bool] = False
+    reads_chat_template: ClassVar[bool] = False
 
     @classmethod
     def check_settings(cls, settings, model_config, *, model_name: str) -> None:

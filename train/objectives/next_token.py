@@ -17,6 +17,7 @@ the final one the test split (`train.evaluate`).
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, ClassVar
 
 import jax.numpy as jnp
 from jax import lax
@@ -73,6 +74,10 @@ class NextToken(Objective):
             gradient, still makes them).
         scheduled_sampling: the second pass's schedule (off by default).
         decodes: evaluations decode and score against references (translation).
+        chat_template: chat data's template (`models.chat.ChatTemplate`): the pipeline
+            renders the conversations with it, the rows carry `targets_weights` (1 on the
+            assistant's tokens) and only those are scored; `bos_id` is then the
+            template's start (`train.data.pipeline.chat_start_id`). None: text.
     """
 
     name = "next token"
@@ -86,11 +91,23 @@ class NextToken(Objective):
     scheduled_sampling: ScheduledSampling = dataclasses.field(
         default_factory=ScheduledSampling)
     decodes: bool = False
+    chat_template: Any = None
+    reads_chat_template: ClassVar[bool] = True
 
     @classmethod
     def build(cls, model_config, tokenizer, settings, *, model_name: str,
-              decodes: bool = False) -> NextToken:
-        del tokenizer
+              decodes: bool = False, chat: bool = False, chat_template=None) -> NextToken:
+        if chat:
+            if chat_template is None:
+                raise UserError(f"model {model_name!r} has no chat template (its directory's "
+                                "chat_template.jinja or tokenizer_config.json chat_template): "
+                                "give one with chat_template=FILE")
+            from train.data.pipeline.tokens import chat_start_id
+            return cls(bos_id=chat_start_id(chat_template, tokenizer),
+                       label_smoothing=settings.label_smoothing, z_loss=settings.z_loss,
+                       loss_chunks=settings.loss_chunks,
+                       scheduled_sampling=settings.scheduled_sampling,
+                       chat_template=chat_template)
         if model_config.audio is not None:
             raise UserError(f"model {model_name!r} reads audio (a Whisper model): fine-tune "
                             "it on transcribed clips, dataset='local_speech'")
@@ -103,15 +120,21 @@ class NextToken(Objective):
                    loss_chunks=settings.loss_chunks,
                    scheduled_sampling=settings.scheduled_sampling, decodes=decodes)
 
+    def pipeline_options(self) -> dict:
+        return {"chat_template": self.chat_template} if self.chat_template is not None else {}
+
     def init_inputs(self, row: dict) -> tuple[tuple, str | None]:
         if self.encoder_decoder:
             return (row["inputs"], row["targets"]), None
         return (row["targets"],), None
 
     def prepare(self, batch: dict, *, key, row_ids) -> dict:
+        """Every real target token scored; chat rows only where `targets_weights` is 1."""
         del key, row_ids
-        return {"targets": batch["targets"],
-                "weights": (batch["targets_segmentation"] > 0).astype(jnp.float32)}
+        weights = (batch["targets_segmentation"] > 0).astype(jnp.float32)
+        if "targets_weights" in batch:
+            weights = weights * batch["targets_weights"]
+        return {"targets": batch["targets"], "weights": weights}
 
     def loss_sums(self, model, params, batch: dict, task: dict, *, dropout_rng, sample_rng,
                   step, train: bool) -> dict:

@@ -12,6 +12,8 @@ architecture with a dataset's kind.
     encoder_only      classification   classification (a masked-LM model gets a head)
     encoder_decoder   speech           speech recognition (a Whisper: audio encoder)
     decoder_only      preference       preference (DPO, IPO or SimPO: `dpo.*`)
+    decoder_only      chat             next token on the assistant's tokens, in the
+                                       model's chat template
     with sequence.objective "mrt" or "scst":
     encoder_decoder   translation      sequence level (`train.objectives.sequence`)
 
@@ -65,8 +67,10 @@ class Entry:
                 and self.classifier in (None, bool(model_config.num_labels)))
 
     def build(self, model_config, tokenizer, settings, *, model_name: str,
-              generation=None) -> Objective:
+              generation=None, chat_template=None) -> Objective:
         extra = {"generation": generation} if self.objective.reads_generation else {}
+        if self.objective.reads_chat_template and dict(self.options).get("chat"):
+            extra["chat_template"] = chat_template
         return self.objective.build(model_config, tokenizer, settings, model_name=model_name,
                                     **dict(self.options), **extra)
 
@@ -84,6 +88,8 @@ ENTRIES: tuple[Entry, ...] = (
     Entry("encoder_decoder", "speech", Speech,
           model_text="a Whisper model (an audio encoder-decoder)"),
     Entry("decoder_only", "preference", Preference, model_text="a decoder-only model"),
+    Entry("decoder_only", "chat", NextToken, model_text="a decoder-only model",
+          options=(("chat", True),)),
 )
 
 
@@ -119,7 +125,8 @@ def entry_for(model_config, data_kind: str, *, model_name: str, dataset_name: st
                     f"({data_kind}): {needs}")
 
 
-def fit(model_config, dataset, tokenizer, settings, *, model_name: str, generation=None):
+def fit(model_config, dataset, tokenizer, settings, *, model_name: str, generation=None,
+        chat_template=None):
     """(the model config the run trains, its objective) for a model and the run's dataset.
 
     Args:
@@ -129,6 +136,7 @@ def fit(model_config, dataset, tokenizer, settings, *, model_name: str, generati
         settings: the `train.run_config.ObjectiveSettings`.
         generation: the model directory's decoding defaults (`ModelChoice.generation`),
             for an objective that `reads_generation` (Whisper's prompt).
+        chat_template: the model's chat template, for chat data.
 
     Raises:
         UserError: the model does not fit the data, or lacks what the objective needs.
@@ -139,4 +147,4 @@ def fit(model_config, dataset, tokenizer, settings, *, model_name: str, generati
                                       model_name=model_name, dataset_name=dataset.name)
     entry.objective.check_settings(settings, cfg, model_name=model_name)
     return cfg, entry.build(cfg, tokenizer, settings, model_name=model_name,
-                            generation=generation)
+                            generation=generation, chat_template=chat_template)

@@ -4,6 +4,7 @@ labels, with the Flax WMT example's names:
     inputs, inputs_segmentation, inputs_position      (translation, classification)
     targets, targets_segmentation, targets_position   (translation, text)
     labels                                            (classification)
+    targets_weights                                   (chat: 1 on the assistant's tokens)
 
 (which side is which: `train.data.kinds`). A row holds one item or several packed ones,
 numbered 1, 2, ... in its segmentation (0 is padding; masks come from it, never from a
@@ -78,4 +79,23 @@ def assemble(data: TokenizedSplit, items: Items, rows: list[list[int]], *,
         out[name] = tok
         out[f"{name}_segmentation"] = seg
         out[f"{name}_position"] = pos
+        if data.weights is not None and data.weights[s] is not None:
+            out[f"{name}_weights"] = _weights(data, items, rows, s, width)
+    return out
+
+
+def _weights(data: TokenizedSplit, items: Items, rows: list[list[int]], s: int,
+             width: int) -> np.ndarray:
+    """A chat side's scored flags as float32 `[rows, width]`, 0 on padding and on the end
+    token a truncated item is given (its text went on)."""
+    out = np.zeros((len(rows), width), np.float32)
+    full = data.lengths(s)
+    for r, row in enumerate(rows):
+        col = 0
+        for item in row:
+            start, n = int(items.starts[s][item]), int(items.lengths[s][item])
+            out[r, col:col + n] = data.weights[s][start:start + n]
+            if n < full[items.example[item]]:
+                out[r, col + n - 1] = 0.0
+            col += n
     return out

@@ -38,6 +38,8 @@ class PipelineConfig:
             decoder prompt after its start token (language, task, <|notimestamps|>).
         audio: the model's `models.audio.AudioInput`: speech batches carry each clip's
             features in its window as `inputs` (None: the model reads no audio).
+        chat_template: the `models.chat.ChatTemplate` that renders chat examples (None:
+            the data hold no conversations).
     """
     per_device_batch_size: int
     max_source_length: int = 64
@@ -54,6 +56,7 @@ class PipelineConfig:
     label_names: tuple[str, ...] = ()
     target_prefix: tuple[int, ...] = ()
     audio: Any = None
+    chat_template: Any = None
 
     def __post_init__(self):
         if self.per_device_batch_size < 1:

@@ -89,7 +89,7 @@ def eval_batches(dataset: Dataset, tokenizer: Tokenizer, cfg: PipelineConfig, sp
     data = tokenize_split(dataset, split, tokenizer, shard_index=shard.index,
                           shard_count=shard.count, cache_dir=cache_dir,
                           text_role=cfg.text_role, label_names=cfg.label_names,
-                          target_prefix=cfg.target_prefix)
+                          target_prefix=cfg.target_prefix, chat_template=cfg.chat_template)
     check_clips(data, cfg)
     max_lengths = kind.max_lengths(cfg)
     items, stats = select_items(data, kind, max_lengths, cfg.overlong)

@@ -147,7 +147,7 @@ def train_source(dataset: Dataset, tokenizer: Tokenizer, cfg: PipelineConfig, *,
     kind = dataset.data_kind
     data = tokenize_split(dataset, split, tokenizer, cache_dir=cache_dir,
                           text_role=cfg.text_role, label_names=cfg.label_names,
-                          target_prefix=cfg.target_prefix)
+                          target_prefix=cfg.target_prefix, chat_template=cfg.chat_template)
     check_clips(data, cfg)
     items, stats = select_items(data, kind, kind.max_lengths(cfg), cfg.overlong)
     return BatchSource(data, items, kind, cfg, shard), stats

@@ -33,7 +33,7 @@ from train.data.datasets import Dataset, data_digest
 
 log = logging.getLogger(__name__)
 
-CACHE_FORMAT = 5          # in every token cache key: bump it when the cached files change
+CACHE_FORMAT = 6          # in every token cache key: bump it when the cached files change
 
 
 @dataclasses.dataclass
@@ -44,7 +44,9 @@ class TokenizedSplit:
     or text). `example_ids[i]` is its index in the full split. `eos_id` is the id every
     example ends with (a sentence: its template's last id, None without one); `labels[i]`
     is a classification example's class index in the run's label order; `clips[i]` a
-    speech example's (audio path, "file:line").
+    speech example's (audio path, "file:line"); `weights[side]`, for a chat side, a 0/1
+    flag per token (1: the assistant's, scored), aligned with `tokens[side]` (None for
+    the other sides).
     """
     tokens: tuple[np.ndarray, ...]
     offsets: tuple[np.ndarray, ...]
@@ -52,6 +54,7 @@ class TokenizedSplit:
     eos_id: int | None
     labels: np.ndarray | None = None
     clips: list[tuple[str, str]] | None = None
+    weights: tuple[np.ndarray | None, ...] | None = None
 
     def __len__(self) -> int:
         return len(self.example_ids)
@@ -123,6 +126,9 @@ def encode_side(tokenizer: Tokenizer, texts: Sequence[str], role: str | kinds.Ro
     A "transcript" starts with `prefix` (Whisper's prompt after its start token).
     """
     role = kinds.role(role)
+    if role.chat:
+        raise UserError("a conversation is encoded by its chat template (encode_chat), "
+                         "not as text")
     if role.prefixed:
         pieces = tokenizer.encode_batch(texts, target=role.target)
         return [[*map(int, prefix), *e, tokenizer.eos_id] for e in pieces]
@@ -140,16 +146,60 @@ def encode_side(tokenizer: Tokenizer, texts: Sequence[str], role: str | kinds.Ro
     return [list(e) if e and e[-1] == eos and template else [*e, eos] for e in encoded]
 
 
+def chat_start_id(template, tokenizer: Tokenizer) -> int:
+    """The id a chat template's conversations begin with (Llama 3's <|begin_of_text|>,
+    ChatML's <|im_start|>): the model reads it as its start token, so chat examples are
+    stored without it.
+
+    Raises:
+        UserError: the template renders nothing before a user's message.
+    """
+    ids = tokenizer.encode(template.render([{"role": "user", "content": "x"}],
+                                           add_generation_prompt=True))
+    if not ids:
+        raise UserError("the chat template renders a user's message as no tokens")
+    return int(ids[0])
+
+
+def encode_chat(tokenizer: Tokenizer, template, conversations: Sequence[str],
+                example_ids: Sequence[int]) -> tuple[list[list[int]], list[list[int]]]:
+    """Conversations (each its messages as JSON) as chat training reads them: the
+    template's ids without the first (`chat_start_id`, which every one must begin with),
+    then EOS unless the template ends with it; and each id's flag, 1 on the assistant's
+    (the appended EOS is not scored: the template's end of turn is).
+
+    Raises:
+        UserError: a conversation the template refuses or that begins otherwise, naming
+            its example index.
+    """
+    import json
+    start, eos = chat_start_id(template, tokenizer), tokenizer.eos_id
+    out_ids, out_flags = [], []
+    for text, example in zip(conversations, example_ids, strict=True):
+        where = f"conversation {int(example)}"
+        ids, flags = template.encode(tokenizer, json.loads(text), where=where)
+        if not ids or ids[0] != start:
+            raise UserError(f"{where} does not begin with the chat template's start id "
+                            f"{start} (it begins with {ids[:1]})")
+        ids, flags = ids[1:], flags[1:]
+        if not ids or ids[-1] != eos:
+            ids, flags = [*ids, eos], [*flags, 0]
+        out_ids.append(ids)
+        out_flags.append(flags)
+    return out_ids, out_flags
+
+
 def tokenize_split(dataset: Dataset, split: str, tokenizer: Tokenizer, *, shard_index: int = 0,
                    shard_count: int = 1, cache_dir: str | None = None,
                    chunk: int = 4096, text_role: str = kinds.TEXT_ROLE.name,
                    label_names: tuple[str, ...] = (), target_prefix: tuple[int, ...] = (),
-                   ) -> TokenizedSplit:
+                   chat_template=None) -> TokenizedSplit:
     """Tokenises this process's shard of a split (or loads it from `cache_dir`).
 
     Each side is encoded as its role says (`dataset.data_kind.roles(text_role)`: targets
     as the tokenizer's target side, text as `text_role`, classification examples as
-    sentences, transcripts behind `target_prefix`), labels in the order of `label_names`
+    sentences, transcripts behind `target_prefix`, conversations by `chat_template` with
+    their assistant flags, `encode_chat`), labels in the order of `label_names`
     (see `label_ids`), a speech example's clip by its path. The cache is keyed
     by the dataset's content `digest`, the tokenizer's `identity` (both sides' models) and
     these roles, so edited data or another tokenizer never reads old tokens. It is written
@@ -169,6 +219,11 @@ def tokenize_split(dataset: Dataset, split: str, tokenizer: Tokenizer, *, shard_
     labels = label_ids(dataset, split, ids, label_names) if kind.labelled else None
     clips = _clips(dataset, split, ids) if kind.audio else None
     sides = len(roles)
+    chat = [r.chat for r in roles]
+    if any(chat) and chat_template is None:
+        raise UserError(f"dataset {dataset.name!r} holds conversations: it needs the "
+                         "model's chat template (a model directory with one, or "
+                         "chat_template=FILE)")
     cache = key = None
     if cache_dir and not dataset.digest:
         log.warning("dataset %r has no content digest: its tokens are not cached",
@@ -177,19 +232,27 @@ def tokenize_split(dataset: Dataset, split: str, tokenizer: Tokenizer, *, shard_
         key = hashlib.sha256(repr((CACHE_FORMAT, data_digest(dataset, tokenizer),
                                    dataset.keys, tuple(r.name for r in roles), split,
                                    len(source), shard_index, shard_count,
-                                   tuple(map(int, target_prefix)))).encode()).hexdigest()
+                                   tuple(map(int, target_prefix)),
+                                   chat_template.identity if any(chat) else None)
+                                  ).encode()).hexdigest()
         cache = os.path.join(cache_dir, f"{dataset.name.replace('/', '_')}-{split}-{key[:16]}")
-        cached = _from_arrays(cache_lib.load(cache, key), sides, end)
+        cached = _from_arrays(cache_lib.load(cache, key), sides, end, chat)
         if cached is not None:
             return dataclasses.replace(cached, labels=labels, clips=clips)
     dtype = np.uint16 if tokenizer.vocab_size <= np.iinfo(np.uint16).max + 1 else np.int32
     pieces: list[list[np.ndarray]] = [[] for _ in range(sides)]
     lengths: list[list[np.ndarray]] = [[] for _ in range(sides)]
+    flagged: list[list[np.ndarray]] = [[] for _ in range(sides)]
     for start in range(0, len(ids), chunk):
         texts = dataset.examples(split, ids[start:start + chunk])
         for s in range(sides):
-            encoded = encode_side(tokenizer, [t[s] for t in texts], roles[s],
-                                  prefix=target_prefix)
+            if chat[s]:
+                encoded, flags = encode_chat(tokenizer, chat_template, [t[s] for t in texts],
+                                             ids[start:start + chunk])
+                flagged[s].append(np.asarray([f for e in flags for f in e], np.uint8))
+            else:
+                encoded = encode_side(tokenizer, [t[s] for t in texts], roles[s],
+                                      prefix=target_prefix)
             lengths[s].append(np.fromiter((len(e) for e in encoded), np.int64, len(encoded)))
             flat = [tok for e in encoded for tok in e]
             pieces[s].append(np.asarray(flat, dtype))
@@ -198,10 +261,13 @@ def tokenize_split(dataset: Dataset, split: str, tokenizer: Tokenizer, *, shard_
         tokens.append(np.concatenate(pieces[s]) if pieces[s] else np.zeros(0, dtype))
         lens = np.concatenate(lengths[s]) if lengths[s] else np.zeros(0, np.int64)
         offsets.append(np.concatenate([[0], np.cumsum(lens)]).astype(np.int64))
-    out = TokenizedSplit(tuple(tokens), tuple(offsets), ids, end, labels, clips)
+    weights = tuple((np.concatenate(flagged[s]) if flagged[s] else np.zeros(0, np.uint8))
+                    if chat[s] else None for s in range(sides)) if any(chat) else None
+    out = TokenizedSplit(tuple(tokens), tuple(offsets), ids, end, labels, clips, weights)
     if cache:
         arrays = {**{f"tokens{s}.npy": out.tokens[s] for s in range(sides)},
                   **{f"offsets{s}.npy": out.offsets[s] for s in range(sides)},
+                  **{f"weights{s}.npy": weights[s] for s in range(sides) if chat[s]},
                   "example_ids.npy": ids}
         cache_lib.save(cache, key, arrays)
     return out
@@ -221,17 +287,20 @@ def _clips(dataset: Dataset, split: str, ids: np.ndarray) -> list[tuple[str, str
     return [(ex[at], ex[at + 1]) for ex in dataset.examples(split, ids)]
 
 
-def _from_arrays(arrays: dict | None, sides: int, eos_id: int | None) -> TokenizedSplit | None:
+def _from_arrays(arrays: dict | None, sides: int, eos_id: int | None,
+                 chat: list[bool]) -> TokenizedSplit | None:
     """A cached split, or None when there is none or its arrays do not fit together."""
     if arrays is None:
         return None
     try:
+        weights = (tuple(arrays[f"weights{s}.npy"] if chat[s] else None for s in range(sides))
+                   if any(chat) else None)
         out = TokenizedSplit(tuple(arrays[f"tokens{s}.npy"] for s in range(sides)),
                              tuple(arrays[f"offsets{s}.npy"] for s in range(sides)),
-                             arrays["example_ids.npy"], eos_id)
+                             arrays["example_ids.npy"], eos_id, weights=weights)
     except KeyError:
         return None
     if all(len(out.offsets[s]) == len(out) + 1 and out.offsets[s][-1] == len(out.tokens[s])
-           for s in range(sides)):
+           and (not chat[s] or len(weights[s]) == len(out.tokens[s])) for s in range(sides)):
         return out
     return None
