@@ -73,7 +73,8 @@ def test_kind_table_entries():
 
 def test_unknown_kinds_roles_and_datasets_are_named():
     with pytest.raises(ValueError, match=r"dataset kind 'audio' must be one of "
-                                         r"\['chat', 'classification', 'preference', 'speech', "
+                                         r"\['chat', 'classification', 'preference', "
+                                         r"'prompts', 'speech', "
                                          r"'text', 'translation'\]"):
         kinds.get("audio")
     with pytest.raises(ValueError, match=r"role 'caption' must be one of \['chat', 'sentence', "

@@ -270,7 +270,7 @@ def test_the_run_config_refuses_what_preference_training_cannot_train(overrides,
 def test_dpo_keys_with_other_data_and_preference_data_for_an_encoder_decoder_are_refused():
     c = configs.get("copy")
     c.dpo.beta = 0.2
-    with pytest.raises(ValueError, match=r"dpo.beta=0.2 is read by preference training "
+    with pytest.raises(ValueError, match=r"dpo.beta=0.2 is read with preference data "
                                          r"only .* not dataset='copy'"):
         check_config(c)
     c = configs.get("copy")

@@ -40,7 +40,8 @@ def test_the_defaults_build_and_base_config_is_made_of_the_parts_fields():
     base = base_config().to_dict()
     # Every key has a rule, and no other (scheduled_sampling, lora, sequence, dpo: the dict
     # and each of its keys).
-    assert set(_flat(base)) | {"scheduled_sampling", "lora", "sequence", "dpo"} == set(RULES)
+    assert set(_flat(base)) | {"scheduled_sampling", "lora", "sequence", "dpo",
+                               "grpo"} == set(RULES)
     for name, part in PARTS.items():
         made = getattr(run, name)
         for field in dataclasses.fields(part):
@@ -91,7 +92,8 @@ def test_a_part_added_to_the_table_reaches_base_config_with_its_default(monkeypa
      "them -1"),
     (lambda: DataSettings(data_files="book.txt"),
      "data_files='book.txt' is only read by the local datasets (local_chat, "
-     "local_classification, local_preference, local_speech, local_text, local_translation), not "
+     "local_classification, local_preference, local_prompts, local_speech, local_text, "
+     "local_translation), not "
      "dataset='toy_translation'"),
     (lambda: ModelSettings(model="gpt-huge"), "model='gpt-huge' must be one of "),
     (lambda: ModelSettings(init_from="/no/such/model"),

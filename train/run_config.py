@@ -98,7 +98,9 @@ class RunConfig:
         candidate = sequence.max_new_tokens + 1 if sequence.enabled else 0
         # A preference pair's response is read behind its prompt (the prompt's EOS dropped).
         joined = (self.data.max_source_length + self.data.max_target_length - 1
-                  if self.data.kind == kinds.PREFERENCE.name else 0)
+                  if self.data.kind == kinds.PREFERENCE.name else
+                  self.data.max_source_length + self.objective.grpo.max_new_tokens
+                  if self.data.kind == kinds.PROMPTS.name else 0)
         return max(self.data.max_source_length, self.data.max_target_length,
                    self.evaluation.max_decode_length + 1, candidate, joined)
 
@@ -147,22 +149,26 @@ class RunConfig:
                            f"only (dataset='local_speech'), not dataset={data.dataset!r}")
 
     def _check_preference(self) -> None:
-        """A preference pair is one row; the `dpo.*` keys are read with preference data
-        only."""
+        """A preference pair, or a GRPO prompt, is one row; the `dpo.*` and `grpo.*` keys
+        are read with their data only."""
         from train.data import kinds
-        from train.objectives.preference_settings import PreferenceSettings
-        data, dpo = self.data, self.objective.dpo
-        if data.kind == kinds.PREFERENCE.name:
-            if data.packing:
-                raise fail("packing", True, f"must be False for dataset={data.dataset!r}: "
-                           "each row holds one prompt with its two responses")
-            return
-        for field in dataclasses.fields(PreferenceSettings):
-            if getattr(dpo, field.name) != field.default:
-                raise fail(f"dpo.{field.name}", getattr(dpo, field.name),
-                           "is read by preference training only (dataset="
-                           f"'local_preference' or 'addition_preference'), not "
-                           f"dataset={data.dataset!r}")
+        data = self.data
+        for kind, part, what, names in (
+                (kinds.PREFERENCE, "dpo", "one prompt with its two responses",
+                 "'local_preference' or 'addition_preference'"),
+                (kinds.PROMPTS, "grpo", "one prompt, whose completions are drawn",
+                 "'local_prompts' or 'addition_prompts'")):
+            settings = getattr(self.objective, part)
+            if data.kind == kind.name:
+                if data.packing:
+                    raise fail("packing", True, f"must be False for dataset="
+                               f"{data.dataset!r}: each row holds {what}")
+                continue
+            for field in dataclasses.fields(settings):
+                if getattr(settings, field.name) != field.default:
+                    raise fail(f"{part}.{field.name}", getattr(settings, field.name),
+                               f"is read with {kind.name} data only (dataset={names}), "
+                               f"not dataset={data.dataset!r}")
 
     def _check_preset(self) -> None:
         from models.config import check_keys

@@ -38,14 +38,15 @@ from train.config_checks import (
     subpart,
 )
 from train.masking import Masking
+from train.objectives.grpo_settings import GrpoSettings
 from train.objectives.preference_settings import PreferenceSettings
 from train.objectives.scheduled_sampling import ScheduledSampling
 from train.objectives.sequence_settings import SequenceSettings
 
 __all__ = ["BatchSettings", "CheckpointSettings", "DataSettings", "EvalSettings",
-           "HostSettings", "LoopSettings", "LoraSettings", "ModelSettings", "ObjectiveSettings",
-           "OptimizerSettings", "ParallelSettings", "PreferenceSettings", "ScheduledSampling",
-           "SequenceSettings"]
+           "GrpoSettings", "HostSettings", "LoopSettings", "LoraSettings", "ModelSettings",
+           "ObjectiveSettings", "OptimizerSettings", "ParallelSettings", "PreferenceSettings",
+           "ScheduledSampling", "SequenceSettings"]
 
 SPLITS = ("train", "validation", "test")
 SPM_MODEL_TYPES = ("unigram", "bpe", "char", "word")
@@ -279,7 +280,8 @@ class ObjectiveSettings(Part):
     `freeze_encoder` (a Whisper's audio encoder, its convolutional front end included,
     gets no updates and no optimiser state; `train.objectives.speech`); preference
     training's loss and strength (`dpo.*`: DPO, IPO or SimPO,
-    `train.objectives.preference`); chat data's template (`chat_template`: a Jinja file
+    `train.objectives.preference`); GRPO's group, sampling, clip, KL and rewards (`grpo.*`,
+    `train.objectives.grpo`); chat data's template (`chat_template`: a Jinja file
     instead of the model directory's own)."""
 
     label_smoothing: float = setting(0.1, number("in [0, 1)", lambda v: 0 <= v < 1))
@@ -296,6 +298,9 @@ class ObjectiveSettings(Part):
         SequenceSettings, "a dict of objective, candidates, alpha, reward, include_gold, "
         "sampling, temperature, top_k, max_new_tokens, loss_weight")
     dpo: PreferenceSettings = subpart(PreferenceSettings, "a dict of loss, beta, simpo_gamma")
+    grpo: GrpoSettings = subpart(
+        GrpoSettings, "a dict of num_generations, max_new_tokens, temperature, top_k, beta, "
+        "epsilon, epsilon_high, loss, reward")
     chat_template: str = setting("", Rule(
         "'' (the model directory's own) or the path of a Jinja chat template file",
         lambda v: isinstance(v, str)))

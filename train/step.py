@@ -108,6 +108,8 @@ def eval_step(params, batch, *, model, objective: Objective, axis: str | None = 
     when the batch has it), so every evaluation scores the same positions. `params` is
     `TrainState.eval_params`: the model's, or (the model's, the reference copy's)."""
     params, reference = params if isinstance(params, tuple) else (params, None)
+    if axis is not None:      # as the train step's: a loop over rows and params (GRPO's
+        params = per_device(params, axis)          # rollouts) needs one kind of value
     row_ids = batch.get("example_index")
     batch = {k: v for k, v in batch.items() if k != "example_index"}
     row_ids = _row_ids(batch, axis) if row_ids is None else row_ids

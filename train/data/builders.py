@@ -38,6 +38,7 @@ from train.data.local_files import (
     read_chat_files,
     read_classification_files,
     read_preference_files,
+    read_prompt_files,
     read_text_files,
     read_translation_files,
     translation_sources,
@@ -145,6 +146,16 @@ class _GeneratedPreference(_GeneratedTask):
                                      features=_text_features(*self.keys))
 
 
+class _GeneratedPrompts(_GeneratedTask):
+    """A `grammar` prompt task as (`prompt`, `answer`) strings in disjoint splits."""
+
+    kind = "prompts"
+
+    def _info(self) -> tfds.core.DatasetInfo:
+        return tfds.core.DatasetInfo(builder=self, description=self.__doc__,
+                                     features=_text_features(*self.keys))
+
+
 def _generated_builder(task: str, doc: str, train_size: int,
                        base: type = _GeneratedTask, name: str | None = None) -> type:
     sizes = (("train", train_size), ("validation", 1_000), ("test", 1_000))
@@ -171,6 +182,9 @@ GENERATED = {
     "addition_preference": _generated_builder(
         "addition_preference", "'a+b=' with its sum preferred to the sum with one digit "
         "changed (numbers of up to 6 digits).", 20_000, _GeneratedPreference),
+    "addition_prompts": _generated_builder(
+        "addition_prompts", "'a+b=' and its sum, the answer a GRPO reward checks (numbers of "
+        "up to 6 digits).", 20_000, _GeneratedPrompts),
 }
 
 
@@ -324,9 +338,18 @@ class LocalChat(_LocalBuilder):
     _read = staticmethod(read_chat_files)
 
 
+class LocalPrompts(_LocalBuilder):
+    """Prompts and their answers from local JSON Lines files, one `{"prompt", "answer"}`
+    object a line, for GRPO (`train.objectives.grpo`)."""
+    name = "local_prompts"
+    kind = "prompts"
+    _read = staticmethod(read_prompt_files)
+
+
 LOCAL = {"local_translation": LocalTranslation, "local_text": LocalText,
          "local_classification": LocalClassification, "local_speech": LocalSpeech,
-         "local_preference": LocalPreference, "local_chat": LocalChat}
+         "local_preference": LocalPreference, "local_chat": LocalChat,
+         "local_prompts": LocalPrompts}
 
 
 def label_names(builder: tfds.core.DatasetBuilder) -> tuple[str, ...]:

@@ -409,6 +409,8 @@ TASKS = {
 CLASSIFICATION_TASKS = {"toy_classification": _toy_classification_example}
 # (prompt, chosen, rejected) examples: a checkable preference.
 PREFERENCE_TASKS = {"addition_preference": _addition_preference}
+# (prompt, answer) examples: a reward checks a completion against the answer.
+PROMPT_TASKS = {"addition_prompts": lambda draw: _addition_preference(draw)[:2]}
 CLASSIFICATION_LABELS = {"toy_classification": ("grammatical", "ungrammatical")}
 
 SPLITS = ("train", "validation", "test")
@@ -427,7 +429,7 @@ def generate_splits(task: str, sizes: dict[str, int], seed: int = 0
     Raises:
         UserError: if the task cannot produce that many distinct sources.
     """
-    tasks = {**TASKS, **CLASSIFICATION_TASKS, **PREFERENCE_TASKS}
+    tasks = {**TASKS, **CLASSIFICATION_TASKS, **PREFERENCE_TASKS, **PROMPT_TASKS}
     if task not in tasks:
         raise UserError(f"unknown generated task {task!r}; available: {sorted(tasks)}")
     make, draw, seen = tasks[task], _Draw(seed), set()

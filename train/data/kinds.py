@@ -25,6 +25,8 @@ they become batches:
                     targets max_target_length  text (the chosen response)
                     rejected max_target_length text (the rejected response)
     chat            targets max_target_length  chat (scored: the assistant's ids)  no  no  no
+    prompts         inputs  max_source_length  text (the prompt)      no        no       no
+                    targets max_target_length  text (its answer, for the reward)
 
 A role is how one side of an example is tokenised (see `train.data.pipeline.encode_side`):
 
@@ -192,7 +194,13 @@ PREFERENCE = DataKind("preference", ("prompt", "chosen", "rejected"),
 # Conversations (`{"messages": [...]}`) in the model's chat template; batches carry
 # `targets_weights`, 1 on the assistant's tokens.
 CHAT = DataKind("chat", ("messages",), (Side("targets", "max_target_length", CHAT_ROLE),))
-KINDS = {k.name: k for k in (TRANSLATION, TEXT, CLASSIFICATION, SPEECH, PREFERENCE, CHAT)}
+# Prompts and the answers a reward checks their completions against (GRPO,
+# `train.objectives.grpo`): each side pieces then EOS, one prompt a row.
+PROMPTS = DataKind("prompts", ("prompt", "answer"),
+                   (Side("inputs", "max_source_length", TEXT_ROLE),
+                    Side("targets", "max_target_length", TEXT_ROLE)))
+KINDS = {k.name: k for k in (TRANSLATION, TEXT, CLASSIFICATION, SPEECH, PREFERENCE, CHAT,
+                             PROMPTS)}
 
 
 def get(name: str) -> DataKind:

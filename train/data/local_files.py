@@ -274,6 +274,42 @@ def classification_label_names(labels) -> tuple[str, ...]:
 
 
 PREFERENCE_FIELDS = ("prompt", "chosen", "rejected")
+PROMPT_FIELDS = ("prompt", "answer")
+
+
+def read_prompt_files(files: tuple[str, ...], bad: BadLines) -> dict[str, list]:
+    """(prompt, answer) pairs from JSON Lines files, one object a line with those two
+    string fields (others are ignored), for GRPO's rewards; one file a source. A line that
+    is not such an object, or has an empty prompt or answer, is skipped and counted."""
+    sources = [list(_fields(path, bad, PROMPT_FIELDS)) for path in files]
+    return _assign_splits(sources, key=lambda pair: pair[0])
+
+
+def _fields(path: str, bad: BadLines, fields: tuple[str, ...]):
+    for number, line in _lines(path, bad):
+        if not line.strip():
+            bad.add(path, number, "blank line")
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            bad.add(path, number, "not JSON")
+            continue
+        if not isinstance(record, dict):
+            bad.add(path, number, "not a JSON object")
+            continue
+        missing = [f for f in fields if f not in record]
+        wrong = [f for f in fields if f in record and not isinstance(record[f], str)]
+        empty = [f for f in fields if isinstance(record.get(f), str)
+                 and not record[f].strip()]
+        if missing:
+            bad.add(path, number, f"no {missing[0]!r} field")
+        elif wrong:
+            bad.add(path, number, f"{wrong[0]!r} is not a string")
+        elif empty:
+            bad.add(path, number, f"empty {empty[0]!r}")
+        else:
+            yield tuple(record[f] for f in fields)
 
 
 def read_preference_files(files: tuple[str, ...], bad: BadLines) -> dict[str, list]:

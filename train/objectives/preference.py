@@ -65,17 +65,25 @@ def joined_rows(prompt_BP, prompt_seg_BP, response_BR, response_seg_BR):
     return tokens, scored.astype(jnp.float32), real.astype(jnp.int32)
 
 
-def response_logprobs(model, params, rows_BT, scored_BT, real_BT, *, bos_id: int):
-    """(sum, count) of the log-probs of each row's scored tokens, read as next-token
-    prediction reads them: behind `bos_id`, without dropout."""
+def token_logprobs(model, params, rows_BT, scored_BT, real_BT, *, bos_id: int,
+                   temperature: float = 1.0):
+    """Each scored token's log-prob (0 elsewhere), `[B, T]`, read as next-token prediction
+    reads the rows: behind `bos_id`, without dropout; the logits divided by
+    `temperature` (GRPO's, as its rollouts sample)."""
     decoder_in = jnp.where(real_BT > 0, jnp.pad(rows_BT, ((0, 0), (1, 0)))[:, :-1], 0)
     decoder_in = decoder_in.at[:, 0].set(jnp.where(real_BT[:, 0] > 0, bos_id, 0))
     positions = jnp.broadcast_to(jnp.arange(rows_BT.shape[1]), rows_BT.shape)
     batch = {"targets_segmentation": real_BT, "targets_position": positions}
     logits = forward(model, params, batch, decoder_in, dropout_rng=None, deterministic=True)
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32) / temperature, axis=-1)
     picked = jnp.take_along_axis(logp, rows_BT[..., None], axis=-1)[..., 0]
-    return jnp.sum(picked * scored_BT, axis=1), jnp.sum(scored_BT, axis=1)
+    return picked * scored_BT
+
+
+def response_logprobs(model, params, rows_BT, scored_BT, real_BT, *, bos_id: int):
+    """(sum, count) of the log-probs of each row's scored tokens (`token_logprobs`)."""
+    picked = token_logprobs(model, params, rows_BT, scored_BT, real_BT, bos_id=bos_id)
+    return jnp.sum(picked, axis=1), jnp.sum(scored_BT, axis=1)
 
 
 def reference_params(params, reference):

@@ -14,6 +14,7 @@ architecture with a dataset's kind.
     decoder_only      preference       preference (DPO, IPO or SimPO: `dpo.*`)
     decoder_only      chat             next token on the assistant's tokens, in the
                                        model's chat template
+    decoder_only      prompts          GRPO on its own completions (`grpo.*`)
     with sequence.objective "mrt" or "scst":
     encoder_decoder   translation      sequence level (`train.objectives.sequence`)
 
@@ -30,6 +31,7 @@ from typing import Any
 from models.errors import UserError
 from train.objectives.base import Objective
 from train.objectives.classification import Classification
+from train.objectives.grpo import Grpo
 from train.objectives.masked_lm import MaskedLM
 from train.objectives.next_token import NextToken
 from train.objectives.preference import Preference
@@ -90,6 +92,7 @@ ENTRIES: tuple[Entry, ...] = (
     Entry("decoder_only", "preference", Preference, model_text="a decoder-only model"),
     Entry("decoder_only", "chat", NextToken, model_text="a decoder-only model",
           options=(("chat", True),)),
+    Entry("decoder_only", "prompts", Grpo, model_text="a decoder-only model"),
 )
 
 
