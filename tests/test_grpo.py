@@ -1,7 +1,7 @@
 """GRPO (`train.objectives.grpo`, `finetune_grpo`): group advantages and the rewards by
 hand, the gradient against the formula on the completions the step drew, the `grpo.*`
 keys' refusals, and runs that raise their reward, resume exactly, and give the same steps
-under pmap and shard_map over 4 devices."""
+under pmap, shard_map and an FSDP mesh over 4 devices."""
 
 import json
 import os
@@ -211,7 +211,7 @@ def _sigterm_at(k: int):
 
 
 @pytest.mark.slow
-def test_a_run_raises_its_reward_resumes_exactly_and_shard_map_draws_what_pmap_does(
+def test_a_run_raises_its_reward_resumes_exactly_and_other_layouts_draw_what_pmap_does(
         byte_lm, data_dir, tmp_path):
     config = _config(data_dir, byte_lm)
     whole = str(tmp_path / "whole")
@@ -235,9 +235,13 @@ def test_a_run_raises_its_reward_resumes_exactly_and_shard_map_draws_what_pmap_d
                                 checkpoint.restore_model(whole).params)
     assert train_metric_rows(resumed) == rows
 
-    mapped = str(tmp_path / "shard_map")
-    train_and_evaluate(ml_collections.ConfigDict({**config.to_dict(),
-                                                  "parallel": "shard_map"}), mapped)
-    for got, want in zip(train_metric_rows(mapped), rows, strict=True):
-        for k in ("reward", "loss", "kl", "completion_length"):
-            assert got[k] == pytest.approx(want[k], rel=1e-4, abs=1e-6), (got["step"], k)
+    # shard_map, and FSDP over the 4 devices (the rewards' callback given the whole
+    # batch): the same completions, rewards and steps.
+    for parallel in ("shard_map", "sharded"):
+        other = str(tmp_path / parallel)
+        train_and_evaluate(ml_collections.ConfigDict({**config.to_dict(),
+                                                      "parallel": parallel}), other)
+        for got, want in zip(train_metric_rows(other), rows, strict=True):
+            for k in ("reward", "loss", "kl", "completion_length"):
+                assert got[k] == pytest.approx(want[k], rel=1e-4, abs=1e-5), (
+                    parallel, got["step"], k)
