@@ -126,7 +126,7 @@ SLOW_TESTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "slow_test
 
 @pytest.hookimpl(tryfirst=True)          # before `-m` deselects by marker
 def pytest_collection_modifyitems(items):
-    """The tests that slow_tests.txt names (those of 2.5 s or more in a full run, written by
+    """The tests that slow_tests.txt names (those of 1.5 s or more in a full run, written by
     tests/mark_slow.py) are marked slow, so `pytest -m "not slow"` leaves them out.
     The long tests run first (each worker of `-n 2` starts one), so the many short ones fill
     the gaps instead of leaving one worker alone with a notebook at the end."""

@@ -35,7 +35,8 @@ def _error(config) -> str:
 
 def test_every_key_of_the_base_config_has_a_rule():
     base = base_config().to_dict()
-    keys = set(base) | {f"{part}.{k}" for part in ("scheduled_sampling", "lora", "sequence")
+    keys = set(base) | {f"{part}.{k}" for part in ("scheduled_sampling", "lora", "sequence",
+                                                    "dpo", "grpo")
                         for k in base[part]}
     assert set(RULES) == keys
 
