@@ -32,6 +32,7 @@ SMALLER = {
     "translate_toy": "NUM_TRAIN_STEPS = 20\nBATCH_SIZE = 4",
     "kv_cache_and_scan": "LENGTHS = (32, 256)\nREPEATS = 1\nNO_CACHE_STEPS = 4",
     "sequence_training": "BASE_STEPS = 10\nBUDGET_S = 0.5\nSLICE_S = 0.5\nTEST_PAIRS = 4",
+    "post_training": "CHAT_STEPS = 4\nDPO_STEPS = 4\nGRPO_STEPS = 4",
 }
 
 
@@ -68,7 +69,8 @@ def test_a_smaller_budget_follows_the_parameter_cell_and_names_only_its_names():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["attention_masks", "kv_cache_and_scan", "translate_toy",
-                                  "pretrained_seq2seq", "masked_lm", "sequence_training"])
+                                  "pretrained_seq2seq", "masked_lm", "sequence_training",
+                                  "post_training"])
 def test_notebook_runs_top_to_bottom(name, tmp_path, data_dir, monkeypatch):
     monkeypatch.setenv("XLA_FLAGS", FAST_COMPILE_XLA_FLAGS)
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
