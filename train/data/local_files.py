@@ -281,11 +281,13 @@ def read_prompt_files(files: tuple[str, ...], bad: BadLines) -> dict[str, list]:
     """(prompt, answer) pairs from JSON Lines files, one object a line with those two
     string fields (others are ignored), for GRPO's rewards; one file a source. A line that
     is not such an object, or has an empty prompt or answer, is skipped and counted."""
-    sources = [list(_fields(path, bad, PROMPT_FIELDS)) for path in files]
+    sources = [[pair for _, pair in _fields(path, bad, PROMPT_FIELDS)] for path in files]
     return _assign_splits(sources, key=lambda pair: pair[0])
 
 
 def _fields(path: str, bad: BadLines, fields: tuple[str, ...]):
+    """(line number, the string values of `fields`) of each JSON object line with them all
+    non-empty; the other lines counted in `bad` with their reason."""
     for number, line in _lines(path, bad):
         if not line.strip():
             bad.add(path, number, "blank line")
@@ -309,7 +311,7 @@ def _fields(path: str, bad: BadLines, fields: tuple[str, ...]):
         elif empty:
             bad.add(path, number, f"empty {empty[0]!r}")
         else:
-            yield tuple(record[f] for f in fields)
+            yield number, tuple(record[f] for f in fields)
 
 
 def read_preference_files(files: tuple[str, ...], bad: BadLines) -> dict[str, list]:
@@ -323,35 +325,11 @@ def read_preference_files(files: tuple[str, ...], bad: BadLines) -> dict[str, li
 
 
 def _preference_triples(path: str, bad: BadLines):
-    for number, line in _lines(path, bad):
-        if not line.strip():
-            bad.add(path, number, "blank line")
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            bad.add(path, number, "not JSON")
-            continue
-        if not isinstance(record, dict):
-            bad.add(path, number, "not a JSON object")
-            continue
-        missing = [f for f in PREFERENCE_FIELDS if f not in record]
-        if missing:
-            bad.add(path, number, f"no {missing[0]!r} field")
-            continue
-        values = [record[f] for f in PREFERENCE_FIELDS]
-        kind = next((f for f, v in zip(PREFERENCE_FIELDS, values, strict=True)
-                     if not isinstance(v, str)), None)
-        if kind:
-            bad.add(path, number, f"{kind!r} is not a string")
-        elif not all(v.strip() for v in values):
-            empty = next(f for f, v in zip(PREFERENCE_FIELDS, values, strict=True)
-                         if not v.strip())
-            bad.add(path, number, f"empty {empty!r}")
-        elif values[1] == values[2]:
+    for number, triple in _fields(path, bad, PREFERENCE_FIELDS):
+        if triple[1] == triple[2]:
             bad.add(path, number, "chosen equals rejected")
         else:
-            yield tuple(values)
+            yield triple
 
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
