@@ -13,6 +13,10 @@ experts of width 64, top 2. Variants:
                  active parameters per token as the mixture
     moe_ragged   the mixture, dispatched by `jax.lax.ragged_dot` (`moe_dispatch="ragged"`)
     moe_dense    the mixture, every expert on every token (`moe_dispatch="dense"`)
+    gpt_oss      the mixture as GPT-OSS's layer has it (`moe_dispatch="ragged"`): biases on
+                 the router, the experts and the attention, the clamped SwiGLU, attention
+                 sinks, sliding (a window of a quarter of the sequence) and full layers
+                 alternating
 
 The mixtures train with the router's load-balancing loss (coefficient 0.01). Each line:
 
@@ -44,7 +48,7 @@ SHAPES = {
     "small": dict(name="llama-small", num_layers=4, expert_width=1024, num_experts=8, k=2),
     "tiny": dict(name="llama-tiny", expert_width=64, num_experts=8, k=2),       # --quick
 }
-VARIANTS = ("dense", "moe_ragged", "moe_dense")
+VARIANTS = ("dense", "moe_ragged", "moe_dense", "gpt_oss")
 
 
 def variant_config(shape: str, variant: str, seq_len: int) -> models.TransformerConfig:
@@ -54,10 +58,16 @@ def variant_config(shape: str, variant: str, seq_len: int) -> models.Transformer
                                                         "num_experts", "k"))
     if variant == "dense":
         return models.get_config(name, **fields, mlp_dim=k * width, max_len=seq_len)
+    if variant == "gpt_oss":
+        layers = fields.get("num_layers", models.get_config(name).num_layers)
+        fields.update(use_bias=True, activation="clamped_swiglu", attention_sinks=True,
+                      sliding_window=max(1, seq_len // 4),
+                      layer_types=("sliding", "full") * (layers // 2) + ("sliding",) * (
+                          layers % 2))
     return models.get_config(name, **fields, mlp_dim=width, max_len=seq_len,
                              num_experts=experts, experts_per_token=k,
                              router_aux_loss_coef=0.01,
-                             moe_dispatch=variant.removeprefix("moe_"))
+                             moe_dispatch="dense" if variant == "moe_dense" else "ragged")
 
 
 def active_params(cfg: models.TransformerConfig, total: int) -> int:
@@ -65,6 +75,8 @@ def active_params(cfg: models.TransformerConfig, total: int) -> int:
     if not cfg.num_experts:
         return total
     per_expert = 3 * cfg.d_model * cfg.expert_width
+    if cfg.use_bias:                                   # gate, up and down biases
+        per_expert += 2 * cfg.expert_width + cfg.d_model
     return total - cfg.num_layers * (cfg.num_experts - cfg.experts_per_token) * per_expert
 
 

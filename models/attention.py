@@ -47,18 +47,42 @@ def _dense_out(config: TransformerConfig) -> Projection:
                            out_axes=("embed",), bias=config.use_bias)
 
 
-def _attend(module: nn.Module, q, k, v, spec: MaskSpec, *, bias=None, deterministic: bool):
+def _sinks(module: nn.Module):
+    """The self-attention's learned sink logits [N] (`config.attention_sinks`), or None."""
+    cfg = module.config
+    if not cfg.attention_sinks:
+        return None
+    return module.param("sinks", named(ZEROS, "heads"), (cfg.num_heads,), cfg.param_dtype)
+
+
+def _with_sinks(sinks_N, out_BTNH, probs_BNTS, lse_BTN):
+    """The attention with each head's sink logit in its softmax, from the attention without
+    it: the sink takes exp(sink) / (exp(sink) + sum exp(logits)) of the weight and gives a
+    value of zero, so every key's weight, and the output, scale by sigmoid(lse - sink)
+    (0 for a query that sees no key)."""
+    keep_BTN = jax.nn.sigmoid(lse_BTN - sinks_N.astype(jnp.float32)[None, None, :])
+    out_BTNH = (out_BTNH.astype(jnp.float32) * keep_BTN[..., None]).astype(out_BTNH.dtype)
+    if probs_BNTS is not None:
+        probs_BNTS = probs_BNTS * keep_BTN.transpose(0, 2, 1)[..., None]
+    return out_BTNH, probs_BNTS
+
+
+def _attend(module: nn.Module, q, k, v, spec: MaskSpec, *, bias=None, deterministic: bool,
+            sinks=None):
     """The attention core by the config's implementation, with the dropout rng and the
-    sown weights, shared by both modules. The probabilities exist (and are sown) only when
-    the caller applies with mutable=["intermediates"]: `auto` then runs `xla`."""
+    sown weights, shared by both modules (`sinks`: the self-attention's, or None). The
+    probabilities exist (and are sown) only when the caller applies with
+    mutable=["intermediates"]: `auto` then runs `xla`."""
     cfg = module.config
     rate = 0.0 if deterministic else cfg.attention_dropout_rate
     rng = module.make_rng("dropout") if rate > 0.0 else None
     with_probs = module.is_mutable_collection("intermediates")
-    out_BTNH, probs_BNTS, _ = attend(
+    out_BTNH, probs_BNTS, lse_BTN = attend(
         q, k, v, spec, bias, impl=cfg.attention_impl, scale=_scale(cfg, q),
         dropout_rate=rate, dropout_rng=rng, with_probs=with_probs, block=cfg.attention_block,
-        softcap=cfg.attn_logit_softcapping)
+        softcap=cfg.attn_logit_softcapping, with_lse=sinks is not None)
+    if sinks is not None:
+        out_BTNH, probs_BNTS = _with_sinks(sinks, out_BTNH, probs_BNTS, lse_BTN)
     if probs_BNTS is not None:
         module.sow("intermediates", "attention_weights", probs_BNTS)
     return checkpoint_name(out_BTNH, "attention_out")
@@ -71,7 +95,8 @@ def _scale(cfg: TransformerConfig, q) -> float:
             else cfg.query_pre_attn_scalar) ** -0.5
 
 
-def _attend_new(module: nn.Module, q, cached, new, *, positions_BT, spec: MaskSpec, bias):
+def _attend_new(module: nn.Module, q, cached, new, *, positions_BT, spec: MaskSpec, bias,
+                sinks=None):
     """A decoding step's attention, reading the cache and never writing it: the queries
     over the cache's filled slots (`cached` = (k_BSKH, v_BSKH) under `spec`), merged with
     their attention over their own new keys (`new` = (k_BTKH, v_BTKH), causal among
@@ -93,8 +118,13 @@ def _attend_new(module: nn.Module, q, cached, new, *, positions_BT, spec: MaskSp
     if with_probs:
         def rescaled(probs_BNTS, lse_part):
             return probs_BNTS * jnp.exp(lse_part - lse_BTN).transpose(0, 2, 1)[..., None]
-        module.sow("intermediates", "attention_weights", jnp.concatenate(
-            [rescaled(probs_c, lse_c), rescaled(probs_n, lse_n)], axis=-1))
+        probs_BNTS = jnp.concatenate([rescaled(probs_c, lse_c), rescaled(probs_n, lse_n)],
+                                     axis=-1)
+    if sinks is not None:
+        out_BTNH, probs_BNTS = _with_sinks(sinks, out_BTNH, probs_BNTS if with_probs else None,
+                                           lse_BTN)
+    if with_probs:
+        module.sow("intermediates", "attention_weights", probs_BNTS)
     return checkpoint_name(out_BTNH, "attention_out")
 
 
@@ -165,10 +195,12 @@ class SelfAttention(nn.Module):
         if cfg.positions == "rope":
             q_BTNH = apply_rope(q_BTNH, positions_BT, *rope)
             k_BTKH = apply_rope(k_BTKH, positions_BT, *rope)
+        sinks = _sinks(self)
         if read_only:
             out_BTNH = _attend_new(self, q_BTNH, cache.read(layer),   # own k/v as stored
                                    cache.as_cached(k_BTKH, v_BTKH),
-                                   positions_BT=positions_BT, spec=spec, bias=bias)
+                                   positions_BT=positions_BT, spec=spec, bias=bias,
+                                   sinks=sinks)
             return _dense_out(cfg)(out_BTNH, det), (k_BTKH, v_BTKH)
         if cache is None:
             k_BSKH, v_BSKH = k_BTKH, v_BTKH
@@ -176,7 +208,7 @@ class SelfAttention(nn.Module):
             cache = cache.write(layer, k_BTKH, v_BTKH, positions_BT)
             k_BSKH, v_BSKH = cache.read(layer)
         out_BTNH = _attend(self, q_BTNH, k_BSKH, v_BSKH, spec, bias=bias,
-                           deterministic=deterministic)
+                           deterministic=deterministic, sinks=sinks)
         return _dense_out(cfg)(out_BTNH, det), cache
 
 

@@ -42,7 +42,7 @@ Architecture = Literal["decoder_only", "encoder_decoder", "encoder_only"]
 PositionKind = Literal["sinusoidal", "sinusoidal_paper", "learned", "rope", "relative"]
 NormKind = Literal["layernorm", "rmsnorm"]
 NormPosition = Literal["pre", "post"]
-Activation = Literal["relu", "gelu", "gelu_exact", "silu", "swiglu", "geglu"]
+Activation = Literal["relu", "gelu", "gelu_exact", "silu", "swiglu", "geglu", "clamped_swiglu"]
 AttentionImpl = Literal["auto", "xla", "chunked", "cudnn"]
 RematPolicy = Literal["full", "dots", "names"]
 MoeDispatch = Literal["ragged", "dense"]
@@ -131,13 +131,17 @@ class TransformerConfig:
             with an offset the normalised value and the product are computed in float32,
             then cast to `dtype`. 0.0: the plain scale.
         activation: "relu", "gelu" (tanh approximation, as GPT-2), "gelu_exact" (erf),
-            "silu" (swish), or gated: "swiglu" (silu(x W_gate) * x W_up) and "geglu" (the
-            same with tanh GELU, T5 v1.1).
+            "silu" (swish), or gated: "swiglu" (silu(x W_gate) * x W_up), "geglu" (the
+            same with tanh GELU, T5 v1.1) and "clamped_swiglu" (GPT-OSS: the gate clamped
+            above and the up projection on both sides at `swiglu_limit`, then
+            g * sigmoid(swiglu_alpha * g) * (u + 1)).
+        swiglu_alpha, swiglu_limit: "clamped_swiglu"'s sigmoid gain and clamp.
         mlp_dropout_rate: dropout on the MLP's hidden activations (training only).
         num_experts, experts_per_token, expert_mlp_dim, router_renormalize,
             router_aux_loss_coef, router_z_loss_coef, moe_dispatch: the mixture-of-experts
             MLP in place of the dense one (0 experts: dense); see `models.moe`.
-        use_bias: biases in the attention and MLP projections.
+        use_bias: biases in the attention and MLP projections (with experts: on the
+            router's logits and on each expert's projections, as GPT-OSS).
         qkv_bias: biases in the query/key/value projections even without `use_bias`
             (Qwen2).
         qk_norm: a norm (the config's `norm`, `norm_eps`) over each head's H channels of the
@@ -151,6 +155,11 @@ class TransformerConfig:
             "sliding" (the `sliding_window` most recent). Under `scan_layers` each layer's
             kind is a scanned input, not a branch. Gemma 2 alternates sliding and full;
             Gemma 3 has five sliding layers to each full one.
+        attention_sinks: a learned logit per query head (`sinks` [N], GPT-OSS) that joins
+            each query's softmax over its keys with a value of zero, so a query may give
+            its keys less than all of their weight: out * sigmoid(lse - sink), where lse
+            is the log-sum-exp of the query's visible logits. Self-attention only; in
+            every implementation but "cudnn", in the forward pass and each cached step.
         attn_logit_softcapping: None, or c: attention logits (after their scale, before any
             bias and the mask) become c * tanh(logits / c) (Gemma 2), in every attention
             implementation ("cudnn" refuses it).
@@ -232,6 +241,8 @@ class TransformerConfig:
     norm_eps: float = 1e-6
     norm_scale_offset: float = 0.0
     activation: Activation = "relu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
     mlp_dropout_rate: float = 0.0
     num_experts: int = 0
     experts_per_token: int = 2
@@ -245,6 +256,7 @@ class TransformerConfig:
     qk_norm: bool = False
     sliding_window: int | None = None
     layer_types: tuple[str, ...] = ()
+    attention_sinks: bool = False
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
     sublayer_output_norm: bool = False

@@ -134,6 +134,17 @@ def _check_attention_variants(cfg) -> None:
     if cfg.final_logit_softcapping is not None and cfg.architecture == "encoder_only":
         raise UserError("TransformerConfig.final_logit_softcapping caps a decoder's "
                         "logits; an encoder_only model's heads have none")
+    if cfg.attention_sinks and cfg.architecture != "decoder_only":
+        raise UserError("TransformerConfig.attention_sinks=True (GPT-OSS's sinks, on causal "
+                        f"self-attention) needs architecture='decoder_only', not "
+                        f"{cfg.architecture!r}")
+    if cfg.attention_sinks and cfg.attention_impl == "cudnn":
+        raise UserError("TransformerConfig.attention_sinks=True: attention_impl='cudnn' "
+                        "cannot add the sinks (it returns no log-sum-exp); use 'auto', "
+                        "'xla' or 'chunked'")
+    for name in ("swiglu_alpha", "swiglu_limit"):
+        if not getattr(cfg, name) > 0:
+            raise UserError(f"TransformerConfig.{name}={getattr(cfg, name)} must be > 0")
     if cfg.sublayer_output_norm and cfg.norm_position != "pre":
         raise UserError("TransformerConfig.sublayer_output_norm=True needs "
                         f"norm_position='pre', not {cfg.norm_position!r}")
@@ -159,12 +170,10 @@ def _check_moe(cfg) -> None:
     if cfg.architecture != "decoder_only":
         raise UserError(f"TransformerConfig.num_experts={cfg.num_experts} needs "
                         f"architecture='decoder_only', not {cfg.architecture!r}")
-    if cfg.activation != "swiglu":
+    if cfg.activation not in ("swiglu", "clamped_swiglu"):
         raise UserError(f"TransformerConfig.num_experts={cfg.num_experts}: the experts are "
-                        f"SwiGLU MLPs, so activation must be 'swiglu', not {cfg.activation!r}")
-    if cfg.use_bias:
-        raise UserError(f"TransformerConfig.num_experts={cfg.num_experts}: the experts and "
-                        "the router have no biases, so use_bias must be False")
+                        "gated MLPs, so activation must be 'swiglu' or 'clamped_swiglu', not "
+                        f"{cfg.activation!r}")
     if cfg.lora is not None:
         sites = [("decoder", "mlp", name) for name in ("gate", "up", "down")]
         for target in cfg.lora.targets:

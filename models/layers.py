@@ -143,12 +143,24 @@ ACTIVATIONS = {
     "silu": jax.nn.silu,
 }
 # Gated activations: the function applied to the gate, which multiplies the up projection.
-GATED = {"swiglu": jax.nn.silu, "geglu": ACTIVATIONS["gelu"]}
+GATED = {"swiglu": jax.nn.silu, "geglu": ACTIVATIONS["gelu"], "clamped_swiglu": None}
+
+
+def gated(cfg: TransformerConfig, gate, up):
+    """The hidden activations of a gated MLP (the dense one and each expert) from its gate
+    and up projections: act(gate) * up, or GPT-OSS's clamped SwiGLU ("clamped_swiglu"),
+    the gate clamped above and up on both sides at `swiglu_limit`, then
+    gate * sigmoid(swiglu_alpha * gate) * (up + 1)."""
+    if cfg.activation != "clamped_swiglu":
+        return GATED[cfg.activation](gate) * up
+    limit = cfg.swiglu_limit
+    gate, up = jnp.minimum(gate, limit), jnp.clip(up, -limit, limit)
+    return gate * jax.nn.sigmoid(gate * cfg.swiglu_alpha) * (up + 1)
 
 
 class MLP(nn.Module):
     """D -> F -> D, either act(x W_up) W_down (ReLU, GELU tanh or exact, SiLU) or gated:
-    (act(x W_gate) * x W_up) W_down (SwiGLU with SiLU, GeGLU with tanh GELU). Dropout at
+    (act(x W_gate) * x W_up) W_down (SwiGLU with SiLU, GeGLU with tanh GELU; `gated`). Dropout at
     `mlp_dropout_rate` on the hidden activations. The input is named "mlp_in" for remat
     policies."""
 
@@ -166,8 +178,8 @@ class MLP(nn.Module):
         up, down = ("embed", "mlp"), ("mlp", "embed")
         x_BTD = checkpoint_name(x_BTD, "mlp_in")
         if cfg.activation in GATED:
-            gate_BTF = GATED[cfg.activation](dense(cfg.mlp_dim, "gate", up)(x_BTD, deterministic))
-            h_BTF = gate_BTF * dense(cfg.mlp_dim, "up", up)(x_BTD, deterministic)
+            h_BTF = gated(cfg, dense(cfg.mlp_dim, "gate", up)(x_BTD, deterministic),
+                          dense(cfg.mlp_dim, "up", up)(x_BTD, deterministic))
         else:
             h_BTF = ACTIVATIONS[cfg.activation](dense(cfg.mlp_dim, "up", up)(x_BTD, deterministic))
         h_BTF = nn.Dropout(cfg.mlp_dropout_rate)(h_BTF, deterministic=deterministic)

@@ -24,7 +24,10 @@ Routing never drops a token: whatever the imbalance, every token goes to exactly
 
 Parameters (under the layer's "mlp"): `router_kernel` [D, E], `gate_kernel` and `up_kernel`
 [E, D, F], `down_kernel` [E, F, D], with the logical axis "expert" on E so that a mesh can
-place the experts (`models.axes`). No biases.
+place the experts (`models.axes`). With `use_bias` (GPT-OSS) also `router_bias` [E] on the
+router's logits and `gate_bias`, `up_bias` [E, F] and `down_bias` [E, D] on each expert's
+projections. The experts' activation is the config's gated one, "swiglu" or GPT-OSS's
+"clamped_swiglu" (`models.layers.gated`).
 
 Each layer sows its router logits, float32 [B, T, E], into the "router" collection as
 "router_logits" when the caller makes that collection mutable; the training losses
@@ -33,14 +36,17 @@ Each layer sows its router logits, float32 [B, T, E], into the "router" collecti
 
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, Int
 
-from models.axes import named, stacked_projection_init
+from models.axes import ZEROS, named, stacked_projection_init
 from models.config import TransformerConfig
+from models.layers import gated
 from models.quant import Quantized, param_or_stored
 
 ROUTER_COLLECTION = "router"
@@ -61,39 +67,52 @@ def route(logits_NE: Float[Array, "N E"], k: int, *, renormalize: bool
     return weights_Nk, experts_Nk
 
 
-def _swiglu(gate, up):
-    return jax.nn.silu(gate) * up
-
-
 def ragged_experts(x_ND, weights_Nk, experts_Nk, *, gate_EDF, up_EDF, down_EFD,
-                   dropout=lambda h: h):
+                   act=None, biases=None, dropout=lambda h: h):
     """Each of the N * k (token, expert) pairs computed by its expert: pairs sorted by
     expert, `jax.lax.ragged_dot` over groups of (tokens per expert), then unsorted, weighted
-    and summed over the k experts of each token. Returns [N, D] in x's dtype."""
+    and summed over the k experts of each token. `act(gate, up)`: the gated activation
+    (None: SwiGLU); `biases`: None, or (gate [E, F], up [E, F], down [E, D]) added to each
+    pair's projections by its expert. Returns [N, D] in x's dtype."""
     n, k = experts_Nk.shape
     num_experts = gate_EDF.shape[0]
     flat_M = experts_Nk.reshape(-1)                                      # M = N * k
     order_M = jnp.argsort(flat_M, stable=True)
     group_sizes_E = jnp.bincount(flat_M, length=num_experts).astype(jnp.int32)
     xs_MD = x_ND[order_M // k]
-    h_MF = _swiglu(jax.lax.ragged_dot(xs_MD, gate_EDF, group_sizes_E),
-                   jax.lax.ragged_dot(xs_MD, up_EDF, group_sizes_E))
+    gate_MF = jax.lax.ragged_dot(xs_MD, gate_EDF, group_sizes_E)
+    up_MF = jax.lax.ragged_dot(xs_MD, up_EDF, group_sizes_E)
+    if biases is not None:
+        expert_M = flat_M[order_M]
+        gate_MF, up_MF = gate_MF + biases[0][expert_M], up_MF + biases[1][expert_M]
+    h_MF = (act or _swiglu)(gate_MF, up_MF)
     y_MD = jax.lax.ragged_dot(dropout(h_MF), down_EFD, group_sizes_E)
+    if biases is not None:
+        y_MD = y_MD + biases[2][expert_M]
     y_NkD = y_MD[jnp.argsort(order_M)].reshape(n, k, -1)
     y_ND = jnp.einsum("nkd,nk->nd", y_NkD.astype(jnp.float32), weights_Nk)
     return y_ND.astype(x_ND.dtype)
 
 
+def _swiglu(gate, up):
+    return jax.nn.silu(gate) * up
+
+
 def dense_experts(x_ND, weights_Nk, experts_Nk, *, gate_EDF, up_EDF, down_EFD,
-                  dropout=lambda h: h):
+                  act=None, biases=None, dropout=lambda h: h):
     """Every expert on every token, weighted by the routing: the same [N, D] as
     `ragged_experts` (a token's unchosen experts weigh 0)."""
     num_experts = gate_EDF.shape[0]
     combine_NE = jnp.sum(jax.nn.one_hot(experts_Nk, num_experts, dtype=jnp.float32)
                          * weights_Nk[..., None], axis=1)
-    h_ENF = _swiglu(jnp.einsum("nd,edf->enf", x_ND, gate_EDF),
-                    jnp.einsum("nd,edf->enf", x_ND, up_EDF))
+    gate_ENF = jnp.einsum("nd,edf->enf", x_ND, gate_EDF)
+    up_ENF = jnp.einsum("nd,edf->enf", x_ND, up_EDF)
+    if biases is not None:
+        gate_ENF, up_ENF = gate_ENF + biases[0][:, None], up_ENF + biases[1][:, None]
+    h_ENF = (act or _swiglu)(gate_ENF, up_ENF)
     y_END = jnp.einsum("enf,efd->end", dropout(h_ENF), down_EFD)
+    if biases is not None:
+        y_END = y_END + biases[2][:, None]
     y_ND = jnp.einsum("end,ne->nd", y_END.astype(jnp.float32), combine_NE)
     return y_ND.astype(x_ND.dtype)
 
@@ -129,6 +148,16 @@ class MoeMLP(nn.Module):
         x_ND = x_BTD.reshape(b * t, d).astype(cfg.dtype)
         logits_NE = jnp.dot(x_ND.astype(jnp.float32), router_DE.astype(jnp.float32),
                             precision=jax.lax.Precision.HIGHEST)
+        biases = None
+        if cfg.use_bias:
+            logits_NE = logits_NE + self.param(
+                "router_bias", named(ZEROS, "expert"), (e,),
+                cfg.param_dtype).astype(jnp.float32)[None, :]
+            biases = tuple(
+                self.param(name, named(ZEROS, "expert", axis), (e, width),
+                           cfg.param_dtype).astype(cfg.dtype)
+                for name, axis, width in (("gate_bias", "mlp", f), ("up_bias", "mlp", f),
+                                          ("down_bias", "embed", d)))
         self.sow(ROUTER_COLLECTION, "router_logits", logits_NE.reshape(b, t, e))
         weights_Nk, experts_Nk = route(logits_NE, cfg.experts_per_token,
                                        renormalize=cfg.router_renormalize)
@@ -136,5 +165,6 @@ class MoeMLP(nn.Module):
         y_ND = DISPATCH[cfg.moe_dispatch](
             x_ND, weights_Nk, experts_Nk, gate_EDF=gate_EDF.astype(cfg.dtype),
             up_EDF=up_EDF.astype(cfg.dtype), down_EFD=down_EFD.astype(cfg.dtype),
+            act=functools.partial(gated, cfg), biases=biases,
             dropout=lambda h: drop(h, deterministic=deterministic))
         return y_ND.reshape(b, t, d)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from models.config import TransformerConfig, check_keys
 from models.errors import UserError
+from models.rope_scaling import YarnRopeScaling
 
 _VASWANI = dict(
     architecture="encoder_decoder", positions="sinusoidal", norm="layernorm",
@@ -23,6 +24,14 @@ _LLAMA = dict(
     architecture="decoder_only", positions="rope", norm="rmsnorm", norm_position="pre",
     activation="swiglu", use_bias=False, tie_embeddings=False, scale_embeddings=False,
     norm_eps=1e-5, rope_theta=10_000.0,
+)
+_GPT_OSS = dict(
+    _LLAMA, vocab_size=201_088, d_model=2880, num_heads=64, num_kv_heads=8, head_dim=64,
+    mlp_dim=2880, max_len=131_072, activation="clamped_swiglu", use_bias=True,
+    attention_sinks=True, experts_per_token=4, sliding_window=128, rope_theta=150_000.0,
+    rope_scaling=YarnRopeScaling(factor=32.0, original_max_len=4096, beta_fast=32.0,
+                                 beta_slow=1.0, truncate=False),
+    router_aux_loss_coef=0.9,
 )
 _BERT = dict(
     architecture="encoder_only", positions="learned", norm="layernorm", norm_position="post",
@@ -124,6 +133,20 @@ _PRESETS: dict[str, dict] = {
     "mixtral-tiny": dict(
         _LLAMA, vocab_size=512, d_model=64, num_heads=4, num_kv_heads=2, mlp_dim=128,
         num_layers=2, max_len=128, num_experts=4, experts_per_token=2,
+        router_aux_loss_coef=0.01),
+    # gpt-oss-20b and gpt-oss-120b (OpenAI, 2025): grouped-query attention with biases and a
+    # learned sink per head, sliding (128) and full layers alternating, YaRN RoPE (x32 of
+    # 4,096), and 32 or 128 biased clamped-SwiGLU experts per layer, 4 per token;
+    # 20.9B and 116.8B parameters.
+    "gpt-oss-20b": dict(_GPT_OSS, num_layers=24, num_experts=32,
+                        layer_types=tuple(("sliding", "full") * 12)),
+    "gpt-oss-120b": dict(_GPT_OSS, num_layers=36, num_experts=128,
+                         layer_types=tuple(("sliding", "full") * 18)),
+    # A tiny GPT-OSS for tests and the CPU demo: 4 experts, top 2, a window of 8.
+    "gpt-oss-tiny": dict(
+        _GPT_OSS, vocab_size=512, d_model=64, num_heads=4, num_kv_heads=2, head_dim=16,
+        mlp_dim=96, num_layers=2, max_len=128, num_experts=4, experts_per_token=2,
+        sliding_window=8, layer_types=("sliding", "full"), rope_scaling=None,
         router_aux_loss_coef=0.01),
     # Whisper tiny (39M) and large-v3 (1.55B: 128 mel bins, one more vocabulary entry).
     "whisper-tiny": dict(

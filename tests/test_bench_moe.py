@@ -15,17 +15,27 @@ def test_the_dense_variant_has_the_mixtures_active_parameters():
         assert (mixture.num_experts, mixture.experts_per_token) == (8, 2)
         assert dense.mlp_dim == 2 * mixture.expert_width and not dense.num_experts
         assert moe.variant_config(shape, "moe_dense", 16).moe_dispatch == "dense"
+        oss = moe.variant_config(shape, "gpt_oss", 16)
+        assert (oss.use_bias, oss.attention_sinks, oss.activation, oss.moe_dispatch) == (
+            True, True, "clamped_swiglu", "ragged")
+        assert oss.layer_types[:2] == ("sliding", "full") and oss.sliding_window == 4
 
 
 @pytest.mark.slow
 def test_moe_benchmark_times_each_variant_against_the_dense_model(capsys):
     moe.main(["--quick", "--rows", "1"])
     lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
-    assert [x["variant"] for x in lines] == ["dense", "moe_ragged", "moe_dense"]
-    dense, ragged, every = lines
+    assert [x["variant"] for x in lines] == ["dense", "moe_ragged", "moe_dense", "gpt_oss"]
+    dense, ragged, every, oss = lines
     # A token's share of the mixture is the dense model's plus each layer's router [D, E].
     d, layers = 64, 2
     assert ragged["active_params"] - dense["active_params"] == layers * d * 8
     assert ragged["params"] == every["params"] > ragged["active_params"]
     assert all(x["step_s_median"] > 0 for x in lines) and "step_time_ratio" not in dense
     assert ragged["step_time_ratio"] > 0 and every["step_time_ratio"] > 0
+    # GPT-OSS's layer adds biases: each layer's router [E], the experts' [E, 2F + D], the
+    # attention's q, k, v [(N + 2K) H] and out [D], and its sinks [N]; heads 4 of 16, kv 2.
+    oss_extra = layers * (8 + 8 * (2 * 64 + d) + (4 + 2 * 2) * 16 + d + 4)
+    assert oss["params"] - ragged["params"] == oss_extra
+    assert oss["params"] - oss["active_params"] == ragged["params"] - ragged["active_params"] \
+        + layers * 6 * (2 * 64 + d)

@@ -225,7 +225,7 @@ def test_a_train_step_logs_the_router_terms():
 REFUSED = [
     (dict(experts_per_token=5), ["experts_per_token=5", "num_experts=4"]),
     (dict(activation="gelu"), ["num_experts=4", "swiglu", "gelu"]),
-    (dict(use_bias=True), ["num_experts=4", "use_bias"]),
+    (dict(activation="clamped_swiglu", swiglu_limit=0.0), ["swiglu_limit=0.0", "> 0"]),
     (dict(router_aux_loss_coef=-1.0), ["router_aux_loss_coef=-1.0"]),
     (dict(lora={"rank": 2, "targets": ["up"]}), ["lora target 'up'", "experts"]),
     (dict(lora={"rank": 2, "targets": ["mlp"]}), ["lora target 'mlp'", "experts"]),
@@ -249,8 +249,14 @@ def test_lora_on_attention_trains_beside_the_experts():
     assert f.forward(params, random_tokens(2, (1, 4), cfg.vocab_size)).shape == (1, 4, 61)
 
 
+# GPT-OSS's layer: biased router and experts, the clamped SwiGLU, attention sinks.
+GPT_OSS_LIKE = dict(use_bias=True, activation="clamped_swiglu", swiglu_limit=0.5,
+                    attention_sinks=True)
+
+
 @pytest.mark.slow
-def test_three_steps_with_experts_over_the_expert_axis_equal_one_device():
+@pytest.mark.parametrize("variant", [{}, GPT_OSS_LIKE], ids=["mixtral", "gpt_oss"])
+def test_three_steps_with_experts_over_the_expert_axis_equal_one_device(variant):
     """A (1, 2, 1) mesh with expert 2 on the 4 simulated devices: the experts' weights and
     their adam moments split over expert (and embed over fsdp), the batch over fsdp ×
     expert; three steps give the parameters of three on one device, router terms on."""
@@ -259,7 +265,7 @@ def test_three_steps_with_experts_over_the_expert_axis_equal_one_device():
     from tests import test_sharding as ts
     from train import sharding
     cfg = CFG.replace(max_len=ts.W, num_heads=4, router_aux_loss_coef=0.1,
-                      router_z_loss_coef=0.01)
+                      router_z_loss_coef=0.01, **variant)
     steps, tx, make_state = ts._problem(cfg)
     mesh = sharding.make_mesh((1, 2, 1), expert=2)
     assert dict(mesh.shape) == {"data": 1, "fsdp": 2, "tensor": 1, "expert": 2}

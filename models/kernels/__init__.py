@@ -14,7 +14,8 @@ handed a materialised [T, S] mask it did not ask for.
              expresses; anything else is refused by name.
     auto     the fastest exact choice for the backend, the shapes and the mask: xla when
              the probabilities are asked for or the attention is small (a decoding step,
-             short sequences), cudnn on a GPU where it applies, chunked for long ones.
+             short sequences), cudnn on a GPU where it applies (and no log-sum-exp is
+             asked for: a cached step's merge, attention sinks), chunked for long ones.
 
 What an implementation cannot compute is refused (`UserError` naming it), never changed.
 """
@@ -38,7 +39,8 @@ CHUNKED_FROM = 1024 * 1024
 
 
 def choose(impl: str, q_BTNH, k_BSKH, spec: MaskSpec, bias=None, *, dropout_rate: float = 0.0,
-           with_probs: bool = False, softcap: float | None = None) -> str:
+           with_probs: bool = False, with_lse: bool = False, softcap: float | None = None
+           ) -> str:
     """The implementation `attend` runs for `impl` ("auto" resolved).
 
     Raises:
@@ -51,7 +53,7 @@ def choose(impl: str, q_BTNH, k_BSKH, spec: MaskSpec, bias=None, *, dropout_rate
     if impl == "auto":
         if with_probs:
             return "xla"
-        if cudnn.unsupported(q_BTNH, k_BSKH, spec, bias, dropout_rate=dropout_rate,
+        if not with_lse and cudnn.unsupported(q_BTNH, k_BSKH, spec, bias, dropout_rate=dropout_rate,
                                 softcap=softcap) is None:
             return "cudnn"
         return "chunked" if T > 1 and T * S >= CHUNKED_FROM else "xla"
@@ -79,7 +81,7 @@ def attend(q_BTNH, k_BSKH, v_BSKH, spec: MaskSpec, bias=None, *, impl: str = "au
     `softcap` None, or c: the scaled logits become c * tanh(logits / c) before bias and mask
     (cudnn refuses it)."""
     chosen = choose(impl, q_BTNH, k_BSKH, spec, bias, dropout_rate=dropout_rate,
-                    with_probs=with_probs, softcap=softcap)
+                    with_probs=with_probs, with_lse=with_lse, softcap=softcap)
     if chosen == "xla":
         out, probs, *lse = xla_attention(q_BTNH, k_BSKH, v_BSKH, spec, bias, scale=scale,
                                          dropout_rate=dropout_rate, dropout_rng=dropout_rng,

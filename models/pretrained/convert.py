@@ -213,17 +213,20 @@ def _plan(weights: Weights, family: Family, cfg: TransformerConfig, entries) -> 
             notes.append(f"it has no {resolve(prefix)}* tensors: {head} is newly initialised "
                          "(train it before use)")
     missing -= fresh
-    if missing:
-        raise UserError(f"{family.model_type} checkpoint {weights.directory} lacks "
-                         f"{len(missing)} tensor(s) the config needs: {_show(missing)}")
-    _check_copies(weights, family, stored)
     fixed = {resolve(k): a for k, a in (family.fixed(cfg) if family.fixed else {}).items()}
-    _check_fixed(weights, family, {k: a for k, a in fixed.items() if k in present})
     used = {c for keys in stored.values() for c in keys} | set(fixed)
     extra = {k for k in present - used if not family.is_ignored(k)
              and not (k == resolve(TIED_HEAD) and cfg.tie_embeddings)}
     skipped = {k for k in extra if family.is_skipped(k)}
     extra -= skipped
+    if missing:        # what it holds instead names a variant (quantized experts, say)
+        instead = f"; it holds {len(extra)} the config does not use: {_show(extra)}" \
+            if extra else ""
+        raise UserError(f"{family.model_type} checkpoint {weights.directory} lacks "
+                         f"{len(missing)} tensor(s) the config needs: {_show(missing)}"
+                         f"{instead}")
+    _check_copies(weights, family, stored)
+    _check_fixed(weights, family, {k: a for k, a in fixed.items() if k in present})
     if extra:
         raise UserError(f"{family.model_type} checkpoint {weights.directory} has "
                          f"{len(extra)} tensor(s) the config does not use: {_show(extra)}")
