@@ -18,16 +18,20 @@ TEST_PLATFORM = os.environ.get("ZOO_TEST_PLATFORM", "cpu")
 ON_CPU = TEST_PLATFORM == "cpu"
 # Before JAX is imported anywhere: simulate 4 devices so multi-device code runs on CPU, and
 # compile for speed of compilation, not of the code: with tiny configs XLA's CPU compiler is
-# most of the suite's time, and these two flags halve it (LLVM -O0, classic loop fusions).
-# What a program computes does not depend on them; tolerances are unchanged.
+# most of the suite's time, and these halve it (JAX's `jax_disable_most_optimizations`: LLVM
+# -O0 for each program it compiles; classic loop fusions). What a program computes does not
+# depend on them; tolerances are unchanged. A test whose time goes into running many steps
+# rather than compiling asks for optimised code with the `optimized_code` fixture below.
 # (jaxlib 0.11's XLA has no fusion-emitter switch, and an unknown flag is fatal.)
 _JAXLIB = tuple(int(x) for x in importlib.metadata.version("jaxlib").split(".")[:2])
-FAST_COMPILE_XLA_FLAGS = "--xla_backend_optimization_level=0" + (
-    " --xla_cpu_use_fusion_emitters=false" if _JAXLIB < (0, 11) else "")
-TEST_XLA_FLAGS = "--xla_force_host_platform_device_count=4 " + FAST_COMPILE_XLA_FLAGS
+FAST_COMPILE_XLA_FLAGS = ("--xla_cpu_use_fusion_emitters=false" if _JAXLIB < (0, 11) else "")
+FAST_COMPILE_ENV = {"JAX_DISABLE_MOST_OPTIMIZATIONS": "1"}
+TEST_XLA_FLAGS = f"--xla_force_host_platform_device_count=4 {FAST_COMPILE_XLA_FLAGS}".strip()
 if ON_CPU:
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + TEST_XLA_FLAGS).strip()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    for name, value in FAST_COMPILE_ENV.items():     # JAX_DISABLE_MOST_OPTIMIZATIONS=0
+        os.environ.setdefault(name, value)            # runs the whole suite optimised
 else:
     os.environ["JAX_PLATFORMS"] = TEST_PLATFORM
 # The command lines keep compiled executables in the user's cache directory: the ones the
@@ -49,6 +53,19 @@ COMPILED = tempfile.mkdtemp(prefix="zoo-test-xla-")
 jax.config.update("jax_compilation_cache_dir", COMPILED)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 atexit.register(shutil.rmtree, COMPILED, ignore_errors=True)
+
+
+@pytest.fixture
+def optimized_code(monkeypatch):
+    """For a test whose time goes into running many steps (a run that must learn, a
+    benchmark's quick run): its programs, and those of the processes it starts, are compiled
+    with XLA's optimisations, which run such a test up to twice as fast as the suite's
+    fast-compile default (a program compiled before it by another test is reused as it is)."""
+    monkeypatch.setenv("JAX_DISABLE_MOST_OPTIMIZATIONS", "0")
+    before = jax.config.read("jax_disable_most_optimizations")
+    jax.config.update("jax_disable_most_optimizations", False)
+    yield
+    jax.config.update("jax_disable_most_optimizations", before)
 
 
 @pytest.fixture(autouse=True)

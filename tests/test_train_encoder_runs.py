@@ -27,7 +27,8 @@ def _mlm_config(data_dir: str, **overrides):
     return c
 
 
-def test_the_classify_config_learns_toy_classification(data_dir, tmp_path):
+def test_the_classify_config_learns_toy_classification(data_dir, tmp_path, optimized_code):
+    """400 steps: running them, not compiling, is this test's time (optimised, 0.8x)."""
     config = configs.get("classify")
     config.data_dir = data_dir
     config.per_device_batch_size = 8            # 4 test devices: the config's global 32
