@@ -165,7 +165,9 @@ class SelfAttention(nn.Module):
     `config.qk_norm` the queries and keys are normalised over H (scales `query_norm`,
     `key_norm`) before rotary positions, so the cache holds normalised, rotated keys.
     `sliding` is this layer's kind under `config.layer_types` (None without them): a
-    Python bool in a looped stack, a traced bool in a scanned one (`layer_kind`).
+    Python bool in a looped stack, a traced bool in a scanned one (`layer_kind`). With
+    `config.attention_sinks` each head's learned `sinks` logit joins its softmax
+    (`_with_sinks`), in the forward pass and the read-only step alike.
     """
 
     config: TransformerConfig

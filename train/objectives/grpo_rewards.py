@@ -17,7 +17,6 @@ refused, naming the completion and its prompt.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import math
 import re
 from collections.abc import Callable
@@ -27,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.errors import UserError, raise_from_host
+from train.objectives import sequence_rewards
 
 KEY = "grpo.reward"
 _NUMBER = re.compile(r"-?\d+(\.\d+)?")
@@ -49,25 +49,11 @@ def reward_functions(names: str) -> tuple[Callable, ...]:
     """The functions `grpo.reward` names (comma-separated built-ins or "module:function").
 
     Raises:
-        UserError: a module that does not import, or has no such callable (named).
+        UserError: a module that does not import, or has no such callable (named, with
+            the name as written).
     """
-    out = []
-    for name in (n.strip() for n in names.split(",")):
-        if name in BUILT_IN:
-            out.append(BUILT_IN[name])
-            continue
-        module_name, _, attr = name.partition(":")
-        try:
-            module = importlib.import_module(module_name.strip())
-        except ImportError as e:
-            raise UserError(f"{KEY}={names!r}: cannot import module {module_name.strip()!r} "
-                            f"({e})") from None
-        fn = getattr(module, attr.strip(), None)
-        if not callable(fn):
-            raise UserError(f"{KEY}={names!r}: module {module_name.strip()!r} has no "
-                            f"function {attr.strip()!r}")
-        out.append(fn)
-    return tuple(out)
+    return tuple(sequence_rewards.reward_function(n.strip(), built_in=BUILT_IN, key=KEY)
+                 for n in names.split(","))
 
 
 def score(fns, prompts: list[str], completions: list[str], answers: list[str], *,

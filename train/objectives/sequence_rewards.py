@@ -48,24 +48,27 @@ def _chrf(hypothesis: str, reference: str) -> float:
 BUILT_IN = {"bleu": _bleu, "chrf": _chrf}
 
 
-def reward_function(name: str) -> Callable[[str, str], float]:
-    """The reward `name` names: "bleu", "chrf", or "module:function" (imported; the module
-    must be importable, from the working directory or PYTHONPATH).
+def reward_function(name: str, *, built_in=None, key: str = KEY) -> Callable:
+    """The reward `name` names: one of `built_in` (None: "bleu", "chrf") or
+    "module:function" (imported; the module must be importable, from the working directory
+    or PYTHONPATH). `key` is the config key the messages name (GRPO's rewards load here
+    too, with their own built-ins).
 
     Raises:
         UserError: the module does not import, or has no such callable (named).
     """
-    if name in BUILT_IN:
-        return BUILT_IN[name]
+    built_in = BUILT_IN if built_in is None else built_in
+    if name in built_in:
+        return built_in[name]
     module_name, _, attr = name.partition(":")
     try:
         module = importlib.import_module(module_name.strip())
     except ImportError as e:
-        raise UserError(f"{KEY}={name!r}: cannot import module {module_name.strip()!r} "
+        raise UserError(f"{key}={name!r}: cannot import module {module_name.strip()!r} "
                         f"({e})") from None
     fn = getattr(module, attr.strip(), None)
     if not callable(fn):
-        raise UserError(f"{KEY}={name!r}: module {module_name.strip()!r} has no function "
+        raise UserError(f"{key}={name!r}: module {module_name.strip()!r} has no function "
                         f"{attr.strip()!r}")
     return fn
 
