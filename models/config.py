@@ -110,8 +110,9 @@ class TransformerConfig:
             "rope": rotary, applied to queries and keys of self-attention.
             "relative": T5's bucketed relative position bias, added to the self-attention
                 logits; one [relative_buckets, N] table per stack, shared by its layers.
-        position_offset: learned positions only: position p reads row p + offset (BART
-            keeps 2 unused rows in front).
+        position_offset: learned positions: position p reads row p + offset (BART keeps
+            2 unused rows in front); "sinusoidal": position p is computed at p + offset
+            (M2M-100 counts from pad_id + 1).
         relative_buckets, relative_max_distance: "relative" positions only: the number of
             buckets (half for each direction in an encoder) and the distance at which the
             logarithmically growing buckets stop.

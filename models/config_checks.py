@@ -48,9 +48,9 @@ def validate(cfg) -> None:
     if cfg.position_offset < 0:
         raise UserError(
             f"TransformerConfig.position_offset={cfg.position_offset} must be >= 0")
-    if cfg.position_offset and cfg.positions != "learned":
+    if cfg.position_offset and cfg.positions not in ("learned", "sinusoidal"):
         raise UserError(f"TransformerConfig.position_offset={cfg.position_offset} needs "
-                         f"positions='learned', not {cfg.positions!r}")
+                         f"positions='learned' or 'sinusoidal', not {cfg.positions!r}")
     fewest = 2 if cfg.architecture == "decoder_only" else 4
     if cfg.positions == "relative" and cfg.relative_buckets < fewest:
         # An encoder halves the buckets per direction, and each half keeps half its

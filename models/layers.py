@@ -80,7 +80,8 @@ class InputEmbedding(nn.Module):
                 token_types_BT = jnp.zeros_like(tokens_BT)
             x_BTD = x_BTD + types(token_types_BT)
         if cfg.positions == "sinusoidal":
-            x_BTD = x_BTD + sinusoidal_embedding(positions_BT, cfg.d_model).astype(x_BTD.dtype)
+            x_BTD = x_BTD + sinusoidal_embedding(positions_BT + cfg.position_offset,
+                                                 cfg.d_model).astype(x_BTD.dtype)
         elif cfg.positions == "sinusoidal_paper":
             table_PD = jnp.asarray(paper_sinusoid_table(cfg.max_len, cfg.d_model))
             x_BTD = x_BTD + table_PD[positions_BT].astype(x_BTD.dtype)

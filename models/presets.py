@@ -50,6 +50,14 @@ _WHISPER = dict(
     audio=dict(num_mel_bins=80, max_source_positions=1500),
 )
 
+_M2M100 = dict(
+    architecture="encoder_decoder", positions="sinusoidal", position_offset=2, norm="layernorm",
+    norm_position="pre", activation="relu", use_bias=True, share_embeddings=True,
+    tie_embeddings=True, scale_embeddings=True, norm_eps=1e-5, d_model=1024, num_heads=16,
+    mlp_dim=4096, num_encoder_layers=12, num_decoder_layers=12, max_len=1024, pad_id=1,
+    eos_id=2, bos_id=2,
+)
+
 _PRESETS: dict[str, dict] = {
     # Tiny models for tests and the CPU demo: compile in seconds.
     "transformer-tiny": dict(
@@ -148,6 +156,11 @@ _PRESETS: dict[str, dict] = {
         mlp_dim=96, num_layers=2, max_len=128, num_experts=4, experts_per_token=2,
         sliding_window=8, layer_types=("sliding", "full"), rope_scaling=None,
         router_aux_loss_coef=0.01),
+    # M2M-100 418M (Fan et al. 2020, 100 languages) and NLLB-200 distilled 600M (NLLB team
+    # 2022, 200 languages): pre-norm encoder-decoders with fairseq's sinusoids from position
+    # 2, one shared table; 483.9M and 615.1M parameters with their vocabularies.
+    "m2m100-418m": dict(_M2M100, vocab_size=128_112),
+    "nllb-200-600m": dict(_M2M100, vocab_size=256_206),
     # Whisper tiny (39M) and large-v3 (1.55B: 128 mel bins, one more vocabulary entry).
     "whisper-tiny": dict(
         _WHISPER, d_model=384, num_heads=6, mlp_dim=1536, num_encoder_layers=4,

@@ -108,7 +108,7 @@ def test_unknown_override_names_itself():
      r"high_freq_factor=1.0 must be above low_freq_factor=4.0"),
     (dict(norm_eps=0.0), r"norm_eps=0.0 must be > 0"),
     (dict(positions="rope", position_offset=2),
-     r"position_offset=2 needs positions='learned', not 'rope'"),
+     r"position_offset=2 needs positions='learned' or 'sinusoidal', not 'rope'"),
     (dict(positions="learned", position_offset=-1), r"position_offset=-1 must be >= 0"),
     (dict(architecture="encoder_only", num_labels=3, label_names=["a", "b"]),
      r"label_names has 2 names \['a', 'b'\], but num_labels=3"),

@@ -1,5 +1,6 @@
-"""models.load / models.save of the encoder-decoder families (BART, Marian, T5, mT5) against
-transformers, as tests/test_pretrained_decoders.py does for the decoder-only ones.
+"""models.load / models.save of the encoder-decoder families (BART, Marian, M2M-100, T5,
+mT5) against transformers, as tests/test_pretrained_decoders.py does for the decoder-only
+ones.
 
 Tiny random checkpoints (tests/pretrained_helpers.py, SEQ2SEQ_CASES) on a ragged batch of
 sources (junk past their lengths): a loaded model gives transformers' encoder output and
@@ -291,6 +292,9 @@ REFUSED = {
                                  ["static_position_embeddings"]),
     "marian-gelu-fast": ("marian-shared", _set(activation_function="gelu_fast"),
                          ["activation_function", "gelu_fast"]),
+    "m2m100-untied": ("m2m100", _set(tie_word_embeddings=False), ["tie_word_embeddings"]),
+    "m2m100-head-counts": ("m2m100", _set(decoder_attention_heads=2),
+                           ["decoder_attention_heads", "encoder_attention_heads=4"]),
 }
 
 
@@ -467,3 +471,43 @@ def test_beam_search_finds_transformers_best_beams_or_better_scoring_ones(
                     f"transformers' {their_best[b]} scores {scores[rows + b]}")
     record_property("beam_agreement", f"{agree}/{total}")
     print(f"{name}: best beams equal to transformers' in {agree} of {total}")
+
+
+# facebook/m2m100_418M's and facebook/nllb-200-distilled-600M's config.json (the fields that
+# change the computation; both are M2M100Config).
+M2M100_PUBLISHED = {
+    "m2m100-418m": dict(vocab_size=128112, d_model=1024, encoder_layers=12, decoder_layers=12,
+                        encoder_attention_heads=16, decoder_attention_heads=16,
+                        encoder_ffn_dim=4096, decoder_ffn_dim=4096,
+                        max_position_embeddings=1024, scale_embedding=True,
+                        activation_function="relu", pad_token_id=1, bos_token_id=0,
+                        eos_token_id=2, decoder_start_token_id=2, encoder_layerdrop=0.05,
+                        decoder_layerdrop=0.05, dropout=0.1, attention_dropout=0.1,
+                        activation_dropout=0.0, model_type="m2m_100"),
+    "nllb-200-600m": dict(vocab_size=256206, d_model=1024, encoder_layers=12,
+                          decoder_layers=12, encoder_attention_heads=16,
+                          decoder_attention_heads=16, encoder_ffn_dim=4096,
+                          decoder_ffn_dim=4096, max_position_embeddings=1024,
+                          scale_embedding=True, activation_function="relu", pad_token_id=1,
+                          bos_token_id=0, eos_token_id=2, decoder_start_token_id=2,
+                          encoder_layerdrop=0, decoder_layerdrop=0, dropout=0.1,
+                          attention_dropout=0.1, activation_dropout=0.0,
+                          tokenizer_class="NllbTokenizer", model_type="m2m_100"),
+}
+
+
+@pytest.mark.parametrize("preset", M2M100_PUBLISHED)
+def test_an_m2m100_preset_is_the_published_config_with_transformers_parameter_count(preset):
+    import math
+    published = M2M100_PUBLISHED[preset]
+    cfg = models.get_config(preset)
+    assert FAMILIES["m2m_100"].config_from_hf(dict(published)).replace(
+        dropout_rate=0.0, attention_dropout_rate=0.0) == cfg
+    fields = {k: v for k, v in published.items() if k not in ("model_type", "tokenizer_class")}
+    with torch.device("meta"):
+        theirs = ph.transformers.AutoModelForSeq2SeqLM.from_config(
+            ph.transformers.M2M100Config(**fields))
+    their_count = sum(p.numel() for p in theirs.parameters())       # tied tables once
+    tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)
+    shapes = jax.eval_shape(models.build(cfg).init, jax.random.key(0), tokens, tokens)
+    assert sum(math.prod(x.shape) for x in jax.tree.leaves(shapes["params"])) == their_count

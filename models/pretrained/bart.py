@@ -41,7 +41,7 @@ from models.pretrained.rules import (
     Scope,
     cross_attention,
     embeddings,
-    logits_bias,
+    logits_bias as _logits_bias,
     mlp,
     norm,
     self_attention,
@@ -136,9 +136,10 @@ CROSS_ATTENTION = Attention.apart("encoder_attn.{}_proj", o="out")
 MLP = Mlp(up="fc1", down="fc2")
 
 
-def layer_rules(cfg: TransformerConfig) -> list[Rule]:
-    """The encoder and decoder layers of BART and Marian (post-norm: each sublayer's norm
-    is named after it), and the logits bias."""
+def layer_rules(cfg: TransformerConfig, *, logits_bias: bool = True) -> list[Rule]:
+    """The encoder and decoder layers of BART, Marian and M2M-100 (each sublayer's norm is
+    named after it, before or after it), and the logits bias (unless `logits_bias` is
+    False: M2M-100 has none)."""
     table = []
     for stack in ("encoder", "decoder"):
         layer = Scope.layers(f"model.{stack}.layers.{{i}}", stack)
@@ -148,7 +149,7 @@ def layer_rules(cfg: TransformerConfig) -> list[Rule]:
             table += [*cross_attention(cfg, layer, CROSS_ATTENTION),
                       *norm(cfg, layer, "encoder_attn_layer_norm", "cross_attention_norm")]
         table += [*mlp(cfg, layer, MLP), *norm(cfg, layer, "final_layer_norm", "mlp_norm")]
-    return table + logits_bias("final_logits_bias")
+    return table + (_logits_bias("final_logits_bias") if logits_bias else [])
 
 
 def rules(cfg: TransformerConfig) -> list[Rule]:
