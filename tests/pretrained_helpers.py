@@ -285,13 +285,6 @@ SEQ2SEQ_CASES = {
                                        activation_function="swish", scale_embedding=True,
                                        share_encoder_decoder_embeddings=False), dict(
         share_embeddings=False, tie_embeddings=True)),
-    "m2m100": ("m2m_100", dict(_BART, vocab_size=68, pad_token_id=1, bos_token_id=0,
-                               eos_token_id=2, decoder_start_token_id=2, scale_embedding=True,
-                               activation_function="relu", encoder_layerdrop=0.05,
-                               decoder_layerdrop=0.05), dict(
-        positions="sinusoidal", position_offset=2, norm_position="pre", embedding_norm=False,
-        logits_bias=False, scale_embeddings=True, activation="relu", share_embeddings=True,
-        tie_embeddings=True, pad_id=1, bos_id=2, eos_id=2)),
     "t5-v1.0": ("t5", dict(_T5, feed_forward_proj="relu", tie_word_embeddings=True,
                            decoder_start_token_id=0), dict(
         positions="relative", scale_attention=False, norm="rmsnorm", use_bias=False,
@@ -304,6 +297,14 @@ SEQ2SEQ_CASES = {
     "mt5": ("mt5", dict(_T5, vocab_size=72, feed_forward_proj="gated-gelu",
                         tie_word_embeddings=False, decoder_start_token_id=0), dict(
         activation="geglu", tie_embeddings=False, vocab_size=72)),
+    # Last: each case's seed is its index, and earlier cases keep theirs.
+    "m2m100": ("m2m_100", dict(_BART, vocab_size=68, pad_token_id=1, bos_token_id=0,
+                               eos_token_id=2, decoder_start_token_id=2, scale_embedding=True,
+                               activation_function="relu", encoder_layerdrop=0.05,
+                               decoder_layerdrop=0.05), dict(
+        positions="sinusoidal", position_offset=2, norm_position="pre", embedding_norm=False,
+        logits_bias=False, scale_embeddings=True, activation="relu", share_embeddings=True,
+        tie_embeddings=True, pad_id=1, bos_id=2, eos_id=2)),
 }
 CONFIG_CLASSES.update(bart="BartConfig", marian="MarianConfig", m2m_100="M2M100Config",
                       t5="T5Config", mt5="MT5Config")
