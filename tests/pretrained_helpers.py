@@ -235,6 +235,22 @@ def assert_refused_by_name(path: str, words) -> None:
         assert word in str(info.value), (word, str(info.value))
 
 
+def assert_bfloat16_loads_exactly(c: Checkpoint, root, **save_options) -> None:
+    """Checkpoint `c` saved in bfloat16 by transformers loads exactly: as float32, and as
+    bfloat16 (every leaf) with the same values; saved again (`save_options`: `models.save`'s)
+    it gives transformers the tensors it wrote, bit for bit."""
+    bf16 = copy.deepcopy(c.model).to(torch.bfloat16)
+    bf16.save_pretrained(os.path.join(root, "bf16"), safe_serialization=True)
+    as_f32 = models.load(os.path.join(root, "bf16"))
+    as_bf16 = models.load(os.path.join(root, "bf16"), param_dtype="bfloat16")
+    assert {x.dtype for x in jax.tree.leaves(as_bf16.params)} == {jnp.dtype(jnp.bfloat16)}
+    assert_same_params(as_bf16.params,
+                       jax.tree.map(lambda x: x.astype(jnp.bfloat16), as_f32.params))
+    models.save(os.path.join(root, "again"), as_bf16.config, as_bf16.params, **save_options)
+    again = transformers.AutoModelForCausalLM.from_pretrained(os.path.join(root, "again"))
+    assert_same_tensors(state_of(bf16), again)
+
+
 def stack_layers(tree):
     """An unscanned parameter tree in the scanned layout: layer_0 .. layer_{L-1} of a stack
     become one `layers` subtree whose leaves have a leading L axis."""

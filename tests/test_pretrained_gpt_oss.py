@@ -13,7 +13,6 @@ gpt-oss-120b presets have transformers' parameter counts.
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 
@@ -36,9 +35,6 @@ from tests.pretrained_helpers import (
     hf_logits,
     set_fields,
     stack_layers,
-    state_of,
-    torch,
-    transformers,
 )
 from tests.test_pretrained_2025 import _our_count, _their_count
 
@@ -173,16 +169,7 @@ def test_the_fused_experts_split_gate_from_the_even_columns(ckpt):
 
 def test_a_bfloat16_checkpoint_loads_exactly(ckpt, tmp_path):
     c = ckpt("gpt-oss-gqa-window-3-yarn")
-    bf16 = copy.deepcopy(c.model).to(torch.bfloat16)
-    bf16.save_pretrained(tmp_path / "bf16", safe_serialization=True)
-    as_f32 = models.load(str(tmp_path / "bf16"))
-    as_bf16 = models.load(str(tmp_path / "bf16"), param_dtype="bfloat16")
-    assert {x.dtype for x in jax.tree.leaves(as_bf16.params)} == {jnp.dtype(jnp.bfloat16)}
-    assert_same_params(as_bf16.params,
-                       jax.tree.map(lambda x: x.astype(jnp.bfloat16), as_f32.params))
-    models.save(str(tmp_path / "again"), as_bf16.config, as_bf16.params)
-    again = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "again"))
-    assert_same_tensors(state_of(bf16), again)
+    ph.assert_bfloat16_loads_exactly(c, tmp_path)
 
 
 REFUSED = [

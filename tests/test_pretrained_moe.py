@@ -12,11 +12,8 @@ and the mixtral-8x7b and qwen3-30b-a3b presets have transformers' parameter coun
 
 from __future__ import annotations
 
-import copy
 import os
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -34,9 +31,6 @@ from tests.pretrained_helpers import (
     hf_logits,
     set_fields,
     stack_layers,
-    state_of,
-    torch,
-    transformers,
 )
 from tests.test_pretrained_2025 import _our_count, _their_count
 
@@ -128,16 +122,7 @@ def test_load_then_save_gives_the_tensors_transformers_wrote_bit_for_bit(name, c
 @pytest.mark.parametrize("name", ["mixtral-gqa-window-4", "qwen3-moe-head-dim"])
 def test_a_bfloat16_checkpoint_loads_exactly(name, ckpt, tmp_path):
     c = ckpt(name)
-    bf16 = copy.deepcopy(c.model).to(torch.bfloat16)
-    bf16.save_pretrained(tmp_path / "bf16", safe_serialization=True)
-    as_f32 = models.load(str(tmp_path / "bf16"))
-    as_bf16 = models.load(str(tmp_path / "bf16"), param_dtype="bfloat16")
-    assert {x.dtype for x in jax.tree.leaves(as_bf16.params)} == {jnp.dtype(jnp.bfloat16)}
-    assert_same_params(as_bf16.params,
-                       jax.tree.map(lambda x: x.astype(jnp.bfloat16), as_f32.params))
-    models.save(str(tmp_path / "again"), as_bf16.config, as_bf16.params)
-    again = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "again"))
-    assert_same_tensors(state_of(bf16), again)
+    ph.assert_bfloat16_loads_exactly(c, tmp_path)
 
 
 REFUSED = [

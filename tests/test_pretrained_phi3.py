@@ -11,10 +11,8 @@ phi3-mini preset has transformers' parameter count for Phi-3-mini's published co
 
 from __future__ import annotations
 
-import copy
 import os
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -34,9 +32,6 @@ from tests.pretrained_helpers import (
     hf_load,
     hf_logits,
     set_fields,
-    state_of,
-    torch,
-    transformers,
 )
 from tests.test_pretrained_2025 import _our_count, _their_count
 from tests.test_rope_scaling import _cached_reference
@@ -123,16 +118,7 @@ def test_load_then_save_gives_the_tensors_transformers_wrote_bit_for_bit(name, c
 
 def test_a_bfloat16_checkpoint_loads_exactly(ckpt, tmp_path):
     c = ckpt("phi3-gqa-tied-window-4-partial")
-    bf16 = copy.deepcopy(c.model).to(torch.bfloat16)
-    bf16.save_pretrained(tmp_path / "bf16", safe_serialization=True)
-    as_f32 = models.load(str(tmp_path / "bf16"))
-    as_bf16 = models.load(str(tmp_path / "bf16"), param_dtype="bfloat16")
-    assert {x.dtype for x in jax.tree.leaves(as_bf16.params)} == {jnp.dtype(jnp.bfloat16)}
-    assert_same_params(as_bf16.params,
-                       jax.tree.map(lambda x: x.astype(jnp.bfloat16), as_f32.params))
-    models.save(str(tmp_path / "again"), as_bf16.config, as_bf16.params, model_type="phi3")
-    again = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "again"))
-    assert_same_tensors(state_of(bf16), again)
+    ph.assert_bfloat16_loads_exactly(c, tmp_path, model_type="phi3")
 
 
 def test_sharded_checkpoints_split_and_fuse_across_shards(ckpt, tmp_path):
