@@ -35,13 +35,14 @@ def sinusoidal_embedding(positions_BT: Int[Array, "B T"], d_model: int) -> Float
 def paper_sinusoid_table(max_len: int, d_model: int) -> np.ndarray:
     """float32[max_len, D]: Vaswani et al.'s frequencies w_i = 10000 ** (-2i / D), sines in
     the first ceil(D/2) channels and cosines in the last floor(D/2) (Marian's layout),
-    computed in float64 and rounded once.
+    computed in float64 as p / 10000 ** (2i / D) and rounded once: the operations of
+    transformers' Marian and Pegasus tables, so the float32 tables are equal bit for bit.
 
         D = 4, position p:  [sin(p), sin(p / 100), cos(p), cos(p / 100)]
     """
     p = np.arange(max_len, dtype=np.float64)[:, None]
-    sin = np.sin(p * 10_000.0 ** (-2 * np.arange((d_model + 1) // 2) / d_model))
-    cos = np.cos(p * 10_000.0 ** (-2 * np.arange(d_model // 2) / d_model))
+    sin = np.sin(p / 10_000.0 ** (2 * np.arange((d_model + 1) // 2) / d_model))
+    cos = np.cos(p / 10_000.0 ** (2 * np.arange(d_model // 2) / d_model))
     return np.concatenate([sin, cos], axis=1).astype(np.float32)
 
 

@@ -58,6 +58,13 @@ _M2M100 = dict(
     eos_id=2, bos_id=2,
 )
 
+# mBART-50 (learned positions from 2 with a norm on the embeddings, pre-norm, exact GELU)
+# and PEGASUS (Marian's sinusoids, pre-norm, ReLU): BART's layers at BART-large's widths.
+_MBART = dict(_M2M100, positions="learned", embedding_norm=True, activation="gelu_exact",
+              logits_bias=True)
+_PEGASUS = dict(_M2M100, positions="sinusoidal_paper", position_offset=0, pad_id=0, eos_id=1,
+                bos_id=0, logits_bias=True)
+
 _PRESETS: dict[str, dict] = {
     # Tiny models for tests and the CPU demo: compile in seconds.
     "transformer-tiny": dict(
@@ -161,6 +168,12 @@ _PRESETS: dict[str, dict] = {
     # 2, one shared table; 483.9M and 615.1M parameters with their vocabularies.
     "m2m100-418m": dict(_M2M100, vocab_size=128_112),
     "nllb-200-600m": dict(_M2M100, vocab_size=256_206),
+    # facebook/mbart-large-50 (and its many-to-many translator; 2020, 50 languages) and
+    # google/pegasus-large (2020, summarisation): 611.1M and 568.8M parameters (their logits
+    # biases included; PEGASUS's position tables are functions, not parameters).
+    "mbart-large-50": dict(_MBART, vocab_size=250_054),
+    "pegasus-large": dict(_PEGASUS, vocab_size=96_103, num_encoder_layers=16,
+                          num_decoder_layers=16),
     # Whisper tiny (39M) and large-v3 (1.55B: 128 mel bins, one more vocabulary entry).
     "whisper-tiny": dict(
         _WHISPER, d_model=384, num_heads=6, mlp_dim=1536, num_encoder_layers=4,

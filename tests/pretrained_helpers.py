@@ -321,8 +321,23 @@ SEQ2SEQ_CASES = {
         positions="sinusoidal", position_offset=2, norm_position="pre", embedding_norm=False,
         logits_bias=False, scale_embeddings=True, activation="relu", share_embeddings=True,
         tie_embeddings=True, pad_id=1, bos_id=2, eos_id=2)),
+    # mBART-50's ids; the decoder starts from eos (2), as its published files say (a
+    # vocabulary of 76: with fewer, this random model's first token is already the end).
+    "mbart": ("mbart", dict(_BART, vocab_size=76, pad_token_id=1, bos_token_id=0,
+                            eos_token_id=2, decoder_start_token_id=2, forced_eos_token_id=2,
+                            scale_embedding=True), dict(
+        positions="learned", position_offset=2, embedding_norm=True, norm_position="pre",
+        activation="gelu_exact", logits_bias=True, scale_embeddings=True, bos_id=2, pad_id=1,
+        eos_id=2)),
+    "pegasus": ("pegasus", dict(_BART, vocab_size=66, pad_token_id=0, eos_token_id=1,
+                                decoder_start_token_id=0, forced_eos_token_id=1,
+                                activation_function="relu", scale_embedding=True), dict(
+        positions="sinusoidal_paper", norm_position="pre", embedding_norm=False,
+        logits_bias=True, scale_embeddings=True, activation="relu", share_embeddings=True,
+        tie_embeddings=True, pad_id=0, bos_id=0, eos_id=1)),
 }
 CONFIG_CLASSES.update(bart="BartConfig", marian="MarianConfig", m2m_100="M2M100Config",
+                      mbart="MBartConfig", pegasus="PegasusConfig",
                       t5="T5Config", mt5="MT5Config")
 
 
@@ -464,11 +479,13 @@ def decoding_ckpt(seq2seq_ckpt, tmp_path_factory):
 
 def their_new_tokens(row: np.ndarray, pad_id: int, eos_ids) -> np.ndarray:
     """One row of transformers' output without its decoder start token and the padding
-    after its end."""
+    after its end (pad ids; its beam search pads with the end id where the pad id is 0,
+    Pegasus's)."""
     new = row[1:]
     ends = np.flatnonzero(np.isin(new, eos_ids))
     if len(ends):
-        assert np.all(new[ends[0] + 1:] == pad_id)
+        after = new[ends[0] + 1:]
+        assert np.all(after == pad_id) or np.all(np.isin(after, eos_ids)), row
         new = new[:ends[0] + 1]
     return new
 

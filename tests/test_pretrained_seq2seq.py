@@ -205,9 +205,12 @@ def test_encoder_decoders_no_hf_class_expresses_fall_through_to_the_projects_own
             with pytest.raises(Inexpressible):
                 FAMILIES[model_type].config_to_hf(cfg)
                 pytest.fail(f"{model_type} expresses {what}")
-    cfg = unexpressed["bart-pre-norm"]
-    assert models.save(str(tmp_path / "pre-norm"), cfg, _random_params(cfg)) == (
+    cfg = unexpressed["bart-untied-head"]
+    assert models.save(str(tmp_path / "untied"), cfg, _random_params(cfg)) == (
         "jax_transformer_zoo")
+    # BART made pre-norm (with a final norm closing each stack) is mBART.
+    cfg = unexpressed["bart-pre-norm"]
+    assert models.save(str(tmp_path / "pre-norm"), cfg, _random_params(cfg)) == "mbart"
     # What they do express, each saves as (and loads back).
     marian_cfg = bart_cfg.replace(positions="sinusoidal_paper", position_offset=0,
                                   embedding_norm=False, activation="silu",
@@ -295,6 +298,13 @@ REFUSED = {
     "m2m100-untied": ("m2m100", _set(tie_word_embeddings=False), ["tie_word_embeddings"]),
     "m2m100-head-counts": ("m2m100", _set(decoder_attention_heads=2),
                            ["decoder_attention_heads", "encoder_attention_heads=4"]),
+    "mbart-post-norm": ("mbart", _set(normalize_before=False), ["normalize_before"]),
+    "mbart-untied": ("mbart", _set(tie_word_embeddings=False), ["tie_word_embeddings"]),
+    "mbart-ffn-dims": ("mbart", _set(decoder_ffn_dim=64), ["decoder_ffn_dim", "64"]),
+    "pegasus-learned-positions": ("pegasus", _set(static_position_embeddings=False),
+                                  ["static_position_embeddings"]),
+    "pegasus-quick-gelu": ("pegasus", _set(activation_function="quick_gelu"),
+                           ["activation_function", "quick_gelu"]),
 }
 
 
@@ -377,6 +387,46 @@ def test_marian_position_tables_in_a_file_must_be_the_sinusoids_we_regenerate(
     path = _rewrite_weights(copy_dir(c.path, tmp_path / "shifted"), shifted)
     with pytest.raises(ValueError, match=r"model\.decoder\.embed_positions\.weight"):
         models.load(path)
+
+
+def test_pegasus_tables_are_checked_kept_and_written_back_and_a_missing_bias_is_zeros(
+        seq2seq_ckpt, tmp_path):
+    """PEGASUS's files hold their sinusoid tables (transformers saves them): a table off by
+    1e-3 is refused by name, one within rounding is kept and written back as it was. A file
+    without `final_logits_bias` (transformers makes it zeros) loads so, with a warning."""
+    c = seq2seq_ckpt("pegasus")
+    key = "model.decoder.embed_positions.weight"
+    pre = models.load(c.path)
+    nudged = c.state[key].clone()
+    nudged[5, 0] = float(np.nextafter(np.float32(nudged[5, 0]), np.float32(2)))   # 1 ulp
+    path = _rewrite_weights(copy_dir(c.path, tmp_path / "ulp"), lambda t: t.update({key: nudged}))
+    kept = models.load(path)
+    models.save(str(tmp_path / "again"), kept.config, kept.params, model_type="pegasus",
+                tables=kept.tables)
+    again = safetensors_torch.load_file(str(tmp_path / "again" / "model.safetensors"))
+    assert torch.equal(again[key], nudged)
+    path = _rewrite_weights(copy_dir(c.path, tmp_path / "shifted"),
+                            lambda t: t[key].__setitem__(3, t[key][3] + 1e-3))
+    with pytest.raises(ValueError, match=r"model\.decoder\.embed_positions\.weight"):
+        models.load(path)
+    path = _rewrite_weights(copy_dir(c.path, tmp_path / "no-bias"),
+                            lambda t: t.pop("final_logits_bias"))
+    with pytest.warns(UserWarning, match="final_logits_bias"):
+        unbiased = models.load(path)
+    np.testing.assert_array_equal(unbiased.params["logits_bias"], 0)
+    assert_same_params({k: v for k, v in unbiased.params.items() if k != "logits_bias"},
+                       {k: v for k, v in pre.params.items() if k != "logits_bias"})
+
+
+def test_an_mbart_without_a_decoder_start_starts_from_bos_as_generate_does(seq2seq_ckpt,
+                                                                          tmp_path):
+    c = seq2seq_ckpt("mbart")
+    path = edit_config(copy_dir(c.path, tmp_path / "m"),
+                       _set(decoder_start_token_id=None, bos_token_id=0))
+    os.remove(os.path.join(path, "generation_config.json"))    # config.json's ids alone
+    theirs = hf_generate(hf_seq2seq_load(path), c.src, c.src_lens).numpy()
+    assert read_config(path)[1].bos_id == 0
+    np.testing.assert_array_equal(theirs[:, 0], 0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -473,41 +523,58 @@ def test_beam_search_finds_transformers_best_beams_or_better_scoring_ones(
     print(f"{name}: best beams equal to transformers' in {agree} of {total}")
 
 
-# facebook/m2m100_418M's and facebook/nllb-200-distilled-600M's config.json (the fields that
-# change the computation; both are M2M100Config).
-M2M100_PUBLISHED = {
-    "m2m100-418m": dict(vocab_size=128112, d_model=1024, encoder_layers=12, decoder_layers=12,
-                        encoder_attention_heads=16, decoder_attention_heads=16,
-                        encoder_ffn_dim=4096, decoder_ffn_dim=4096,
-                        max_position_embeddings=1024, scale_embedding=True,
-                        activation_function="relu", pad_token_id=1, bos_token_id=0,
-                        eos_token_id=2, decoder_start_token_id=2, encoder_layerdrop=0.05,
-                        decoder_layerdrop=0.05, dropout=0.1, attention_dropout=0.1,
-                        activation_dropout=0.0, model_type="m2m_100"),
-    "nllb-200-600m": dict(vocab_size=256206, d_model=1024, encoder_layers=12,
-                          decoder_layers=12, encoder_attention_heads=16,
-                          decoder_attention_heads=16, encoder_ffn_dim=4096,
-                          decoder_ffn_dim=4096, max_position_embeddings=1024,
-                          scale_embedding=True, activation_function="relu", pad_token_id=1,
-                          bos_token_id=0, eos_token_id=2, decoder_start_token_id=2,
-                          encoder_layerdrop=0, decoder_layerdrop=0, dropout=0.1,
-                          attention_dropout=0.1, activation_dropout=0.0,
+# The published config.json files (the fields that change the computation):
+# facebook/m2m100_418M, facebook/nllb-200-distilled-600M, facebook/mbart-large-50 (with the
+# switches of transformers 3 it still holds) and google/pegasus-large.
+_M2M100_LARGE = dict(d_model=1024, encoder_layers=12, decoder_layers=12,
+                     encoder_attention_heads=16, decoder_attention_heads=16,
+                     encoder_ffn_dim=4096, decoder_ffn_dim=4096, max_position_embeddings=1024,
+                     scale_embedding=True, pad_token_id=1, bos_token_id=0, eos_token_id=2,
+                     decoder_start_token_id=2, dropout=0.1, activation_dropout=0.0)
+PUBLISHED = {
+    "m2m100-418m": dict(_M2M100_LARGE, vocab_size=128112, activation_function="relu",
+                        encoder_layerdrop=0.05, decoder_layerdrop=0.05, attention_dropout=0.1,
+                        model_type="m2m_100"),
+    "nllb-200-600m": dict(_M2M100_LARGE, vocab_size=256206, activation_function="relu",
+                          encoder_layerdrop=0, decoder_layerdrop=0, attention_dropout=0.1,
                           tokenizer_class="NllbTokenizer", model_type="m2m_100"),
+    "mbart-large-50": dict(_M2M100_LARGE, vocab_size=250054, activation_function="gelu",
+                           attention_dropout=0.0, forced_eos_token_id=2, normalize_before=True,
+                           add_final_layer_norm=True, add_bias_logits=False,
+                           normalize_embedding=True, static_position_embeddings=False,
+                           extra_pos_embeddings=2, tokenizer_class="MBart50Tokenizer",
+                           model_type="mbart"),
+    "pegasus-large": dict(_M2M100_LARGE, vocab_size=96103, encoder_layers=16,
+                          decoder_layers=16, activation_function="relu", pad_token_id=0,
+                          eos_token_id=1, decoder_start_token_id=0, attention_dropout=0.1,
+                          activation_dropout=0.1, normalize_before=True,
+                          add_final_layer_norm=True, normalize_embedding=False,
+                          static_position_embeddings=True, extra_pos_embeddings=1,
+                          length_penalty=0.8, num_beams=8, max_length=256,
+                          model_type="pegasus"),
 }
+_LEGACY_KEYS = ("model_type", "tokenizer_class", "normalize_before", "add_final_layer_norm",
+                "add_bias_logits", "normalize_embedding", "static_position_embeddings",
+                "extra_pos_embeddings")
 
 
-@pytest.mark.parametrize("preset", M2M100_PUBLISHED)
-def test_an_m2m100_preset_is_the_published_config_with_transformers_parameter_count(preset):
+@pytest.mark.parametrize("preset", PUBLISHED)
+def test_a_preset_is_the_published_config_with_transformers_parameter_count(preset):
+    """Counted as transformers counts its trainable parameters, plus the logits bias (a
+    buffer there, a parameter here); PEGASUS's frozen position tables are no parameter of
+    ours."""
     import math
-    published = M2M100_PUBLISHED[preset]
+    published = PUBLISHED[preset]
+    model_type = published["model_type"]
     cfg = models.get_config(preset)
-    assert FAMILIES["m2m_100"].config_from_hf(dict(published)).replace(
-        dropout_rate=0.0, attention_dropout_rate=0.0) == cfg
-    fields = {k: v for k, v in published.items() if k not in ("model_type", "tokenizer_class")}
+    assert FAMILIES[model_type].config_from_hf(dict(published)).replace(
+        dropout_rate=0.0, attention_dropout_rate=0.0, mlp_dropout_rate=0.0) == cfg
+    fields = {k: v for k, v in published.items() if k not in _LEGACY_KEYS}
+    config_class = getattr(ph.transformers, ph.CONFIG_CLASSES[model_type])
     with torch.device("meta"):
-        theirs = ph.transformers.AutoModelForSeq2SeqLM.from_config(
-            ph.transformers.M2M100Config(**fields))
-    their_count = sum(p.numel() for p in theirs.parameters())       # tied tables once
+        theirs = ph.transformers.AutoModelForSeq2SeqLM.from_config(config_class(**fields))
+    their_count = sum(p.numel() for p in theirs.parameters() if p.requires_grad) + sum(
+        b.numel() for name, b in theirs.named_buffers() if name == "final_logits_bias")
     tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)
     shapes = jax.eval_shape(models.build(cfg).init, jax.random.key(0), tokens, tokens)
     assert sum(math.prod(x.shape) for x in jax.tree.leaves(shapes["params"])) == their_count
