@@ -25,6 +25,7 @@ transformers' output and that are not applied here are named in one warning on s
 
     python -m decode --model runs/default/model "the dog sees a cat ."
     python -m decode --model path/to/opus-mt-en-de "An English sentence."   # beam 4 (file)
+    python -m decode --model path/to/nllb-200 --target-lang spa_Latn "An English sentence."
     echo "5 6 7" | python -m decode --config transformer-tiny --strategy beam --beam-size 4
 
 --chat: each input is a user's message in the directory's chat template (decode.chat_cli).
@@ -172,6 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="no end token before this many (default: the directory's minimum)")
     p.add_argument("--no-repeat-ngram-size", type=_non_negative_int, default=None,
                    help="no n-gram of this size twice; 0 is off (default: the directory's)")
+    cli_request.add_language_flags(p)
     cli_request.add_cache_flags(p)
     p.add_argument("--batch-size", type=_positive_int, default=16,
                    help="inputs decoded together")
@@ -206,6 +208,7 @@ def run(args) -> None:
     if args.fill_mask or args.classify:
         encoder_cli.run(args, model, params, tok, lines)
         return
+    tok, gen = cli_request.with_languages(args, tok, gen, cfg)
     encode, gen = chat_cli.setup(args, tok, gen)
     strategy = cli_request.checked_strategy(args, gen)
     gen = cli_request.with_new_tokens(args, gen)

@@ -75,6 +75,39 @@ def add_cache_flags(parser: argparse.ArgumentParser) -> None:
                              "of float32's bytes, docs/decoding.md)")
 
 
+def add_language_flags(parser: argparse.ArgumentParser) -> None:
+    """A translation model's languages, by the codes its tokenizer names."""
+    parser.add_argument("--target-lang", default=None, metavar="CODE",
+                        help="the language to translate into: its code (NLLB spa_Latn, "
+                             "M2M-100 es, mBART-50 es_XX) forced as the first new token")
+    parser.add_argument("--source-lang", default=None, metavar="CODE",
+                        help="the inputs' language: its code around each input, as the "
+                             "tokenizer's src_lang puts it (default: the one it was saved "
+                             "with)")
+
+
+def with_languages(args, tokenizer, gen: GenerationDefaults, cfg: TransformerConfig):
+    """(the tokenizer, the generation defaults) with --source-lang and --target-lang
+    applied: the source language's tokens around each input, the target language's token
+    as the forced first new token."""
+    if args.target_lang is None and args.source_lang is None:
+        return tokenizer, gen
+    flag = "--target-lang" if args.target_lang is not None else "--source-lang"
+    if not cfg.is_encoder_decoder:
+        raise UserError(f"{flag} is for a translation model (an encoder-decoder)")
+    if not hasattr(tokenizer, "languages"):
+        raise UserError(f"{flag} needs the model directory's Hugging Face tokenizer, which "
+                        "names its language codes; give --forced-bos-id ID instead")
+    if args.target_lang is not None:
+        if args.forced_bos_id is not None:
+            raise UserError("--target-lang and --forced-bos-id both name the first new "
+                            "token: give one")
+        gen = dataclasses.replace(gen, forced_bos_id=tokenizer.language_id(args.target_lang))
+    if args.source_lang is not None:
+        tokenizer = tokenizer.for_source_language(args.source_lang)
+    return tokenizer, gen
+
+
 def _given_ids(args) -> dict:
     """The id flags given, as request fields: "none" / no value turn a default off."""
     changes = {}

@@ -30,7 +30,7 @@ GENERATION_FLAGS = ("strategy", "max_new_tokens", "temperature", "top_p", "min_p
                     "repetition_penalty", "beam_size", "length_penalty",
                     "length_normalization", "early_stopping", "eos_id", "forced_bos_id",
                     "forced_eos_id", "banned_ids", "min_new_tokens", "no_repeat_ngram_size",
-                    "kv_cache_dtype", "truncate")
+                    "kv_cache_dtype", "truncate", "target_lang", "source_lang")
 
 
 def task_flag(args) -> str | None:

@@ -40,7 +40,8 @@ DEFAULT_BEAMS = 4      # --strategy beam with neither --beam-size nor the direct
 TEXT_ONLY = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty",
              "length_normalization", "early_stopping", "eos_id", "forced_bos_id", "forced_eos_id",
              "banned_ids", "min_new_tokens", "no_repeat_ngram_size", "draft_model",
-             "adapter", "fill_mask", "classify", "kv_cache_dtype")
+             "adapter", "fill_mask", "classify", "kv_cache_dtype", "target_lang",
+             "source_lang")
 
 
 def check_flags(args, parser) -> None:

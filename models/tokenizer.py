@@ -29,6 +29,7 @@ GPT-2's, BART's, T5's) has one model, and `target` changes nothing:
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import hashlib
@@ -314,6 +315,44 @@ class HFTokenizer:
 
     def save(self, directory: str) -> None:
         self.hf.save_pretrained(directory)
+
+    @functools.cached_property
+    def languages(self) -> dict[str, int]:
+        """The language codes of a translation model's tokenizer, as transformers' takes
+        them (`src_lang`, `tgt_lang`), each with its token's id: M2M-100's "es" (the token
+        __es__), NLLB-200's "spa_Latn", mBART-50's "es_XX". Empty for a tokenizer without
+        languages."""
+        codes = getattr(self.hf, "lang_code_to_id", None)          # M2M-100's
+        if isinstance(codes, dict) and codes:
+            return {str(code): int(i) for code, i in codes.items()}
+        if not isinstance(getattr(type(self.hf), "src_lang", None), property):
+            return {}
+        specials = list(getattr(self.hf, "extra_special_tokens", None) or
+                        getattr(self.hf, "additional_special_tokens", None) or ())
+        ids = self.hf.convert_tokens_to_ids(specials) if specials else []
+        return {t: int(i) for t, i in zip(specials, ids, strict=True)
+                if i is not None and i != self.unk_id}
+
+    def language_id(self, code: str) -> int:
+        """The token id of language `code` (the target language's forced first token)."""
+        if not self.languages:
+            raise UserError(f"the tokenizer ({type(self.hf).__name__}) names no languages: "
+                            "a language code needs a translation model's (NLLB-200, M2M-100, "
+                            "mBART-50); give the token id instead")
+        if code not in self.languages:
+            known = sorted(self.languages)
+            raise UserError(f"language {code!r} is not one of the tokenizer's {len(known)} "
+                            f"({', '.join(known[:6])}{', ...' if len(known) > 6 else ''})")
+        return self.languages[code]
+
+    def for_source_language(self, code: str) -> HFTokenizer:
+        """This tokenizer with `code` as its source language: the language token and end
+        token around each source exactly as transformers' tokenizer puts them with
+        `src_lang=code` (NLLB-200, M2M-100, mBART-50: before the text; mBART-25: after)."""
+        self.language_id(code)
+        hf = copy.deepcopy(self.hf)
+        hf.src_lang = code
+        return HFTokenizer(hf)
 
     @functools.cached_property
     def identity(self) -> str:
