@@ -99,7 +99,7 @@ def with_languages(args, tokenizer, gen: GenerationDefaults, cfg: TransformerCon
         raise UserError(f"{flag} needs the model directory's Hugging Face tokenizer, which "
                         "names its language codes; give --forced-bos-id ID instead")
     if args.target_lang is not None:
-        if args.forced_bos_id is not None:
+        if getattr(args, "forced_bos_id", None) is not None:
             raise UserError("--target-lang and --forced-bos-id both name the first new "
                             "token: give one")
         gen = dataclasses.replace(gen, forced_bos_id=tokenizer.language_id(args.target_lang))

@@ -20,6 +20,11 @@ serves unchanged.
 --quantize int8|int4: every attention, MLP and expert projection quantized as it is loaded
 (`models.quantize`; after --mesh places the float weights, each kernel on its shards).
 
+--target-lang CODE, --source-lang CODE: a translation model's languages by the codes its
+tokenizer names (NLLB-200's spa_Latn, M2M-100's es, mBART-50's es_XX), for every request:
+the target's token forced as the first of max_tokens, the source's around each prompt as
+the tokenizer's src_lang puts it (as `python -m decode` takes them).
+
 --api-key KEY (or the SERVE_API_KEY environment variable): every endpoint but /health
 needs `Authorization: Bearer KEY`. Binding another host than loopback without one warns.
 
@@ -30,6 +35,7 @@ Exit status: 0 after a graceful stop; 2 for a mistake in the flags or the model 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import ipaddress
 import os
 import socket
@@ -39,6 +45,7 @@ import time
 import traceback
 
 import models
+from decode import cli_request
 from decode.source import add_quantize_flag
 from models.cache_int8 import KV_CACHE_DTYPES
 from models.errors import UserError
@@ -80,8 +87,6 @@ def placed(pre, sizes: dict[str, int]):
     Raises:
         UserError: more devices than there are, or kv heads the tensor axis does not divide.
     """
-    import dataclasses
-
     import jax
     import numpy as np
     from jax.sharding import Mesh
@@ -138,8 +143,17 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the page pool's keys and values: auto (the model's dtype) or "
                              "int8 (a scale per token per kv head; about a quarter of "
                              "float32's bytes)")
+    cli_request.add_language_flags(p)
     p.add_argument("--verbose", action="store_true", help="tracebacks with errors")
     return p
+
+
+def with_languages(pre, args):
+    """`pre` with --source-lang's tokenizer and --target-lang's forced first token (its
+    generation defaults', which the server applies to every request)."""
+    tokenizer, gen = cli_request.with_languages(args, pre.tokenizer, pre.generation,
+                                                pre.config)
+    return dataclasses.replace(pre, tokenizer=tokenizer, generation=gen)
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -177,6 +191,7 @@ def run(args) -> None:
     pre = models.load(args.model)
     if pre.tokenizer is None:
         raise UserError(f"{args.model} has no tokenizer files: the server takes and gives text")
+    pre = with_languages(pre, args)
     if args.mesh:
         pre = placed(pre, args.mesh)
     if args.quantize:             # after placing: each kernel is quantized on its shards

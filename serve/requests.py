@@ -24,9 +24,9 @@ from serve.api import Event, Submission
 from serve.text import Detokenizer
 
 # DecodeRequest fields the engine does not apply: a request that sets one is refused by
-# name rather than decoded without it.
-UNSUPPORTED = {"forced_bos_id": None, "forced_eos_id": None, "min_new_tokens": 0,
-               "no_repeat_ngram_size": 0}
+# name rather than decoded without it. (`forced_bos_id`, a translation model's target
+# language, is applied to text encoder-decoders: `checked`.)
+UNSUPPORTED = {"forced_eos_id": None, "min_new_tokens": 0, "no_repeat_ngram_size": 0}
 
 
 class Handle:
@@ -141,11 +141,15 @@ def checked(engine, s: Submission, number: int) -> Live:
         raise UserError(f"the prompt is {len(ids)} tokens; the model takes at most "
                         f"{limit} with max_new_tokens={request.max_new_tokens}")
     features = _features(cfg, s.features)
+    forced = _forced_first(cfg, request)
     if cfg.is_encoder_decoder and cfg.audio is None:
-        prompt, source = [cfg.bos_id], ids
+        prompt, source = [cfg.bos_id, *forced], ids
     else:                                        # a decoder's prompt (Whisper's forced one)
         prompt, source = ids, None
-    max_new = request.max_new_tokens or cfg.max_len - len(prompt)
+    # A forced first token is the first of max_new_tokens (as in `decode.generate`), fed
+    # after the start token rather than chosen: the tokens after it are the request's.
+    max_new = (request.max_new_tokens - len(forced) if request.max_new_tokens
+               else cfg.max_len - len(prompt))
     if len(prompt) + max_new > cfg.max_len:
         raise UserError(f"max_new_tokens={max_new} with a decoder prompt of "
                         f"{len(prompt)} tokens exceeds the model's max_len {cfg.max_len}")
@@ -178,6 +182,23 @@ def checked(engine, s: Submission, number: int) -> Live:
                  sampling=sampling, penalties=(s.presence_penalty, s.frequency_penalty),
                  seed=seed, text=Detokenizer(engine.tokenizer, stops),
                  arrived=time.perf_counter())
+
+
+def _forced_first(cfg, request: DecodeRequest) -> list[int]:
+    """[forced_bos_id], or []: the first new token of a text encoder-decoder's request."""
+    forced = request.forced_bos_id
+    if forced is None:
+        return []
+    if not cfg.is_encoder_decoder or cfg.audio is not None:
+        raise UserError(f"forced_bos_id={forced!r}: the engine forces a first token for a "
+                        "text encoder-decoder (a translation model's target language) only")
+    if not 0 <= forced < cfg.vocab_size:
+        raise UserError(f"forced_bos_id={forced} is outside the vocabulary [0, "
+                        f"{cfg.vocab_size})")
+    if request.max_new_tokens == 1:
+        raise UserError("max_new_tokens=1 with forced_bos_id leaves no token to generate "
+                        "after the forced one")
+    return [int(forced)]
 
 
 def _features(cfg, features):

@@ -95,6 +95,12 @@ def app(engine, *, model_name: str, api_key: str | None = None,
     limits = Limits(model_name=model_name, eos_ids=getattr(gen, "eos_ids", None),
                     adapters=adapters.names if adapters is not None else ())
     metrics = engine.metrics
+    # A text encoder-decoder's forced first token (a translation model's target language:
+    # the directory's forced_bos_token_id, or --target-lang's), for every request.
+    cfg = getattr(engine, "config", None)
+    forced_first = (getattr(gen, "forced_bos_id", None)
+                    if getattr(cfg, "is_encoder_decoder", False)
+                    and getattr(cfg, "audio", None) is None else None)
 
     async def completions(request: Request) -> Response:
         call = parse_completion(await _json(request), limits)
@@ -121,6 +127,9 @@ def app(engine, *, model_name: str, api_key: str | None = None,
         return await _answer(request, call, ids, chat=True)
 
     async def _answer(request: Request, call: Call, ids, *, chat: bool) -> Response:
+        if forced_first is not None:
+            call = dataclasses.replace(call, request=call.request.replace(
+                forced_bos_id=forced_first))
         _check_prompt(engine, call, ids)
         handle = _submit(engine, call.submission(ids), call.prompt_param)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"

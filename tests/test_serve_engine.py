@@ -248,6 +248,29 @@ def test_a_full_queue_refuses_with_queue_full():
         engine.submit(serve.Submission((7,), request))
 
 
+def test_a_forced_first_token_is_generates_first_token_then_the_same_tokens():
+    """A translation model's target language: `forced_bos_id` is the first of
+    max_new_tokens, fed after the start token; the tokens after it are generate's, and a
+    request without it in the same batch is unchanged."""
+    engine = Engine(_pretrained("encoder_decoder"), **SIZES).start(warmup=False)
+    try:
+        prompts = _prompts(12, (7, 12, 3))
+        forced = decode.DecodeRequest(max_new_tokens=9, eos_id=None, forced_bos_id=200)
+        plain = forced.replace(forced_bos_id=None)
+        handles = [engine.submit(serve.Submission(tuple(p), r))
+                   for p in prompts for r in (forced, plain)]
+        for i, prompt in enumerate(prompts):
+            want = _alone(engine, prompt, 9, eos_id=None, forced_bos_id=200)
+            assert want[0] == 200
+            assert handles[2 * i].result()[1] == want[1:]
+            unforced = handles[2 * i + 1].result()[1]
+            assert unforced == _alone(engine, prompt, 9, eos_id=None)
+            assert want[1:] != unforced[:8]                      # the forced token matters
+        _idle(engine)
+    finally:
+        engine.stop(drain=False)
+
+
 @pytest.mark.parametrize("submission, message", [
     (dict(ids=(5,) * 60, request=decode.DecodeRequest(max_new_tokens=8)),
      "the prompt is 60 tokens; the model takes at most 56"),
@@ -259,6 +282,8 @@ def test_a_full_queue_refuses_with_queue_full():
      r"banned_ids=\(3,\): the engine bans the same ids for every request, \(\)"),
     (dict(ids=(5,), request=decode.DecodeRequest(max_new_tokens=8, min_new_tokens=2)),
      "min_new_tokens=2"),
+    (dict(ids=(5,), request=decode.DecodeRequest(max_new_tokens=8, forced_bos_id=7)),
+     "forced_bos_id=7: the engine forces a first token for a text encoder-decoder"),
     (dict(ids=(5,), presence_penalty=3.0), r"presence_penalty=3.0 is outside \[-2.0, 2.0\]"),
     (dict(ids=(5,), stop=("",)), "each stop must be a non-empty string"),
     (dict(ids=(5,), seed=-1), r"seed=-1 must be in \[0, 2\*\*32\)"),

@@ -108,3 +108,35 @@ def test_a_model_whose_tokenizer_names_no_languages_refuses_a_code(capsys):
     assert "--forced-bos-id" in capsys.readouterr().err
     assert main(["--config", "gpt-tiny", "--target-lang", "spa_Latn", "5 6 7"]) == 2
     assert "encoder-decoder" in capsys.readouterr().err
+
+
+def test_the_server_translates_every_request_into_its_target_language(nllb, capsys):
+    """`python -m serve --target-lang --source-lang`'s setup (`serve.__main__
+    .with_languages`) over the real engine and app: each completion is the command line's
+    translation of its prompt."""
+    import argparse
+
+    from starlette.testclient import TestClient
+
+    import models
+    from serve import server
+    from serve.__main__ import with_languages
+    from serve.engine import Engine
+    from serve.metrics import Metrics
+    path, _, _ = nllb
+    assert main(["--model", path, "--strategy", "greedy", "--max-new-tokens", str(NEW),
+                 "--source-lang", "fra_Latn", "--target-lang", "spa_Latn", *SOURCES]) == 0
+    want = capsys.readouterr().out.splitlines()
+    pre = with_languages(models.load(path), argparse.Namespace(
+        target_lang="spa_Latn", source_lang="fra_Latn"))
+    engine = Engine(pre, max_slots=2, page_size=8, prefill_chunk=8, metrics=Metrics())
+    engine.start(warmup=False)
+    try:
+        client = TestClient(server.app(engine, model_name="nllb"))
+        for source, text in zip(SOURCES, want, strict=True):
+            r = client.post("/v1/completions", json={"model": "nllb", "prompt": source,
+                                                     "max_tokens": NEW, "temperature": 0})
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["text"] == text
+    finally:
+        engine.stop(drain=False)
