@@ -32,7 +32,7 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(PY) -m ruff check .
 
-# The benchmarks behind the README's tables (about 75 minutes on 2 CPU cores);
+# The benchmarks behind the README's tables (about 80 minutes on 2 CPU cores);
 # bench.speculative also needs the default run and its draft (see the README).
 bench: $(STAMP)
 	$(PY) -m bench.train
@@ -44,6 +44,7 @@ bench: $(STAMP)
 	$(PY) -m bench.lora
 	$(PY) -m bench.moe
 	$(PY) -m bench.whisper
+	$(PY) -m bench.translate
 	$(PY) -m bench.serve
 	$(PY) -m bench.quantize
 

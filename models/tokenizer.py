@@ -349,9 +349,22 @@ class HFTokenizer:
         """This tokenizer with `code` as its source language: the language token and end
         token around each source exactly as transformers' tokenizer puts them with
         `src_lang=code` (NLLB-200, M2M-100, mBART-50: before the text; mBART-25: after)."""
-        self.language_id(code)
+        return self.for_languages(code, None)
+
+    def for_languages(self, source: str | None, target: str | None) -> HFTokenizer:
+        """This tokenizer with a source and / or target language: sources encoded as
+        `src_lang=source` puts them, targets (`target=True`) as `tgt_lang=target` does
+        (NLLB-200: `[code] pieces </s>` on both sides), as transformers' tokenizer encodes
+        `tokenizer(source, text_target=target)` for fine-tuning. Saved, the tokenizer keeps
+        both (tokenizer_config.json's src_lang and tgt_lang)."""
+        for code in (source, target):
+            if code is not None:
+                self.language_id(code)
         hf = copy.deepcopy(self.hf)
-        hf.src_lang = code
+        if target is not None:
+            hf.tgt_lang = target
+        if source is not None:
+            hf.src_lang = source
         return HFTokenizer(hf)
 
     @functools.cached_property

@@ -140,3 +140,86 @@ def test_the_server_translates_every_request_into_its_target_language(nllb, caps
             assert r.json()["choices"][0]["text"] == text
     finally:
         engine.stop(drain=False)
+
+
+PAIRS = [("the cat sat.", "el gato."), ("a dog ran.", "un perro."), ("the sea.", "el mar."),
+         ("a red cat.", "un gato rojo."), ("the dog sat.", "el perro."),
+         ("a cat ran to the sea.", "un gato al mar.")] * 4
+
+
+def _finetune_config(data_dir, path, files, **languages):
+    from train import configs
+    c = configs.get("finetune_translation")
+    c.update(data_dir=data_dir, init_from=path, data_files=",".join(files),
+             num_train_steps=2, warmup_steps=1, per_device_batch_size=2,
+             eval_per_device_batch_size=4, max_source_length=32, max_target_length=32,
+             max_decode_length=8, eval_every_steps=1000, checkpoint_every_steps=1000,
+             num_eval_decode=4, num_test_decode=4, **languages)
+    return c
+
+
+@pytest.mark.slow
+def test_fine_tuning_with_a_language_pair_encodes_and_exports_as_transformers(
+        nllb, data_dir, tmp_path):
+    """`source_lang` / `target_lang`: the data is transformers' `tokenizer(source,
+    text_target=target)` with src_lang / tgt_lang (each side's language code first, EOS
+    last), the decoder reads the start token then the target language's code, and the
+    export forces that code first (generation_config.json) and keeps both languages."""
+    import json
+    import os
+
+    from train.data import eval_batches, load_dataset, tokenize_split
+    from train.data.pipeline import PipelineConfig
+    from train.objectives import next_token
+    from train.trainer import train_and_evaluate
+    path, _, tok = nllb
+    files = []
+    for name, rows in (("train.tsv", PAIRS), ("test.tsv", PAIRS[:6])):
+        (tmp_path / name).write_text("".join(f"{s}\t{t}\n" for s, t in rows))
+        files.append(str(tmp_path / name))
+    workdir = str(tmp_path / "ft")
+    out = train_and_evaluate(_finetune_config(data_dir, path, files, source_lang="fra_Latn",
+                                              target_lang="spa_Latn"), workdir)
+    ours = load_tokenizer(os.path.join(workdir, "tokenizer"))      # what the run encoded with
+    tok.src_lang, tok.tgt_lang = "fra_Latn", "spa_Latn"
+    ds = load_dataset("local_translation", data_dir, data_files=tuple(files))
+    data = tokenize_split(ds, "validation", ours)
+    pairs = ds.examples("validation", data.example_ids)
+    want = tok([s for s, _ in pairs], text_target=[t for _, t in pairs])
+    for side, key in ((0, "input_ids"), (1, "labels")):
+        got = [data.tokens[side][a:b].tolist()
+               for a, b in zip(data.offsets[side][:-1], data.offsets[side][1:], strict=True)]
+        assert got == want[key]
+    spanish = tok.convert_tokens_to_ids("spa_Latn")
+    assert want["labels"][0][0] == spanish and want["input_ids"][0][0] == (
+        tok.convert_tokens_to_ids("fra_Latn"))
+    batches, _ = eval_batches(ds, ours, PipelineConfig(per_device_batch_size=4,
+                                                       max_source_length=32,
+                                                       max_target_length=32),
+                              "validation", num_devices=1)
+    batch = {k: v[0] for k, v in batches[0].items()}
+    dec_in = next_token.shift_right(batch["targets"], batch["targets_position"],
+                                    batch["targets_segmentation"], 2)
+    assert np.asarray(dec_in)[0, :2].tolist() == [2, spanish]
+    with open(os.path.join(out["model"], "generation_config.json")) as f:
+        assert json.load(f)["forced_bos_token_id"] == spanish
+    with open(os.path.join(out["model"], "tokenizer_config.json")) as f:
+        saved = json.load(f)
+    assert (saved["src_lang"], saved["tgt_lang"]) == ("fra_Latn", "spa_Latn")
+
+
+@pytest.mark.parametrize("languages, words", [
+    (dict(target_lang="spa_Latin"), ["target_lang", "'spa_Latin'", "202 languages"]),
+    (dict(source_lang="english"), ["source_lang", "'english'"]),
+])
+def test_a_language_the_tokenizer_does_not_name_is_refused_by_key(nllb, data_dir, tmp_path,
+                                                                  languages, words):
+    from models.errors import UserError
+    from train.trainer import train_and_evaluate
+    path, _, _ = nllb
+    (tmp_path / "train.tsv").write_text("".join(f"{s}\t{t}\n" for s, t in PAIRS))
+    config = _finetune_config(data_dir, path, [str(tmp_path / "train.tsv")], **languages)
+    with pytest.raises(UserError) as e:
+        train_and_evaluate(config, str(tmp_path / "ft"))
+    for word in words:
+        assert word in str(e.value), (word, str(e.value))

@@ -171,6 +171,11 @@ class DataSettings(Part):
             `spm_model_type`) or "byte".
         tokenizer_from: "", or a model directory whose tokenizer the run takes instead of
             making one (a draft for speculative decoding shares its model's tokens so).
+        source_lang / target_lang: "", or a language code of a translation model's
+            tokenizer (NLLB-200's eng_Latn, M2M-100's en, mBART-50's en_XX): sources and
+            targets encoded with those languages' tokens as transformers' tokenizer
+            encodes them with src_lang / tgt_lang, and the target's token forced first
+            when the run decodes and in the export's generation_config.json.
         max_source_length / max_target_length: row widths, EOS included.
         overlong: translation examples longer than a row: "drop" or "truncate".
         data_workers: grain worker processes (0: threads only).
@@ -184,6 +189,8 @@ class DataSettings(Part):
     reverse_translation: bool = setting(False, boolean())
     tokenizer: str = setting("sentencepiece", choice("sentencepiece", "byte"))
     tokenizer_from: str = setting("", string())
+    source_lang: str = setting("", string())
+    target_lang: str = setting("", string())
     vocab_size: int = setting(1024, integer(1))
     spm_model_type: str = setting("unigram", choice(*SPM_MODEL_TYPES))
     max_source_length: int = setting(64, integer(2))
@@ -217,6 +224,10 @@ class DataSettings(Part):
         if self.reverse_translation and not kinds.get(self.kind).reversible:
             raise fail("reverse_translation", True,
                        f"needs a translation dataset; {self.dataset!r} is {self.kind}")
+        for key in ("source_lang", "target_lang"):
+            if getattr(self, key) and self.kind != "translation":
+                raise fail(key, getattr(self, key), f"names a language of translation data; "
+                           f"{self.dataset!r} is {self.kind}")
 
     def _check_files(self) -> None:
         """data_files: required by (and only read by) the local datasets; each a file."""

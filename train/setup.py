@@ -32,6 +32,7 @@ import orbax.checkpoint as ocp
 
 import models
 from models.errors import UserError
+from models.pretrained.generation import GenerationDefaults
 from train import (
     checkpoint,
     data as data_lib,
@@ -187,13 +188,14 @@ def get_tokenizer(model: ModelSettings, data: DataSettings, ds: data_lib.Dataset
         saved = data_lib.load_tokenizer(path, missing_ok=True)
         if saved is not None:
             return saved
-        taken = model.init_from or data.tokenizer_from
+        taken = taken_from(model, data)
         if taken:
             tok = data_lib.load_tokenizer(taken, missing_ok=True)
             if tok is None:
                 key = "init_from" if model.init_from else "tokenizer_from"
                 raise UserError(f"{key}={taken!r} has no tokenizer files; the run needs that "
                                 "model's own tokenizer")
+            tok = _with_languages(tok, data, taken)
         elif data.tokenizer == "byte":
             tok = data_lib.ByteTokenizer(mask=encoder, add_bos=encoder, add_eos=encoder)
         else:
@@ -210,7 +212,32 @@ def get_tokenizer(model: ModelSettings, data: DataSettings, ds: data_lib.Dataset
         workdir_lib.write_dir(path, tok.save)
         return tok
 
+    if (data.source_lang or data.target_lang) and not taken_from(model, data):
+        key = "source_lang" if data.source_lang else "target_lang"
+        raise fail(key, getattr(data, key), "names a language of a translation model's "
+                   "tokenizer: set init_from (or tokenizer_from) to its directory")
     return lead_first(load_or_build, "tokenizer saved")
+
+
+def taken_from(model: ModelSettings, data: DataSettings) -> str:
+    """The model directory whose tokenizer the run takes ("": none)."""
+    return model.init_from or data.tokenizer_from
+
+
+def _with_languages(tok, data: DataSettings, directory: str):
+    """`tok` encoding with `source_lang` / `target_lang` (`HFTokenizer.for_languages`)."""
+    if not (data.source_lang or data.target_lang):
+        return tok
+    for key in ("source_lang", "target_lang"):
+        code = getattr(data, key)
+        if code and not getattr(tok, "languages", None):
+            raise fail(key, code, f"needs a tokenizer with language codes; {directory!r}'s "
+                       "names none")
+        if code and code not in tok.languages:
+            raise fail(key, code, f"is not one of the {len(tok.languages)} languages of "
+                       f"{directory!r}'s tokenizer ({', '.join(sorted(tok.languages)[:6])}, "
+                       "...)")
+    return tok.for_languages(data.source_lang or None, data.target_lang or None)
 
 
 def pipeline_config(settings: RunConfig, objective: Objective | None = None, *,
@@ -277,6 +304,10 @@ def _start_run(settings: RunConfig, workdir: str, lock: workdir_lib.Lock
     ds = load_dataset(settings.data)
     tok = get_tokenizer(settings.model, settings.data, ds, workdir)
     choice = choose_model(settings.model, tok.vocab_size, max_len=settings.needed_max_len)
+    if settings.data.target_lang:     # the target language's token first, as generate forces
+        choice = dataclasses.replace(choice, generation=dataclasses.replace(
+            choice.generation or GenerationDefaults(),
+            forced_bos_id=tok.language_id(settings.data.target_lang)))
     chat_template = _chat_template(settings, ds)
     if chat_template is not None and settings.objective.chat_template:
         tok.hf.chat_template = chat_template.source     # so the export carries it

@@ -16,7 +16,11 @@ use the directory's decoding defaults from generation_config.json: its beam coun
 penalty (with transformers' length normalisation), forced and banned ids, and end ids.
 The fine-tuned model is exported to runs/ft-mt/model in the directory's own model type,
 with its tokenizer and generation config, so `models.load`, `python -m decode --model
-runs/ft-mt/model` and transformers all read it. A `.tsv` file holds source TAB target per
+runs/ft-mt/model` and transformers all read it. A model of many languages (NLLB-200,
+M2M-100, mBART-50) takes the pair by its tokenizer's codes, `--config.source_lang=eng_Latn
+--config.target_lang=spa_Latn`: each side encoded as transformers' tokenizer does with
+src_lang / tgt_lang, and the target's code forced first in evaluation and in the export.
+A `.tsv` file holds source TAB target per
 line; two files are train and test (the test file is the validation split too), three are
 train/validation/test, one is split 90/5/5 by line hash.
 
