@@ -4,7 +4,7 @@ accumulation."""
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +14,15 @@ from flax.core import meta
 
 from models import lora
 from models.errors import UserError
+
+
+class EvalParams(NamedTuple):
+    """What the eval step reads when the state keeps a reference copy (preference and
+    GRPO training in full fine-tuning): the model's parameters and the frozen reference's.
+    A pytree like any tuple, so it shards and replicates as its parts do."""
+
+    model: Any
+    reference: Any
 
 
 @struct.dataclass
@@ -73,10 +82,10 @@ class TrainState:
     @property
     def eval_params(self):
         """What the eval step reads (`train.step.eval_step`): `model_params`, or with a
-        `reference`, the pair (model_params, reference)."""
+        `reference`, `EvalParams(model_params, reference)`."""
         if self.reference is None:
             return self.model_params
-        return self.model_params, self.reference
+        return EvalParams(self.model_params, self.reference)
 
     def apply_gradients(self, grads) -> TrainState:
         updates, opt_state = self.tx.update(grads, self.opt_state, self.params)

@@ -27,7 +27,7 @@ from jax import lax
 
 from train import losses
 from train.objectives.base import Objective
-from train.state import TrainState
+from train.state import EvalParams, TrainState
 
 AXIS = "batch"
 # The objective's draws' stream (masks): the step key folded with this (dropout folds
@@ -106,8 +106,9 @@ def eval_step(params, batch, *, model, objective: Objective, axis: str | None = 
     """Loss sums without dropout or smoothing, psum-ed over devices. The objective's draws
     (masked LM's masks) use a fixed key and each row's example index (`example_index`,
     when the batch has it), so every evaluation scores the same positions. `params` is
-    `TrainState.eval_params`: the model's, or (the model's, the reference copy's)."""
-    params, reference = params if isinstance(params, tuple) else (params, None)
+    `TrainState.eval_params`: the model's, or `EvalParams` (the model's, the reference
+    copy's)."""
+    params, reference = params if isinstance(params, EvalParams) else (params, None)
     if axis is not None:      # as the train step's: a loop over rows and params (GRPO's
         params = per_device(params, axis)          # rollouts) needs one kind of value
     row_ids = batch.get("example_index")

@@ -44,9 +44,13 @@ import jax.numpy as jnp
 
 from models.errors import UserError
 from train.objectives import grpo_rewards
-from train.objectives.base import Objective
 from train.objectives.grpo_settings import GrpoSettings
-from train.objectives.preference import joined_rows, reference_params, token_logprobs
+from train.objectives.preference import (
+    AgainstReference,
+    joined_rows,
+    reference_params,
+    token_logprobs,
+)
 from train.objectives.sequence_candidates import Drawing, draw, row_keys
 
 STD_EPS = 1e-4
@@ -71,44 +75,29 @@ def advantages(rewards_BG, *, scaled: bool):
 
 
 @dataclasses.dataclass(frozen=True)
-class Grpo(Objective):
+class Grpo(AgainstReference):
     """GRPO (see the module docstring).
 
     Attributes:
-        bos_id: the start token prompts are read behind.
         settings: the `grpo.*` keys.
         rewards: the host rewards (their functions and the tokenizer).
-        adapted: the model has adapters (the reference is its base).
     """
 
     name = "grpo"
-    bos_id: int
+    WHOLE_LOSS = "GRPO's loss is its rewards'"
+    READ = "each prompt"
     settings: GrpoSettings = dataclasses.field(default_factory=GrpoSettings)
     rewards: grpo_rewards.HostRewards | None = None
-    adapted: bool = False
-
-    @classmethod
-    def check_settings(cls, settings, model_config, *, model_name: str) -> None:
-        super().check_settings(settings, model_config, model_name=model_name)
-        if settings.label_smoothing:
-            raise UserError(f"label_smoothing={settings.label_smoothing} smooths a token "
-                            "loss; GRPO's loss is its rewards': set it to 0")
 
     @classmethod
     def build(cls, model_config, tokenizer, settings, *, model_name: str) -> Grpo:
-        if model_config.bos_id is None:
-            raise UserError(f"model {model_name!r} has no start token (bos_id), which "
-                            "each prompt is read behind")
+        bos_id = cls.start_id(model_config, model_name=model_name)
         if tokenizer is None:
             raise UserError("GRPO's rewards read text: the run needs a tokenizer")
         fns = grpo_rewards.reward_functions(settings.grpo.reward)
-        return cls(bos_id=int(model_config.bos_id), settings=settings.grpo,
+        return cls(bos_id=bos_id, settings=settings.grpo,
                    rewards=grpo_rewards.HostRewards(fns, tokenizer, settings.grpo.reward),
                    adapted=model_config.lora is not None)
-
-    @property
-    def needs_reference_copy(self) -> bool:
-        return self.settings.needs_reference and not self.adapted
 
     def init_inputs(self, row: dict) -> tuple[tuple, str | None]:
         return (row["inputs"],), None
@@ -175,14 +164,13 @@ class Grpo(Objective):
             "nll": jnp.sum(-jnp.sum(logp, axis=1) / count * valid_M),
             "correct": jnp.sum((rewards_M > 0) * valid_M),
             "reward": jnp.sum(rewards_M * valid_M), "reward_count": n,
-            "reward_std": jnp.sum(std_B * valid_B), "reward_std_count": jnp.sum(valid_B),
             "kl": jnp.sum(jnp.sum(kl, axis=1) / count * valid_M), "kl_count": n,
-            "clip_fraction": jnp.sum(jnp.sum(clipped * scored, axis=1) * valid_M),
-            "clip_fraction_count": jnp.sum(jnp.sum(scored, axis=1) * valid_M),
-            "completion_length": jnp.sum(lengths_M * valid_M), "completion_length_count": n,
-            "zero_std_groups": jnp.sum((std_B == 0) * valid_B),
-            "zero_std_groups_count": jnp.sum(valid_B)}
-        if not train:          # one greedy completion a prompt: no group, no clip
-            for key in ("reward_std", "clip_fraction", "zero_std_groups"):
-                del sums[key], sums[f"{key}_count"]
+            "completion_length": jnp.sum(lengths_M * valid_M), "completion_length_count": n}
+        if train:              # evaluation draws one greedy completion: no group, no clip
+            sums.update({
+                "reward_std": jnp.sum(std_B * valid_B), "reward_std_count": jnp.sum(valid_B),
+                "clip_fraction": jnp.sum(jnp.sum(clipped * scored, axis=1) * valid_M),
+                "clip_fraction_count": jnp.sum(jnp.sum(scored, axis=1) * valid_M),
+                "zero_std_groups": jnp.sum((std_B == 0) * valid_B),
+                "zero_std_groups_count": jnp.sum(valid_B)})
         return sums

@@ -112,20 +112,23 @@ def pair_losses(settings: PreferenceSettings, chosen, rejected, ref_chosen, ref_
 
 
 @dataclasses.dataclass(frozen=True)
-class Preference(Objective):
-    """Preference training (see the module docstring).
+class AgainstReference(Objective):
+    """What preference training and GRPO share: a decoder-only model that reads each row
+    behind its start token, a loss over whole sequences (no label smoothing), and a
+    reference model: an adapted model's base (adapters off), or in full fine-tuning a
+    frozen copy the train state keeps (`needs_reference_copy`). A subclass names its loss
+    and what it reads behind the start token (for messages) and has `settings` with
+    `needs_reference`.
 
     Attributes:
-        bos_id: the start token each joined row is read behind.
-        settings: the `dpo.*` keys.
+        bos_id: the start token each row is read behind.
         adapted: the model has adapters, so the reference is its base (else the train
             state's copy).
     """
 
-    name = "preference"
-    takes_reference = True
+    WHOLE_LOSS = "the loss compares whole sequences"     # why no label smoothing
+    READ = "each row"                                     # what is read behind bos_id
     bos_id: int
-    settings: PreferenceSettings = dataclasses.field(default_factory=PreferenceSettings)
     adapted: bool = False
 
     @classmethod
@@ -133,21 +136,40 @@ class Preference(Objective):
         super().check_settings(settings, model_config, model_name=model_name)
         if settings.label_smoothing:
             raise UserError(f"label_smoothing={settings.label_smoothing} smooths a token "
-                            "loss; the preference loss compares whole responses: set it to 0")
+                            f"loss; {cls.WHOLE_LOSS}: set it to 0")
 
     @classmethod
-    def build(cls, model_config, tokenizer, settings, *, model_name: str) -> Preference:
-        del tokenizer
+    def start_id(cls, model_config, *, model_name: str) -> int:
+        """The model's start token, or a `UserError` naming the model that has none."""
         if model_config.bos_id is None:
             raise UserError(f"model {model_name!r} has no start token (bos_id), which "
-                            "each prompt and response is read behind")
-        return cls(bos_id=int(model_config.bos_id), settings=settings.dpo,
-                   adapted=model_config.lora is not None)
+                            f"{cls.READ} is read behind")
+        return int(model_config.bos_id)
 
     @property
     def needs_reference_copy(self) -> bool:
         """Full fine-tuning against a reference: the train state keeps a frozen copy."""
         return self.settings.needs_reference and not self.adapted
+
+
+@dataclasses.dataclass(frozen=True)
+class Preference(AgainstReference):
+    """Preference training (see the module docstring).
+
+    Attributes:
+        settings: the `dpo.*` keys.
+    """
+
+    name = "preference"
+    WHOLE_LOSS = "the preference loss compares whole responses"
+    READ = "each prompt and response"
+    settings: PreferenceSettings = dataclasses.field(default_factory=PreferenceSettings)
+
+    @classmethod
+    def build(cls, model_config, tokenizer, settings, *, model_name: str) -> Preference:
+        del tokenizer
+        return cls(bos_id=cls.start_id(model_config, model_name=model_name),
+                   settings=settings.dpo, adapted=model_config.lora is not None)
 
     def init_inputs(self, row: dict) -> tuple[tuple, str | None]:
         return (row["targets"],), None
