@@ -18,7 +18,7 @@ import models
 from models.tokenizer import ByteTokenizer
 from tests.train_helpers import train_metric_rows
 from train import checkpoint, configs, data as data_lib
-from train.objectives import grpo_rewards
+from train.objectives import grpo, grpo_rewards
 from train.objectives.grpo import Grpo, advantages, rollout_prompts
 from train.objectives.grpo_settings import GrpoSettings
 from train.objectives.sequence_candidates import Drawing, draw
@@ -42,6 +42,13 @@ def spread(prompts, completions, answers):
 
 def not_a_number(prompts, completions, answers):
     return [float("nan")] * len(completions)
+
+
+def as_long_as_asked(prompts, completions, answers, *, fields):
+    """A test reward reading a field beyond the answer: 1 when the completion has the
+    line's `length` characters."""
+    del prompts, answers
+    return [float(len(c) == f["length"]) for c, f in zip(completions, fields, strict=True)]
 
 
 def test_advantages_are_each_groups_rewards_standardised_or_centred():
@@ -178,6 +185,50 @@ def test_prompt_files_name_their_bad_lines(tmp_path, data_dir):
     assert ds.bad_lines.examples[:4] == [f"{path}:2: not JSON", f"{path}:3: no 'answer' field",
                                          f"{path}:4: 'answer' is not a string",
                                          f"{path}:5: empty 'prompt'"]
+
+
+def test_a_reward_that_takes_fields_reads_each_prompt_lines_other_fields(tmp_path, data_dir):
+    """Every field of a `local_prompts` line reaches a reward that takes `fields`, found by
+    the prompt's pieces as the run encodes them; other rewards are called as before."""
+    path = tmp_path / "problems.jsonl"
+    lines = [{"prompt": "say 1", "answer": "1", "length": 1},
+             {"prompt": "say 22", "answer": "22", "length": 2, "tests": ["x"]}]
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines) * 20)   # repeats: one line
+    ds = data_lib.load_dataset("local_prompts", data_dir, data_files=(str(path),))
+    fns = grpo_rewards.reward_functions("tests.test_grpo:as_long_as_asked,exact_match")
+    settings = ml_collections.ConfigDict({"grpo": GrpoSettings(), "label_smoothing": 0.0})
+    cfg = models.get_config("gpt-tiny", vocab_size=TOK.vocab_size)
+    objective = Grpo.build(cfg, TOK, settings, model_name="m", dataset=ds)
+    assert objective.rewards.records == {}       # exact_match takes no fields
+    settings.grpo = GrpoSettings(reward="tests.test_grpo:as_long_as_asked")
+    objective = Grpo.build(cfg, TOK, settings, model_name="m", dataset=ds)
+    assert objective.rewards.records == grpo.prompt_records(ds, TOK)
+    rewards = grpo_rewards.HostRewards(fns, TOK, "r", grpo.prompt_records(ds, TOK))
+    assert sorted(rewards.records.values(), key=lambda r: r["length"]) == lines
+    batch = _batch(["say 1", "say 22"], ["1", "22"])
+    completions = [TOK.encode(c) for c in ("1", "22", "3", "22")]   # two a prompt
+    tokens = np.zeros((4, 4), np.int32)
+    for m, ids in enumerate(completions):
+        tokens[m, :len(ids)] = ids
+    got = rewards(batch["inputs"], jnp.array([5, 6]), tokens, jnp.array([1, 2, 1, 2]),
+                  batch["targets"], jnp.array([1, 2]))
+    # as_long_as_asked + exact_match: "1" for "say 1" (1 + 1), "22" too (0 + 0: length 1
+    # asked), "3" for "say 22" (0 + 0), "22" (1 + 1).
+    np.testing.assert_allclose(got, [2, 0, 0, 2])
+    # A prompt no line holds (cut to max_source_length) is named, not scored without it.
+    with pytest.raises(ValueError, match=r"the prompt 'say' is no line of the data files"):
+        rewards(batch["inputs"], jnp.array([3, 6]), tokens, jnp.array([1, 2, 1, 2]),
+                batch["targets"], jnp.array([1, 2]))
+
+
+def test_one_prompt_on_two_lines_with_different_fields_is_refused_naming_both(tmp_path):
+    from train.data.local_files import read_prompt_records
+    path = tmp_path / "problems.jsonl"
+    path.write_text(json.dumps({"prompt": "p", "answer": "1"}) + "\n"
+                    + json.dumps({"prompt": "q", "answer": "2"}) + "\n"
+                    + json.dumps({"prompt": "p", "answer": "1", "hint": "h"}) + "\n")
+    with pytest.raises(ValueError, match=rf"{path}:1 and {path}:3 hold the prompt 'p'"):
+        read_prompt_records((str(path),))
 
 
 # --- runs ----------------------------------------------------------------------------------

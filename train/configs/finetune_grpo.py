@@ -4,8 +4,9 @@ to prompts whose answers a reward checks (`grpo.*`, `train.objectives.grpo`).
     python -m train --config finetune_grpo --workdir runs/grpo \\
         --config.init_from=path/to/model --config.data_files=problems.jsonl
 
-`problems.jsonl` holds one `{"prompt": ..., "answer": ...}` object a line (a bad line is
-skipped, counted and named with its file:line); the built-in
+`problems.jsonl` holds one `{"prompt": ..., "answer": ...}` object a line, with any other
+fields a reward reads (a `module:function` taking a `fields` keyword gets each line's
+object); a bad line is skipped, counted and named with its file:line. The built-in
 `--config.dataset=addition_prompts` asks "a+b=" with the sum as the answer. Each step draws
 `grpo.num_generations` completions a prompt from the current parameters (per-row keys
 from the step key: a resumed run draws the same ones), scores them with `grpo.reward`

@@ -279,15 +279,37 @@ PROMPT_FIELDS = ("prompt", "answer")
 
 def read_prompt_files(files: tuple[str, ...], bad: BadLines) -> dict[str, list]:
     """(prompt, answer) pairs from JSON Lines files, one object a line with those two
-    string fields (others are ignored), for GRPO's rewards; one file a source. A line that
+    string fields (any others are for the rewards: `read_prompt_records`), for GRPO; one
+    file a source. A line that
     is not such an object, or has an empty prompt or answer, is skipped and counted."""
     sources = [[pair for _, pair in _fields(path, bad, PROMPT_FIELDS)] for path in files]
     return _assign_splits(sources, key=lambda pair: pair[0])
 
 
-def _fields(path: str, bad: BadLines, fields: tuple[str, ...]):
+def read_prompt_records(files: tuple[str, ...]) -> dict[str, dict]:
+    """Each prompt of JSON Lines prompt files -> its line's whole object (`answer` and any
+    other fields a GRPO reward reads), for the lines `read_prompt_files` keeps.
+
+    Raises:
+        UserError: one prompt on two lines with different fields, naming both lines (a
+            reward could not tell which it scores).
+    """
+    records, where = {}, {}
+    for path in files:
+        for number, (prompt, _), record in _fields(path, BadLines(), PROMPT_FIELDS,
+                                                   records=True):
+            if prompt in records and records[prompt] != record:
+                raise UserError(f"{where[prompt]} and {path}:{number} hold the prompt "
+                                f"{prompt!r} with different fields: a reward could not tell "
+                                "which it scores; give each prompt one line")
+            records[prompt], where[prompt] = record, f"{path}:{number}"
+    return records
+
+
+def _fields(path: str, bad: BadLines, fields: tuple[str, ...], *, records: bool = False):
     """(line number, the string values of `fields`) of each JSON object line with them all
-    non-empty; the other lines counted in `bad` with their reason."""
+    non-empty (and, with `records`, the whole object); the other lines counted in `bad`
+    with their reason."""
     for number, line in _lines(path, bad):
         if not line.strip():
             bad.add(path, number, "blank line")
@@ -311,7 +333,8 @@ def _fields(path: str, bad: BadLines, fields: tuple[str, ...]):
         elif empty:
             bad.add(path, number, f"empty {empty[0]!r}")
         else:
-            yield number, tuple(record[f] for f in fields)
+            values = tuple(record[f] for f in fields)
+            yield (number, values, record) if records else (number, values)
 
 
 def read_preference_files(files: tuple[str, ...], bad: BadLines) -> dict[str, list]:

@@ -50,6 +50,8 @@ class Objective(abc.ABC):
             (`generation=`, a `GenerationDefaults` or None from scratch).
         reads_chat_template: `build` takes the model's chat template (`chat_template=`,
             a `models.chat.ChatTemplate` or None).
+        reads_dataset: `build` takes the run's `train.data.Dataset` (`dataset=`: GRPO's
+            rewards read each prompt line's fields).
     """
 
     name: ClassVar[str]
@@ -57,6 +59,7 @@ class Objective(abc.ABC):
     takes_loss_chunks: ClassVar[bool] = False
     reads_generation: ClassVar[bool] = False
     reads_chat_template: ClassVar[bool] = False
+    reads_dataset: ClassVar[bool] = False
 
     @classmethod
     def check_settings(cls, settings, model_config, *, model_name: str) -> None:

@@ -66,6 +66,21 @@ def rollout_prompts(prompt_BP, prompt_seg_BP, bos_id: int):
     return tokens, pieces + 1
 
 
+def prompt_records(dataset, tokenizer) -> dict[tuple[int, ...], dict]:
+    """A local prompts dataset's lines by their prompts' pieces as the run encodes them
+    (the rollout's prompt without its start and end tokens): {} for other data."""
+    files = tuple(path for path, _ in getattr(dataset, "files", ()))
+    if not files or dataset.kind != "prompts":
+        return {}
+    from train.data import kinds
+    from train.data.local_files import read_prompt_records
+    from train.data.pipeline.tokens import encode_side
+    records = read_prompt_records(files)
+    prompts = list(records)
+    encoded = encode_side(tokenizer, prompts, kinds.PROMPTS.sides[0].role)
+    return {tuple(ids[:-1]): records[p] for p, ids in zip(prompts, encoded, strict=True)}
+
+
 def advantages(rewards_BG, *, scaled: bool):
     """Group-relative advantages and each group's standard deviation (Bessel's)."""
     mean = jnp.mean(rewards_BG, axis=1, keepdims=True)
@@ -84,19 +99,24 @@ class Grpo(AgainstReference):
     """
 
     name = "grpo"
+    reads_dataset = True
     WHOLE_LOSS = "GRPO's loss is its rewards'"
     READ = "each prompt"
     settings: GrpoSettings = dataclasses.field(default_factory=GrpoSettings)
     rewards: grpo_rewards.HostRewards | None = None
 
     @classmethod
-    def build(cls, model_config, tokenizer, settings, *, model_name: str) -> Grpo:
+    def build(cls, model_config, tokenizer, settings, *, model_name: str,
+              dataset=None) -> Grpo:
         bos_id = cls.start_id(model_config, model_name=model_name)
         if tokenizer is None:
             raise UserError("GRPO's rewards read text: the run needs a tokenizer")
         fns = grpo_rewards.reward_functions(settings.grpo.reward)
+        records = (prompt_records(dataset, tokenizer)
+                   if any(grpo_rewards.takes_fields(fn) for fn in fns) else {})
         return cls(bos_id=bos_id, settings=settings.grpo,
-                   rewards=grpo_rewards.HostRewards(fns, tokenizer, settings.grpo.reward),
+                   rewards=grpo_rewards.HostRewards(fns, tokenizer, settings.grpo.reward,
+                                                    records),
                    adapted=model_config.lora is not None)
 
     def init_inputs(self, row: dict) -> tuple[tuple, str | None]:

@@ -8,7 +8,10 @@ score every completion of the batch with the `grpo.reward` functions, summed.
     on_device(rewards, ...)                                    # the same from traced arrays
 
 A reward function takes the batch's lists `(prompts, completions, answers)` (completion m
-answers prompt m // G) and returns a float per completion. The built-ins: `exact_match`,
+answers prompt m // G) and returns a float per completion; one that also takes a `fields`
+keyword gets each completion's prompt line as a dict, every field of its JSON object
+(`local_prompts` data: `{"prompt", "answer", "tests": [...], ...}`; a generated dataset's:
+its prompt and answer). The built-ins: `exact_match`,
 1.0 when the completion (stripped) equals the answer (stripped); `number`, 1.0 when the
 completion is a decimal number (a format check). A value that is not a finite number is
 refused, naming the completion and its prompt.
@@ -17,6 +20,7 @@ refused, naming the completion and its prompt.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 import re
 from collections.abc import Callable
@@ -56,20 +60,34 @@ def reward_functions(names: str) -> tuple[Callable, ...]:
                  for n in names.split(","))
 
 
-def score(fns, prompts: list[str], completions: list[str], answers: list[str], *,
-          name: str = "") -> np.ndarray:
-    """float32 summed rewards of each completion (completion m answers prompt m // G).
+def takes_fields(fn) -> bool:
+    """Whether a reward function takes the prompts' lines (a `fields` keyword)."""
+    try:
+        return "fields" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):           # a builtin without a signature
+        return False
+
+
+def score(fns, prompts: list[str], completions: list[str], answers: list[str],
+          fields: list[dict] | None = None, *, name: str = "") -> np.ndarray:
+    """float32 summed rewards of each completion (completion m answers prompt m // G);
+    `fields`, each prompt's line (default: its prompt and answer), goes to the functions
+    that take it.
 
     Raises:
         UserError: a function that returns the wrong number of values, or a value that is
             not a finite number, naming the completion and its prompt.
     """
     groups = len(completions) // max(len(prompts), 1)
+    if fields is None:
+        fields = [{"prompt": p, "answer": a} for p, a in zip(prompts, answers, strict=True)]
     each_prompt = [prompts[m // groups] for m in range(len(completions))]
     each_answer = [answers[m // groups] for m in range(len(completions))]
+    each_fields = [fields[m // groups] for m in range(len(completions))]
     total = np.zeros(len(completions), np.float32)
     for fn in fns:
-        values = list(fn(each_prompt, list(completions), each_answer))
+        extra = {"fields": each_fields} if takes_fields(fn) else {}
+        values = list(fn(each_prompt, list(completions), each_answer, **extra))
         if len(values) != len(completions):
             raise UserError(f"{KEY}={name!r}: {getattr(fn, '__name__', fn)} gave "
                             f"{len(values)} rewards for {len(completions)} completions")
@@ -99,18 +117,37 @@ class HostRewards:
     fns: tuple = dataclasses.field(compare=False, hash=False)
     tokenizer: object = dataclasses.field(compare=False, hash=False)
     name: str = ""
+    records: dict = dataclasses.field(default_factory=dict, compare=False, hash=False)
 
     def texts(self, tokens, lengths) -> list[str]:
         tokens, lengths = np.asarray(tokens), np.asarray(lengths)
         return [self.tokenizer.decode(row[:n].tolist()) for row, n in zip(tokens, lengths,
                                                                           strict=True)]
 
+    def fields(self, prompts_BP, prompt_lengths_B, prompts: list[str], answers: list[str]):
+        """Each prompt's line (`records`, keyed by the prompt's pieces), or its prompt and
+        answer where the data has no lines (a generated dataset)."""
+        if not self.records or not any(takes_fields(fn) for fn in self.fns):
+            return None
+        out = []
+        for row, n, text in zip(np.asarray(prompts_BP), np.asarray(prompt_lengths_B),
+                                prompts, strict=True):
+            record = self.records.get(tuple(row[:n].tolist()))
+            if record is None:
+                raise UserError(f"{KEY}={self.name!r}: the prompt {text!r} is no line of the "
+                                "data files as encoded (cut to max_source_length?): its "
+                                "fields cannot be found; raise max_source_length")
+            out.append(record)
+        return out
+
     def __call__(self, prompts_BP, prompt_lengths_B, tokens_MN, lengths_M, answers_BA,
                  answer_lengths_B):
         try:
-            return score(self.fns, self.texts(prompts_BP, prompt_lengths_B),
-                         self.texts(tokens_MN, lengths_M),
-                         self.texts(answers_BA, answer_lengths_B), name=self.name)
+            prompts = self.texts(prompts_BP, prompt_lengths_B)
+            answers = self.texts(answers_BA, answer_lengths_B)
+            return score(self.fns, prompts, self.texts(tokens_MN, lengths_M), answers,
+                         self.fields(prompts_BP, prompt_lengths_B, prompts, answers),
+                         name=self.name)
         except UserError as e:          # inside the step: the command line reports it
             raise_from_host(e)
 

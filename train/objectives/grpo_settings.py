@@ -50,7 +50,9 @@ class GrpoSettings(Part):
         reward: comma-separated rewards, summed: "exact_match" (1 when the completion,
             stripped, equals the prompt's answer), "number" (1 when it is a number: a
             format check), or "module:function", a Python function
-            f(prompts, completions, answers) -> a float per completion.
+            f(prompts, completions, answers) -> a float per completion (with a `fields`
+            keyword, it also gets each prompt's line: every field of a local_prompts
+            JSON object).
     """
 
     prefix = "grpo."
@@ -64,7 +66,7 @@ class GrpoSettings(Part):
     loss: str = setting("grpo", choice(*LOSSES))
     reward: str = setting("exact_match", Rule(
         "comma-separated 'exact_match', 'number' or 'module:function' (a Python function "
-        "f(prompts, completions, answers) -> floats)", _rewards))
+        "f(prompts, completions, answers[, *, fields]) -> floats)", _rewards))
 
     @property
     def needs_reference(self) -> bool:

@@ -69,10 +69,12 @@ class Entry:
                 and self.classifier in (None, bool(model_config.num_labels)))
 
     def build(self, model_config, tokenizer, settings, *, model_name: str,
-              generation=None, chat_template=None) -> Objective:
+              generation=None, chat_template=None, dataset=None) -> Objective:
         extra = {"generation": generation} if self.objective.reads_generation else {}
         if self.objective.reads_chat_template and dict(self.options).get("chat"):
             extra["chat_template"] = chat_template
+        if self.objective.reads_dataset:
+            extra["dataset"] = dataset
         return self.objective.build(model_config, tokenizer, settings, model_name=model_name,
                                     **dict(self.options), **extra)
 
@@ -150,4 +152,5 @@ def fit(model_config, dataset, tokenizer, settings, *, model_name: str, generati
                                       model_name=model_name, dataset_name=dataset.name)
     entry.objective.check_settings(settings, cfg, model_name=model_name)
     return cfg, entry.build(cfg, tokenizer, settings, model_name=model_name,
-                            generation=generation, chat_template=chat_template)
+                            generation=generation, chat_template=chat_template,
+                            dataset=dataset)
