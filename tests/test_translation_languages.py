@@ -223,3 +223,34 @@ def test_a_language_the_tokenizer_does_not_name_is_refused_by_key(nllb, data_dir
         train_and_evaluate(config, str(tmp_path / "ft"))
     for word in words:
         assert word in str(e.value), (word, str(e.value))
+
+
+def test_m2m100s_short_codes_name_its_language_tokens(tmp_path):
+    """M2M-100's tokenizer (sentencepiece, no tokenizers backend) takes "es" for its token
+    __es__: both sides encode as transformers' src_lang / tgt_lang encode them."""
+    import json
+
+    import sentencepiece as spm
+
+    from tests.test_finetune import _sentencepiece
+    model = _sentencepiece(["the cat sat on a mat", "a dog ran to the sea", "el gato"] * 20)
+    (tmp_path / "sentencepiece.bpe.model").write_bytes(model)
+    sp = spm.SentencePieceProcessor(model_proto=model)
+    vocab = {"<s>": 0, "<pad>": 1, "</s>": 2, "<unk>": 3}
+    for i in range(sp.get_piece_size()):
+        vocab.setdefault(sp.id_to_piece(i), len(vocab))
+    (tmp_path / "vocab.json").write_text(json.dumps(vocab))
+    tok = transformers.M2M100Tokenizer(str(tmp_path / "vocab.json"),
+                                       str(tmp_path / "sentencepiece.bpe.model"),
+                                       src_lang="en", tgt_lang="es")
+    tok.save_pretrained(str(tmp_path))
+    ours = load_tokenizer(str(tmp_path))
+    assert len(ours.languages) == 100 and ours.language_id("es") == tok.get_lang_id("es")
+    both = ours.for_languages("de", "fr")
+    tok.src_lang, tok.tgt_lang = "de", "fr"
+    assert both.encode("the cat", add_special_tokens=True) == tok("the cat")["input_ids"]
+    assert both.encode("el gato", target=True, add_special_tokens=True) == tok(
+        text_target="el gato")["input_ids"]
+    assert both.encode("the cat", add_special_tokens=True)[0] == tok.get_lang_id("de")
+    with pytest.raises(ValueError, match="'__es__' is not one of the tokenizer's 100"):
+        ours.language_id("__es__")
