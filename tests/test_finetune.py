@@ -15,14 +15,13 @@ import pytest
 
 import decode.__main__ as decode_cli
 import models
-from tests.train_helpers import tiny_train_config, train_metric_rows
+from tests.train_helpers import assert_split_encoded_as, tiny_train_config, train_metric_rows
 from train import configs, export as export_lib
 from train.data import (
     PipelineConfig,
     eval_batches,
     load_dataset,
     load_tokenizer,
-    tokenize_split,
 )
 from train.objectives import next_token
 from train.trainer import train_and_evaluate
@@ -214,13 +213,7 @@ def test_marian_sources_and_targets_are_encoded_by_their_own_models_as_transform
     assert tok.decode(tok.encode(target_text, target=True)) == target_text
 
     ds = load_dataset("local_translation", data_dir, data_files=tuple(files))
-    data = tokenize_split(ds, "validation", tok)
-    pairs = ds.examples("validation", data.example_ids)
-    want = hf_tok([s for s, _ in pairs], text_target=[t for _, t in pairs])
-    for side, key in ((0, "input_ids"), (1, "labels")):
-        got = [data.tokens[side][a:b].tolist()
-               for a, b in zip(data.offsets[side][:-1], data.offsets[side][1:], strict=True)]
-        assert got == want[key]
+    want = assert_split_encoded_as(ds, "validation", tok, hf_tok)
 
     (batch,), _ = eval_batches(ds, tok, PipelineConfig(per_device_batch_size=16,
                                                        max_source_length=24,

@@ -168,7 +168,8 @@ def test_fine_tuning_with_a_language_pair_encodes_and_exports_as_transformers(
     import json
     import os
 
-    from train.data import eval_batches, load_dataset, tokenize_split
+    from tests.train_helpers import assert_split_encoded_as
+    from train.data import eval_batches, load_dataset
     from train.data.pipeline import PipelineConfig
     from train.objectives import next_token
     from train.trainer import train_and_evaluate
@@ -183,13 +184,7 @@ def test_fine_tuning_with_a_language_pair_encodes_and_exports_as_transformers(
     ours = load_tokenizer(os.path.join(workdir, "tokenizer"))      # what the run encoded with
     tok.src_lang, tok.tgt_lang = "fra_Latn", "spa_Latn"
     ds = load_dataset("local_translation", data_dir, data_files=tuple(files))
-    data = tokenize_split(ds, "validation", ours)
-    pairs = ds.examples("validation", data.example_ids)
-    want = tok([s for s, _ in pairs], text_target=[t for _, t in pairs])
-    for side, key in ((0, "input_ids"), (1, "labels")):
-        got = [data.tokens[side][a:b].tolist()
-               for a, b in zip(data.offsets[side][:-1], data.offsets[side][1:], strict=True)]
-        assert got == want[key]
+    want = assert_split_encoded_as(ds, "validation", ours, tok)
     spanish = tok.convert_tokens_to_ids("spa_Latn")
     assert want["labels"][0][0] == spanish and want["input_ids"][0][0] == (
         tok.convert_tokens_to_ids("fra_Latn"))

@@ -91,3 +91,18 @@ def worker_killed(proc: subprocess.Popen, timeout: float = 300) -> str:
     out, _ = proc.communicate(timeout=timeout)
     assert proc.returncode == -signal.SIGKILL, (proc.returncode, out[-3000:])
     return out
+
+
+def assert_split_encoded_as(ds, split: str, tokenizer, hf_tokenizer) -> dict:
+    """`split` of a translation dataset tokenised by the run's `tokenizer` equals
+    transformers' `hf_tokenizer(sources, text_target=targets)` example for example (both
+    sides); returns transformers' encoding."""
+    from train.data import tokenize_split
+    data = tokenize_split(ds, split, tokenizer)
+    pairs = ds.examples(split, data.example_ids)
+    want = hf_tokenizer([s for s, _ in pairs], text_target=[t for _, t in pairs])
+    for side, key in ((0, "input_ids"), (1, "labels")):
+        got = [data.tokens[side][a:b].tolist()
+               for a, b in zip(data.offsets[side][:-1], data.offsets[side][1:], strict=True)]
+        assert got == want[key], key
+    return want

@@ -41,6 +41,7 @@ from models.pretrained.rules import (
     Scope,
     cross_attention,
     embeddings,
+    final_norm,
     logits_bias as _logits_bias,
     mlp,
     norm,
@@ -150,6 +151,17 @@ def layer_rules(cfg: TransformerConfig, *, logits_bias: bool = True) -> list[Rul
                       *norm(cfg, layer, "encoder_attn_layer_norm", "cross_attention_norm")]
         table += [*mlp(cfg, layer, MLP), *norm(cfg, layer, "final_layer_norm", "mlp_norm")]
     return table + (_logits_bias("final_logits_bias") if logits_bias else [])
+
+
+def pre_norm_rules(cfg: TransformerConfig, per_stack=lambda stack: [], *,
+                   logits_bias: bool = True) -> list[Rule]:
+    """The weight map of BART's layers made pre-norm (M2M-100, mBART, PEGASUS): the shared
+    table, each stack's own rules (`per_stack(stack)`: its positions, its embedding norm)
+    and the final LayerNorm closing it (`model.{stack}.layer_norm`), then the layers."""
+    table = embeddings(cfg, stack="encoder", tokens="model.shared")
+    for stack in ("encoder", "decoder"):
+        table += [*per_stack(stack), *final_norm(cfg, stack, f"model.{stack}.layer_norm")]
+    return table + layer_rules(cfg, logits_bias=logits_bias)
 
 
 def rules(cfg: TransformerConfig) -> list[Rule]:

@@ -26,7 +26,6 @@ from models.pretrained import bart
 from models.pretrained.config_map import DECODER_START, ConfigMap, Derived, Field, SpecialIds
 from models.pretrained.family import ConfigReader, Family
 from models.pretrained.mapping import Rule
-from models.pretrained.rules import embeddings, final_norm
 
 # M2M100Config's defaults that differ from BartConfig's, for fields config.json omits.
 DEFAULTS = {"activation_function": "relu", "attention_dropout": 0.1}
@@ -57,10 +56,7 @@ def config_to_hf(cfg: TransformerConfig) -> dict:
 
 
 def rules(cfg: TransformerConfig) -> list[Rule]:
-    table = embeddings(cfg, stack="encoder", tokens="model.shared")
-    for stack in ("encoder", "decoder"):
-        table += final_norm(cfg, stack, f"model.{stack}.layer_norm")
-    return table + bart.layer_rules(cfg, logits_bias=False)
+    return bart.pre_norm_rules(cfg, logits_bias=False)
 
 
 FAMILY = Family(model_type="m2m_100", architectures=("M2M100ForConditionalGeneration",),

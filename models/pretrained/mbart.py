@@ -27,7 +27,7 @@ from models.pretrained import bart
 from models.pretrained.config_map import DECODER_START, ConfigMap, SpecialIds
 from models.pretrained.family import ConfigReader, Family
 from models.pretrained.mapping import Rule
-from models.pretrained.rules import embeddings, final_norm
+from models.pretrained.rules import embeddings
 
 MAP = ConfigMap(
     fields=bart.FIELDS,
@@ -57,12 +57,9 @@ def config_to_hf(cfg: TransformerConfig) -> dict:
 
 
 def rules(cfg: TransformerConfig) -> list[Rule]:
-    table = embeddings(cfg, stack="encoder", tokens="model.shared")
-    for stack in ("encoder", "decoder"):
-        table += embeddings(cfg, stack=stack, positions=f"model.{stack}.embed_positions",
-                            embedding_norm=f"model.{stack}.layernorm_embedding")
-        table += final_norm(cfg, stack, f"model.{stack}.layer_norm")
-    return table + bart.layer_rules(cfg)
+    return bart.pre_norm_rules(cfg, lambda stack: embeddings(
+        cfg, stack=stack, positions=f"model.{stack}.embed_positions",
+        embedding_norm=f"model.{stack}.layernorm_embedding"))
 
 
 LOGITS_BIAS = {"final_logits_bias": "the logits bias (zeros, as transformers makes it)"}

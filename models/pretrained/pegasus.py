@@ -34,7 +34,6 @@ from models.pretrained.family import ConfigReader, Family
 from models.pretrained.layouts import Layout
 from models.pretrained.mapping import Rule
 from models.pretrained.mbart import LOGITS_BIAS
-from models.pretrained.rules import embeddings, final_norm
 
 MAP = ConfigMap(
     fields=bart.FIELDS,
@@ -83,11 +82,8 @@ def _position_table(key: str) -> Rule:
 
 
 def rules(cfg: TransformerConfig) -> list[Rule]:
-    table = embeddings(cfg, stack="encoder", tokens="model.shared")
-    for stack in ("encoder", "decoder"):
-        table += [_position_table(f"model.{stack}.embed_positions.weight"),
-                  *final_norm(cfg, stack, f"model.{stack}.layer_norm")]
-    return table + bart.layer_rules(cfg)
+    return bart.pre_norm_rules(
+        cfg, lambda stack: [_position_table(f"model.{stack}.embed_positions.weight")])
 
 
 FAMILY = Family(model_type="pegasus", architectures=("PegasusForConditionalGeneration",),
