@@ -109,7 +109,7 @@ def _attend_new(module: nn.Module, q, cached, new, *, positions_BT, spec: MaskSp
         with_probs=with_probs, with_lse=True, block=cfg.attention_block,
         softcap=cfg.attn_logit_softcapping)
     own_spec = MaskSpec(positions_BT, positions_BT, causal=True, window=spec.window,
-                        window_on=spec.window_on)
+                        window_on=spec.window_on, chunk=spec.chunk, chunk_on=spec.chunk_on)
     own_bias = None if bias is None else bias.replace(k_pos=positions_BT)
     out_n, probs_n, lse_n = attend(q, *new, own_spec, own_bias, impl="xla", scale=_scale(cfg, q),
                                    with_probs=with_probs, with_lse=True,
@@ -128,29 +128,75 @@ def _attend_new(module: nn.Module, q, cached, new, *, positions_BT, spec: MaskSp
     return checkpoint_name(out_BTNH, "attention_out")
 
 
-def layer_kind(cfg: TransformerConfig, spec: MaskSpec, sliding, positions_BT):
+def layer_kind(cfg: TransformerConfig, spec: MaskSpec, kind, positions_BT):
     """One self-attention layer's mask description and rotary tables ((inv_freq, factor)
-    of `models.rope.rope_tables`; None without rope) for its kind: `sliding` None (every
-    layer alike), or whether it slides (a Python bool, or a traced one in a scanned stack,
-    which selects without branching).
+    of `models.rope.rope_tables`; None: no rotation) for its kind: `kind` None (every
+    layer alike), or its `LayerKind` (Python bools, or traced ones in a scanned stack,
+    which select without branching).
 
-        sliding True   -> spec windowed by sliding_window; rope_local_theta's frequencies,
-                          unscaled (rope_theta's and rope_scaling's without it)
-        sliding False  -> spec without a window; rope_theta and rope_scaling's
+        sliding   -> spec windowed by sliding_window; rope_local_theta's frequencies,
+                     unscaled (rope_theta's and rope_scaling's without it)
+        chunked   -> spec within chunks of attention_chunk_size
+        rope off  -> no rotation (traced: every angle 0, the identity)
     """
     full = rope_tables(cfg, positions_BT) if cfg.positions == "rope" else None
-    if sliding is None:
+    if kind is None:
         return spec, full
     local = full
     if full is not None and cfg.rope_local_theta is not None:
         local = (jnp.asarray(rope_frequencies(cfg.rope_dim, cfg.rope_local_theta)), 1.0)
-    if isinstance(sliding, bool):
-        return (spec.replace(window=cfg.sliding_window if sliding else None),
-                local if sliding else full)
-    spec = spec.replace(window=cfg.sliding_window, window_on=sliding)
+    if isinstance(kind.sliding, bool):
+        spec = spec.replace(window=cfg.sliding_window if kind.sliding else None,
+                            chunk=cfg.attention_chunk_size if kind.chunked else None)
+        return spec, (local if kind.sliding else full) if kind.rope else None
+    spec = spec.replace(window=cfg.sliding_window, window_on=kind.sliding,
+                        chunk=cfg.attention_chunk_size, chunk_on=kind.chunked)
     if full is None:
         return spec, None
-    return spec, (jnp.where(sliding, local[0], full[0]), jnp.where(sliding, local[1], full[1]))
+    inv_freq = jnp.where(kind.sliding, local[0], full[0])
+    factor = jnp.where(kind.sliding, local[1], full[1])
+    if cfg.nope_layers:
+        inv_freq = jnp.where(kind.rope, inv_freq, 0.0)
+        factor = jnp.where(kind.rope, factor, 1.0)
+    return spec, (inv_freq, factor)
+
+
+def _if_kind(flag, then, otherwise):
+    """then() for a layer whose flag holds, otherwise() for one where it does not: chosen
+    here for a Python bool, by `jnp.where` for a traced one."""
+    if isinstance(flag, bool):
+        return then() if flag else otherwise()
+    return jnp.where(flag, then(), otherwise())
+
+
+def _l2_norm(x, eps: float):
+    """x / sqrt(mean(x^2) + eps) over the last axis, in float32 (Llama 4's q/k norm)."""
+    x32 = x.astype(jnp.float32)
+    return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+            ).astype(x.dtype)
+
+
+def _temperature(cfg: TransformerConfig, positions_BT):
+    """Llama 4's query factor in its NoPE layers, [B, T, 1, 1]:
+    1 + scale * log(1 + floor((position + 1) / floor))."""
+    steps = jnp.floor((positions_BT.astype(jnp.float32) + 1.0) / cfg.attn_temperature_floor)
+    return (jnp.log1p(steps) * cfg.attn_temperature_scale + 1.0)[:, :, None, None]
+
+
+def _queries_and_keys(cfg: TransformerConfig, q_BTNH, k_BTKH, positions_BT, rope, kind):
+    """Rotary positions (when the layer rotates), then Llama 4's L2 norm (rotating layers)
+    and attention temperature (the others) where the config asks for them."""
+    rotates = True if kind is None else kind.rope
+    if rope is not None:
+        q_BTNH = apply_rope(q_BTNH, positions_BT, *rope, interleaved=cfg.rope_interleaved)
+        k_BTKH = apply_rope(k_BTKH, positions_BT, *rope, interleaved=cfg.rope_interleaved)
+    if cfg.qk_l2_norm:
+        q_BTNH = _if_kind(rotates, lambda: _l2_norm(q_BTNH, cfg.norm_eps), lambda: q_BTNH)
+        k_BTKH = _if_kind(rotates, lambda: _l2_norm(k_BTKH, cfg.norm_eps), lambda: k_BTKH)
+    if cfg.attn_temperature_floor is not None:
+        q_BTNH = _if_kind(rotates, lambda: q_BTNH, lambda: (
+            q_BTNH * _temperature(cfg, positions_BT)).astype(q_BTNH.dtype))
+    return q_BTNH, k_BTKH
 
 
 class SelfAttention(nn.Module):
@@ -164,8 +210,9 @@ class SelfAttention(nn.Module):
     `bias` (relative positions, a `RelativeBias`) is added to the logits. With
     `config.qk_norm` the queries and keys are normalised over H (scales `query_norm`,
     `key_norm`) before rotary positions, so the cache holds normalised, rotated keys.
-    `sliding` is this layer's kind under `config.layer_types` (None without them): a
-    Python bool in a looped stack, a traced bool in a scanned one (`layer_kind`). With
+    `kind` is this layer's `LayerKind` (None when all layers are alike): Python bools in
+    a looped stack, traced ones in a scanned one (`layer_kind`). Llama 4's parts follow
+    the rotation (`_queries_and_keys`). With
     `config.attention_sinks` each head's learned `sinks` logit joins its softmax
     (`_with_sinks`), in the forward pass and the read-only step alike.
     """
@@ -184,19 +231,17 @@ class SelfAttention(nn.Module):
         deterministic: bool,
         bias: RelativeBias | None = None,
         read_only: bool = False,
-        sliding=None,
+        kind=None,
     ) -> tuple[Float[Array, "B T D"], KVCache | tuple | None]:
         cfg, det = self.config, deterministic
-        spec, rope = layer_kind(cfg, spec, sliding, positions_BT)
+        spec, rope = layer_kind(cfg, spec, kind, positions_BT)
         q_BTNH = _dense_heads(cfg, cfg.num_heads, "query")(x_BTD, det)
         k_BTKH = _dense_heads(cfg, cfg.num_kv_heads, "key")(x_BTD, det)
         v_BTKH = _dense_heads(cfg, cfg.num_kv_heads, "value")(x_BTD, det)
         if cfg.qk_norm:                  # over H, one scale for every head (before RoPE)
             q_BTNH = make_norm(cfg, "query_norm", axis="head_dim")(q_BTNH)
             k_BTKH = make_norm(cfg, "key_norm", axis="head_dim")(k_BTKH)
-        if cfg.positions == "rope":
-            q_BTNH = apply_rope(q_BTNH, positions_BT, *rope)
-            k_BTKH = apply_rope(k_BTKH, positions_BT, *rope)
+        q_BTNH, k_BTKH = _queries_and_keys(cfg, q_BTNH, k_BTKH, positions_BT, rope, kind)
         sinks = _sinks(self)
         if read_only:
             out_BTNH = _attend_new(self, q_BTNH, cache.read(layer),   # own k/v as stored

@@ -68,25 +68,26 @@ def _out_norm(cfg, name: str):
     return make_norm(cfg, f"{name}_output_norm") if cfg.sublayer_output_norm else None
 
 
-def _self_attention_sublayer(cfg, x_BTD, inputs: LayerInputs, cache, layer, *, sliding=None):
+def _self_attention_sublayer(cfg, x_BTD, inputs: LayerInputs, cache, layer, *, kind=None):
     """The residual self-attention sublayer; returns (x_BTD, cache), or with
-    `inputs.read_only` (x_BTD, cache, the layer's new (k_BTKH, v_BTKH)). `sliding`: the
-    layer's kind (`SelfAttention`)."""
+    `inputs.read_only` (x_BTD, cache, the layer's new (k_BTKH, v_BTKH)). `kind`: the
+    layer's `LayerKind` (`SelfAttention`)."""
     attn = SelfAttention(cfg, name="self_attention")
     x_BTD, out = residual(
         cfg, x_BTD,
         lambda y: attn(y, spec=inputs.self_spec, positions_BT=inputs.positions, cache=cache,
                        layer=layer, deterministic=inputs.deterministic, bias=inputs.self_bias,
-                       read_only=inputs.read_only, sliding=sliding),
+                       read_only=inputs.read_only, kind=kind),
         make_norm(cfg, "self_attention_norm"), deterministic=inputs.deterministic,
         out_norm=_out_norm(cfg, "self_attention"))
     return (x_BTD, cache, out) if inputs.read_only else (x_BTD, out, None)
 
 
-def _mlp_sublayer(cfg, x_BTD, inputs: LayerInputs):
+def _mlp_sublayer(cfg, x_BTD, inputs: LayerInputs, experts: bool | None = None):
     """The residual MLP sublayer: the dense MLP, or with `num_experts` the mixture of
-    experts (`models.moe`)."""
-    mlp = (MoeMLP if cfg.num_experts else MLP)(cfg, name="mlp")
+    experts (`models.moe`); `experts` says which for this layer (None: `num_experts`)."""
+    experts = bool(cfg.num_experts) if experts is None else experts
+    mlp = (MoeMLP if experts else MLP)(cfg, name="mlp")
     x_BTD, _ = residual(cfg, x_BTD, lambda y: (mlp(y, inputs.deterministic), None),
                         make_norm(cfg, "mlp_norm"), deterministic=inputs.deterministic,
                         out_norm=_out_norm(cfg, "mlp"))
@@ -95,17 +96,19 @@ def _mlp_sublayer(cfg, x_BTD, inputs: LayerInputs):
 
 class SelfAttentionLayer(nn.Module):
     """Self-attention then MLP: an encoder layer (bidirectional mask) or a decoder-only
-    layer (causal mask, optionally with a cache). `sliding` is the layer's kind under
-    `config.layer_types` (see `LayerStack`), else None."""
+    layer (causal mask, optionally with a cache). `kind` is the layer's `LayerKind` (see
+    `LayerStack`), else None; `experts` whether its MLP is the mixture (None: as
+    `num_experts` says; `moe_layers` mixes them)."""
 
     config: TransformerConfig
+    experts: bool | None = None
 
     @nn.compact
-    def __call__(self, carry, inputs: LayerInputs, sliding=None):
+    def __call__(self, carry, inputs: LayerInputs, kind=None):
         x_BTD, cache, layer = carry
         x_BTD, cache, new_kv = _self_attention_sublayer(self.config, x_BTD, inputs, cache,
-                                                        layer, sliding=sliding)
-        x_BTD = _mlp_sublayer(self.config, x_BTD, inputs)
+                                                        layer, kind=kind)
+        x_BTD = _mlp_sublayer(self.config, x_BTD, inputs, self.experts)
         return (x_BTD, cache, layer + 1), new_kv
 
 
@@ -143,9 +146,10 @@ class LayerStack(nn.Module):
     describes the position bias once ("relative_bias", bidirectional unless `causal`) and
     every layer adds it.
 
-    With `config.layer_types` each layer learns its kind (sliding or full): looped, as a
-    static Python bool; scanned, as a bool scanned over the layers (one element a layer),
-    so one compiled layer serves both kinds.
+    With `config.layer_types` or `nope_layers` each layer learns its `LayerKind`
+    (sliding, chunked, rotating): looped, as static Python bools; scanned, as bools scanned
+    over the layers (one element a layer), so one compiled layer serves every kind. With
+    `moe_layers` (looped only) each layer learns whether its MLP is the mixture.
     """
 
     config: TransformerConfig
@@ -162,7 +166,7 @@ class LayerStack(nn.Module):
                                         name="relative_bias")(inputs.positions, keys)
             inputs = inputs.replace(self_bias=bias)
         layer_type = self.layer_type
-        kinds = cfg.layer_is_sliding() if cfg.layer_types else None
+        kinds = cfg.layer_kinds() if cfg.architecture == "decoder_only" else None
         if cfg.remat:
             layer_type = nn.remat(layer_type, prevent_cse=not cfg.scan_layers,
                                   policy=REMAT_POLICIES[cfg.remat_policy],
@@ -177,14 +181,17 @@ class LayerStack(nn.Module):
                 metadata_params={nn.PARTITION_NAME: "layers"},
             )
             carry = (x_BTD, cache, jnp.zeros((), jnp.int32))
-            per_layer_args = () if kinds is None else (jnp.asarray(kinds, bool),)
+            per_layer_args = () if kinds is None else (
+                jax.tree.map(lambda *flags: jnp.asarray(flags, bool), *kinds),)
             (x_BTD, cache, _), new_kv = scanned(cfg, name="layers")(carry, inputs,
                                                                     *per_layer_args)
         else:
             carry, per_layer = (x_BTD, cache, 0), []
             for i in range(self.num_layers):
                 kind = () if kinds is None else (kinds[i],)
-                carry, layer_kv = layer_type(cfg, name=f"layer_{i}")(carry, inputs, *kind)
+                mixed = dict(experts=cfg.layer_has_experts(i)) if cfg.moe_layers else {}
+                carry, layer_kv = layer_type(cfg, name=f"layer_{i}", **mixed)(carry, inputs,
+                                                                               *kind)
                 per_layer.append(layer_kv)
             x_BTD, cache, _ = carry
             new_kv = (None if per_layer[0] is None

@@ -46,6 +46,7 @@ Activation = Literal["relu", "gelu", "gelu_exact", "silu", "swiglu", "geglu", "c
 AttentionImpl = Literal["auto", "xla", "chunked", "cudnn"]
 RematPolicy = Literal["full", "dots", "names"]
 MoeDispatch = Literal["ragged", "dense"]
+RouterScore = Literal["softmax", "sigmoid"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,10 +70,10 @@ class Llama3RopeScaling:
             if value <= 0:
                 raise UserError(f"TransformerConfig.{name}={value} must be > 0")
             object.__setattr__(self, field.name, value)
-        if not self.high_freq_factor > self.low_freq_factor:
+        if not self.high_freq_factor >= self.low_freq_factor:   # equal: no band between
             raise UserError(
                 f"TransformerConfig.rope_scaling: high_freq_factor={self.high_freq_factor} "
-                f"must be above low_freq_factor={self.low_freq_factor}")
+                f"must be at least low_freq_factor={self.low_freq_factor}")
 
 RopeScaling = (Llama3RopeScaling | LinearRopeScaling | DynamicRopeScaling | YarnRopeScaling
                | LongRopeScaling)
@@ -80,7 +81,9 @@ RopeScaling = (Llama3RopeScaling | LinearRopeScaling | DynamicRopeScaling | Yarn
 _POSITIVE = ("vocab_size", "d_model", "num_heads", "num_kv_heads", "head_dim", "mlp_dim",
              "max_len", "num_layers", "num_encoder_layers", "num_decoder_layers",
              "sliding_window", "relative_buckets", "relative_max_distance", "attention_block",
-             "expert_mlp_dim")
+             "expert_mlp_dim", "attention_chunk_size", "shared_expert_mlp_dim",
+             "attn_temperature_floor")
+_LAYER_INDICES = ("nope_layers", "moe_layers")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,6 +127,13 @@ class TransformerConfig:
             (the first int(H * f), an even number; the rest pass unchanged): 1.0 rotates all.
         rope_local_theta: None, or the rotary base of the "sliding" layers of `layer_types`
             (unscaled), beside `rope_theta` and `rope_scaling` in the "full" ones (Gemma 3).
+        rope_interleaved: RoPE rotates adjacent channel pairs (2i, 2i + 1), as complex
+            numbers (Meta's Llama 4 layout), instead of channels i and h + i (rotate-half).
+        nope_layers: the indices of layers without rotary positions (NoPE: their queries
+            and keys carry no position; Llama 4's global layers); () rotates in every layer.
+        attn_temperature_floor, attn_temperature_scale: None, or Llama 4's attention
+            temperature tuning in the `nope_layers`: their queries are multiplied by
+            1 + scale * log(1 + floor((position + 1) / floor)).
         norm: "layernorm" or "rmsnorm"; norm_position: "pre" (x + f(norm(x)), with a final
             norm after the stack) or "post" (norm(x + f(x)), as in Vaswani et al.).
         norm_eps: epsilon of every norm.
@@ -139,6 +149,7 @@ class TransformerConfig:
         swiglu_alpha, swiglu_limit: "clamped_swiglu"'s sigmoid gain and clamp.
         mlp_dropout_rate: dropout on the MLP's hidden activations (training only).
         num_experts, experts_per_token, expert_mlp_dim, router_renormalize,
+            router_score, router_scales_input, shared_expert_mlp_dim, moe_layers,
             router_aux_loss_coef, router_z_loss_coef, moe_dispatch: the mixture-of-experts
             MLP in place of the dense one (0 experts: dense); see `models.moe`.
         use_bias: biases in the attention and MLP projections (with experts: on the
@@ -148,14 +159,22 @@ class TransformerConfig:
         qk_norm: a norm (the config's `norm`, `norm_eps`) over each head's H channels of the
             self-attention queries and keys, before rotary positions, with a scale [H] of
             its own for each (Qwen3). Not with cross-attention (an encoder-decoder).
+        qk_l2_norm: Llama 4's norm of the queries and keys: x / sqrt(mean(x^2) + norm_eps)
+            over each head's H channels, without a scale, after rotary positions, in the
+            layers that rotate (not the `nope_layers`).
         sliding_window: None, or W: a query sees only the W most recent positions, itself
             included (key position > query position - W), in the forward pass, prefill and
             every cached step alike (Mistral). The cache stays `max_len` slots.
         layer_types: () for one kind of layer throughout (windowed when `sliding_window`
-            is set), or one kind per decoder-only layer: "full" (every earlier key) or
-            "sliding" (the `sliding_window` most recent). Under `scan_layers` each layer's
+            is set, chunked when `attention_chunk_size` is), or one kind per decoder-only
+            layer: "full" (every earlier key), "sliding" (the `sliding_window` most recent)
+            or "chunked" (the keys of the query's chunk). Under `scan_layers` each layer's
             kind is a scanned input, not a branch. Gemma 2 alternates sliding and full;
-            Gemma 3 has five sliding layers to each full one.
+            Gemma 3 has five sliding layers to each full one; Llama 4 three chunked to a
+            full one.
+        attention_chunk_size: None, or C: chunked local attention: a query at position p
+            sees only the keys of its chunk, positions C * floor(p / C) .. p (Llama 4's
+            `attention_chunk_size`), in the forward pass, prefill and every cached step.
         attention_sinks: a learned logit per query head (`sinks` [N], GPT-OSS) that joins
             each query's softmax over its keys with a value of zero, so a query may give
             its keys less than all of their weight: out * sigmoid(lse - sink), where lse
@@ -237,6 +256,10 @@ class TransformerConfig:
     rope_scaling: RopeScaling | None = None
     partial_rotary_factor: float = 1.0
     rope_local_theta: float | None = None
+    rope_interleaved: bool = False
+    nope_layers: tuple[int, ...] = ()
+    attn_temperature_floor: int | None = None
+    attn_temperature_scale: float = 0.1
     norm: NormKind = "layernorm"
     norm_position: NormPosition = "pre"
     norm_eps: float = 1e-6
@@ -249,14 +272,20 @@ class TransformerConfig:
     experts_per_token: int = 2
     expert_mlp_dim: int | None = None
     router_renormalize: bool = True
+    router_score: RouterScore = "softmax"
+    router_scales_input: bool = False
+    shared_expert_mlp_dim: int | None = None
+    moe_layers: tuple[int, ...] = ()
     router_aux_loss_coef: float = 0.0
     router_z_loss_coef: float = 0.0
     moe_dispatch: MoeDispatch = "ragged"
     use_bias: bool = True
     qkv_bias: bool = False
     qk_norm: bool = False
+    qk_l2_norm: bool = False
     sliding_window: int | None = None
     layer_types: tuple[str, ...] = ()
+    attention_chunk_size: int | None = None
     attention_sinks: bool = False
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
@@ -304,6 +333,8 @@ class TransformerConfig:
                 value = _label_names(value)
             elif field.name == "layer_types":
                 value = _layer_types(value)
+            elif field.name in _LAYER_INDICES:
+                value = _layer_indices(field.name, value)
             else:
                 value = _typed(field.name, value, _field_types()[field.name])
             object.__setattr__(self, field.name, value)
@@ -323,6 +354,25 @@ class TransformerConfig:
         if self.layer_types:
             return tuple(kind == "sliding" for kind in self.layer_types)
         return (self.sliding_window is not None,) * self.num_layers
+
+    def layer_kinds(self) -> tuple[LayerKind, ...] | None:
+        """Each decoder-only layer's `LayerKind`, or None when every layer is alike (no
+        `layer_types`, no `nope_layers`): the stack then passes no kind at all."""
+        if not self.layer_types and not self.nope_layers:
+            return None
+        if self.layer_types:
+            return tuple(LayerKind(sliding=kind == "sliding", chunked=kind == "chunked",
+                                   rope=i not in self.nope_layers)
+                         for i, kind in enumerate(self.layer_types))
+        return tuple(LayerKind(sliding=self.sliding_window is not None,
+                               chunked=self.attention_chunk_size is not None,
+                               rope=i not in self.nope_layers)
+                     for i in range(self.num_layers))
+
+    def layer_has_experts(self, layer: int) -> bool:
+        """Whether decoder-only layer `layer` has the mixture of experts (`num_experts`,
+        in every layer or in the `moe_layers`) rather than the dense MLP."""
+        return bool(self.num_experts) and (not self.moe_layers or layer in self.moe_layers)
 
     # Derived quantities, so no caller recomputes them.
     @property
@@ -424,7 +474,29 @@ def _rope_scaling(value):
                      "dict of its fields")
 
 
-LAYER_TYPES = ("full", "sliding")
+LAYER_TYPES = ("full", "sliding", "chunked")
+
+
+class LayerKind(typing.NamedTuple):
+    """One self-attention layer's kind (`TransformerConfig.layer_kinds`): Python bools in a
+    looped stack, traced bool scalars (one element of each [L] array) in a scanned one."""
+
+    sliding: Any      # the sliding window applies
+    chunked: Any      # the chunk rule applies (attention_chunk_size)
+    rope: Any         # rotary positions (False: a NoPE layer)
+
+
+def _layer_indices(name: str, value) -> tuple[int, ...]:
+    """Distinct layer indices, ascending (a list or tuple given), or a UserError; whether
+    each is below the number of layers is checked with the config (`config_checks`)."""
+    if isinstance(value, str) or not isinstance(value, (list, tuple)):
+        raise UserError(f"TransformerConfig.{name}={value!r} must be a list of layer indices")
+    for i in value:
+        if not is_int(i) or i < 0:
+            raise UserError(f"TransformerConfig.{name} has {i!r}; each must be an int >= 0")
+    if len(set(value)) != len(value):
+        raise UserError(f"TransformerConfig.{name}={list(value)} names a layer twice")
+    return tuple(sorted(int(i) for i in value))
 
 
 def _layer_types(value) -> tuple[str, ...]:

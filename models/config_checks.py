@@ -123,6 +123,10 @@ def _check_attention_variants(cfg) -> None:
         if "sliding" in cfg.layer_types and cfg.sliding_window is None:
             raise UserError("TransformerConfig.layer_types has 'sliding' layers but "
                             "sliding_window=None")
+        if "chunked" in cfg.layer_types and cfg.attention_chunk_size is None:
+            raise UserError("TransformerConfig.layer_types has 'chunked' layers but "
+                            "attention_chunk_size=None")
+    _check_llama4_attention(cfg)
     for name in ("rope_local_theta", "attn_logit_softcapping", "final_logit_softcapping",
                  "query_pre_attn_scalar"):
         value = getattr(cfg, name)
@@ -154,6 +158,32 @@ def _check_attention_variants(cfg) -> None:
                         "scale_attention=True")
 
 
+def _check_llama4_attention(cfg) -> None:
+    """Chunked local attention, NoPE layers, their temperature, interleaved RoPE and the
+    L2 query/key norm."""
+    for name in ("attention_chunk_size", "qk_l2_norm", "nope_layers"):
+        if getattr(cfg, name) and cfg.architecture != "decoder_only":
+            raise UserError(f"TransformerConfig.{name}={getattr(cfg, name)} needs "
+                            f"architecture='decoder_only', not {cfg.architecture!r}")
+    if cfg.attention_chunk_size is not None and cfg.attention_impl == "cudnn":
+        raise UserError(f"TransformerConfig.attention_chunk_size={cfg.attention_chunk_size}:"
+                        " attention_impl='cudnn' has no chunked mask; use 'auto', 'xla' or "
+                        "'chunked'")
+    for name in ("rope_interleaved", "nope_layers"):
+        if getattr(cfg, name) and cfg.positions != "rope":
+            raise UserError(f"TransformerConfig.{name}={getattr(cfg, name)} needs "
+                            f"positions='rope', not {cfg.positions!r}")
+    for name in ("nope_layers", "moe_layers"):
+        beyond = [i for i in getattr(cfg, name) if i >= cfg.num_layers]
+        if beyond:
+            raise UserError(f"TransformerConfig.{name} names layers {beyond}, beyond "
+                            f"num_layers={cfg.num_layers}")
+    if cfg.attn_temperature_floor is not None and not cfg.nope_layers:
+        raise UserError(f"TransformerConfig.attn_temperature_floor="
+                        f"{cfg.attn_temperature_floor} tunes the nope_layers' queries, and "
+                        "there are none")
+
+
 def _check_moe(cfg) -> None:
     """The mixture-of-experts MLP's fields (`models.moe`)."""
     for name in ("num_experts", "router_aux_loss_coef", "router_z_loss_coef"):
@@ -162,8 +192,18 @@ def _check_moe(cfg) -> None:
     if cfg.experts_per_token < 1:
         raise UserError(f"TransformerConfig.experts_per_token={cfg.experts_per_token} must "
                         "be >= 1")
+    defaults = dict(router_score="softmax", router_scales_input=False,
+                    shared_expert_mlp_dim=None, moe_layers=())
     if not cfg.num_experts:
+        for name, default in defaults.items():
+            if getattr(cfg, name) != default:
+                raise UserError(f"TransformerConfig.{name}={getattr(cfg, name)!r} shapes the "
+                                "mixture of experts, and needs num_experts > 0")
         return
+    if cfg.moe_layers and cfg.scan_layers and len(cfg.moe_layers) < cfg.num_layers:
+        raise UserError(f"TransformerConfig.scan_layers=True runs one layer's program for "
+                        f"every layer, but moe_layers={list(cfg.moe_layers)} mixes dense and "
+                        "expert MLPs (different parameters): use scan_layers=False")
     if cfg.experts_per_token > cfg.num_experts:
         raise UserError(f"TransformerConfig.experts_per_token={cfg.experts_per_token} "
                         f"exceeds num_experts={cfg.num_experts}")

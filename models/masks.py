@@ -48,6 +48,20 @@ def window_mask(q_pos_BT: Int[Array, "B T"], k_pos_BS: Int[Array, "B S"],
     return k_pos_BS[:, None, :] > q_pos_BT[:, :, None] - window
 
 
+def chunk_mask(q_pos_BT: Int[Array, "B T"], k_pos_BS: Int[Array, "B S"],
+               chunk: int) -> Bool[Array, "B T S"]:
+    """Chunked local attention (Llama 4): a query sees only the keys of its own chunk,
+    positions [c * chunk, (c + 1) * chunk) (with `causal_mask`: from its chunk's start to
+    itself).
+
+        chunk 2, positions 0..3:  [[1 1 0 0]    with causal:  [[1 0 0 0]
+                                   [1 1 0 0]                   [1 1 0 0]
+                                   [0 0 1 1]                   [0 0 1 0]
+                                   [0 0 1 1]]                  [0 0 1 1]]
+    """
+    return k_pos_BS[:, None, :] // chunk == q_pos_BT[:, :, None] // chunk
+
+
 def length_mask(lengths_B: Int[Array, " B"], width: int) -> Bool[Array, "B W"]:
     """True at the first lengths[b] positions of each row: the real tokens of a
     right-padded batch."""
@@ -106,6 +120,8 @@ class MaskSpec:
         causal    k_index <= q_index                          (static flag)
         window    k_index >  q_index - window                 (static; with causal: the
                                                                `window` most recent keys)
+        chunk     k_position // chunk == q_position // chunk  (static; Llama 4's local
+                                                               layers: the query's chunk)
         segments  q_segment == k_segment and q_segment > 0    (packed rows; 0 is padding)
         validity  q_valid and k_valid                         (right padding, by lengths)
         visible   visible[b, t, s]                            (a beam's own line of
@@ -135,6 +151,12 @@ class MaskSpec:
         window_on: None, or a traced bool scalar: the window rule holds only where it is
             True (one layer's kind in a scanned stack of sliding and full layers, where
             `window` cannot change per layer).
+        chunk: None, or C: only keys in the query's chunk of C positions are seen.
+        chunk_on: None, or a traced bool scalar: the chunk rule holds only where it is
+            True (as `window_on`).
+        q_position, k_position: int32 [B, T] and [Bk, S] positions of the chunk rule, or
+            None: the indices (they differ in packed rows, where each sequence's chunks
+            start at its first token).
     """
 
     q_index: Int[Array, "B T"] | None = None
@@ -148,11 +170,16 @@ class MaskSpec:
     aligned: bool = flax.struct.field(pytree_node=False, default=False)
     visible: Bool[Array, "B T S"] | None = None
     window_on: Bool[Array, ""] | None = None
+    chunk: int | None = flax.struct.field(pytree_node=False, default=None)
+    chunk_on: Bool[Array, ""] | None = None
+    q_position: Int[Array, "B T"] | None = None
+    k_position: Int[Array, "Bk S"] | None = None
 
     @property
     def is_empty(self) -> bool:
         """No rule at all: every query sees every key."""
-        return (not self.causal and self.window is None and self.q_segment is None
+        return (not self.causal and self.window is None and self.chunk is None
+                and self.q_segment is None
                 and self.q_valid is None and self.k_valid is None and self.visible is None)
 
     def rows(self, fold: int) -> MaskSpec:
@@ -171,7 +198,8 @@ class MaskSpec:
                       if x is not None), 1)
             visible = jnp.broadcast_to(visible, (B, T, S)).reshape(B // fold, fold * T, S)
         return self.replace(q_index=f(self.q_index), q_segment=f(self.q_segment),
-                            q_valid=f(self.q_valid), visible=visible)
+                            q_valid=f(self.q_valid), q_position=f(self.q_position),
+                            visible=visible)
 
     def block(self, q_slice: tuple, k_slice: tuple) -> Bool[Array, "B t s"] | None:
         """bool[B, t, s] of the queries `q_slice` = (start, size) and the keys `k_slice`,
@@ -188,13 +216,22 @@ class MaskSpec:
                 visible = lax.dynamic_slice_in_dim(visible, *q_slice, axis=1)
             visible = lax.dynamic_slice_in_dim(visible, *k_slice, axis=2)
         return _visible(self, q(self.q_index), k(self.k_index), q(self.q_segment),
-                        k(self.k_segment), q(self.q_valid), k(self.k_valid), visible)
+                        k(self.k_segment), q(self.q_valid), k(self.k_valid), visible,
+                        q(self.q_position), k(self.k_position))
 
     def materialize(self) -> Bool[Array, "B T S"] | None:
         """The whole bool[B, T, S] mask (query and key rows equal in number), or None
         when it hides nothing."""
         return _visible(self, self.q_index, self.k_index, self.q_segment, self.k_segment,
-                        self.q_valid, self.k_valid, self.visible)
+                        self.q_valid, self.k_valid, self.visible, self.q_position,
+                        self.k_position)
+
+    def key_rows(self, f) -> MaskSpec:
+        """The spec with `f` applied to each key-side array ([Bk, S], None kept)."""
+        def g(x):
+            return None if x is None else f(x)
+        return self.replace(k_index=g(self.k_index), k_segment=g(self.k_segment),
+                            k_valid=g(self.k_valid), k_position=g(self.k_position))
 
 
 def _slice(x, where: tuple):
@@ -204,7 +241,8 @@ def _slice(x, where: tuple):
 
 def _visible(spec: MaskSpec, *arrays):
     """The rules of `spec` on (slices of) its arrays, ANDed; None when none applies."""
-    q_index, k_index, q_segment, k_segment, q_valid, k_valid, visible = arrays
+    (q_index, k_index, q_segment, k_segment, q_valid, k_valid, visible, q_position,
+     k_position) = arrays
     rules = [] if visible is None else [visible]
     if spec.causal:
         rules.append(causal_mask(q_index, k_index))
@@ -213,6 +251,12 @@ def _visible(spec: MaskSpec, *arrays):
         if spec.window_on is not None:
             in_window = in_window | ~spec.window_on
         rules.append(in_window)
+    if spec.chunk is not None:
+        in_chunk = chunk_mask(q_index if q_position is None else q_position,
+                              k_index if k_position is None else k_position, spec.chunk)
+        if spec.chunk_on is not None:
+            in_chunk = in_chunk | ~spec.chunk_on
+        rules.append(in_chunk)
     if q_segment is not None:
         rules.append(segment_mask(q_segment, k_segment))
     if q_valid is not None or k_valid is not None:

@@ -9,6 +9,14 @@ The `TransformerConfig` fields that choose and shape it:
     router_renormalize    True: softmax over all E experts, keep the top k, divide the k
                           weights by their sum (Mixtral; Qwen3-MoE's `norm_topk_prob`).
                           False: the k softmax probabilities as they are.
+    router_score          "softmax" (above) or "sigmoid": each chosen expert's weight is
+                          the sigmoid of its logit (Llama 4), renormalised as above.
+    router_scales_input   False: each expert's output is multiplied by its weight. True:
+                          its input is (Llama 4: expert(x * w)), and outputs are summed.
+    shared_expert_mlp_dim None, or F_s: a dense gated MLP of that width ("shared_expert")
+                          that every token goes through, added to the experts' sum.
+    moe_layers            the layers with the mixture; () for every layer (the others
+                          have the dense MLP of `mlp_dim`; not with `scan_layers`).
     router_aux_loss_coef  the weight of the load-balancing loss in training (Switch
                           Transformer's, as transformers' `load_balancing_loss_func`).
     router_z_loss_coef    the weight of the router z-loss, the mean over tokens of
@@ -46,40 +54,49 @@ from jaxtyping import Array, Float, Int
 
 from models.axes import ZEROS, named, stacked_projection_init
 from models.config import TransformerConfig
-from models.layers import gated
+from models.layers import MLP, gated
 from models.quant import Quantized, param_or_stored
 
 ROUTER_COLLECTION = "router"
 
 
-def route(logits_NE: Float[Array, "N E"], k: int, *, renormalize: bool
-          ) -> tuple[Float[Array, "N k"], Int[Array, "N k"]]:
+def route(logits_NE: Float[Array, "N E"], k: int, *, renormalize: bool,
+          score: str = "softmax") -> tuple[Float[Array, "N k"], Int[Array, "N k"]]:
     """The top-k routing of float32 logits: (weights [N, k], expert ids [N, k]), the
     largest probability first.
 
         route([[0., 0., log(2)]], 2, renormalize=True)  -> ([[2/3, 1/3]], [[2, 0]])
         route([[0., 0., log(2)]], 2, renormalize=False) -> ([[1/2, 1/4]], [[2, 0]])
     """
-    probs_NE = jax.nn.softmax(logits_NE.astype(jnp.float32), axis=-1)
-    weights_Nk, experts_Nk = jax.lax.top_k(probs_NE, k)
+    logits_NE = logits_NE.astype(jnp.float32)
+    if score == "sigmoid":                   # top k of the logits, then their sigmoids
+        top_Nk, experts_Nk = jax.lax.top_k(logits_NE, k)
+        weights_Nk = jax.nn.sigmoid(top_Nk)
+    else:
+        weights_Nk, experts_Nk = jax.lax.top_k(jax.nn.softmax(logits_NE, axis=-1), k)
     if renormalize:
         weights_Nk = weights_Nk / jnp.sum(weights_Nk, axis=-1, keepdims=True)
     return weights_Nk, experts_Nk
 
 
 def ragged_experts(x_ND, weights_Nk, experts_Nk, *, gate_EDF, up_EDF, down_EFD,
-                   act=None, biases=None, dropout=lambda h: h):
+                   act=None, biases=None, dropout=lambda h: h, scale_input=False):
     """Each of the N * k (token, expert) pairs computed by its expert: pairs sorted by
     expert, `jax.lax.ragged_dot` over groups of (tokens per expert), then unsorted, weighted
     and summed over the k experts of each token. `act(gate, up)`: the gated activation
     (None: SwiGLU); `biases`: None, or (gate [E, F], up [E, F], down [E, D]) added to each
-    pair's projections by its expert. Returns [N, D] in x's dtype."""
+    pair's projections by its expert; `scale_input`: each pair's input is weighted instead
+    of its output. Returns [N, D] in x's dtype."""
     n, k = experts_Nk.shape
     num_experts = gate_EDF.shape[0]
     flat_M = experts_Nk.reshape(-1)                                      # M = N * k
     order_M = jnp.argsort(flat_M, stable=True)
     group_sizes_E = jnp.bincount(flat_M, length=num_experts).astype(jnp.int32)
     xs_MD = x_ND[order_M // k]
+    if scale_input:
+        w_M1 = weights_Nk.reshape(-1)[order_M][:, None]
+        xs_MD = (xs_MD * w_M1).astype(x_ND.dtype)
+        weights_Nk = jnp.ones_like(weights_Nk)
     gate_MF = jax.lax.ragged_dot(xs_MD, gate_EDF, group_sizes_E)
     up_MF = jax.lax.ragged_dot(xs_MD, up_EDF, group_sizes_E)
     if biases is not None:
@@ -99,14 +116,20 @@ def _swiglu(gate, up):
 
 
 def dense_experts(x_ND, weights_Nk, experts_Nk, *, gate_EDF, up_EDF, down_EFD,
-                  act=None, biases=None, dropout=lambda h: h):
+                  act=None, biases=None, dropout=lambda h: h, scale_input=False):
     """Every expert on every token, weighted by the routing: the same [N, D] as
     `ragged_experts` (a token's unchosen experts weigh 0)."""
     num_experts = gate_EDF.shape[0]
-    combine_NE = jnp.sum(jax.nn.one_hot(experts_Nk, num_experts, dtype=jnp.float32)
-                         * weights_Nk[..., None], axis=1)
-    gate_ENF = jnp.einsum("nd,edf->enf", x_ND, gate_EDF)
-    up_ENF = jnp.einsum("nd,edf->enf", x_ND, up_EDF)
+    chosen_NkE = jax.nn.one_hot(experts_Nk, num_experts, dtype=jnp.float32)
+    combine_NE = jnp.sum(chosen_NkE * weights_Nk[..., None], axis=1)
+    if scale_input:                  # each expert reads x * its weight; outputs summed
+        x_END = (x_ND[None] * combine_NE.T[:, :, None]).astype(x_ND.dtype)
+        gate_ENF = jnp.einsum("end,edf->enf", x_END, gate_EDF)
+        up_ENF = jnp.einsum("end,edf->enf", x_END, up_EDF)
+        combine_NE = jnp.sum(chosen_NkE, axis=1)
+    else:
+        gate_ENF = jnp.einsum("nd,edf->enf", x_ND, gate_EDF)
+        up_ENF = jnp.einsum("nd,edf->enf", x_ND, up_EDF)
     if biases is not None:
         gate_ENF, up_ENF = gate_ENF + biases[0][:, None], up_ENF + biases[1][:, None]
     h_ENF = (act or _swiglu)(gate_ENF, up_ENF)
@@ -160,11 +183,17 @@ class MoeMLP(nn.Module):
                                           ("down_bias", "embed", d)))
         self.sow(ROUTER_COLLECTION, "router_logits", logits_NE.reshape(b, t, e))
         weights_Nk, experts_Nk = route(logits_NE, cfg.experts_per_token,
-                                       renormalize=cfg.router_renormalize)
+                                       renormalize=cfg.router_renormalize,
+                                       score=cfg.router_score)
         drop = nn.Dropout(cfg.mlp_dropout_rate)
         y_ND = DISPATCH[cfg.moe_dispatch](
             x_ND, weights_Nk, experts_Nk, gate_EDF=gate_EDF.astype(cfg.dtype),
             up_EDF=up_EDF.astype(cfg.dtype), down_EFD=down_EFD.astype(cfg.dtype),
             act=functools.partial(gated, cfg), biases=biases,
-            dropout=lambda h: drop(h, deterministic=deterministic))
-        return y_ND.reshape(b, t, d)
+            dropout=lambda h: drop(h, deterministic=deterministic),
+            scale_input=cfg.router_scales_input)
+        y_BTD = y_ND.reshape(b, t, d)
+        if cfg.shared_expert_mlp_dim:
+            shared = MLP(cfg.replace(mlp_dim=cfg.shared_expert_mlp_dim), name="shared_expert")
+            y_BTD = y_BTD + shared(x_BTD, deterministic)
+        return y_BTD

@@ -33,6 +33,19 @@ _GPT_OSS = dict(
                                  beta_slow=1.0, truncate=False),
     router_aux_loss_coef=0.9,
 )
+# Llama 4's text model (Meta, 2025): iRoPE (interleaved RoPE in chunked local layers of
+# 8,192 positions with L2 q/k norms; every fourth layer global, without positions, its
+# queries temperature-tuned), top-1 sigmoid-routed experts that read the token scaled by
+# the router, and a shared expert.
+_LLAMA4 = dict(
+    _LLAMA, vocab_size=202_048, d_model=5120, num_heads=40, num_kv_heads=8, head_dim=128,
+    mlp_dim=16_384, expert_mlp_dim=8192, shared_expert_mlp_dim=8192, num_layers=48,
+    rope_theta=500_000.0, rope_interleaved=True, qk_l2_norm=True,
+    layer_types=("chunked", "chunked", "chunked", "full") * 12, attention_chunk_size=8192,
+    nope_layers=tuple(range(3, 48, 4)), attn_temperature_floor=8192,
+    attn_temperature_scale=0.1, experts_per_token=1, router_score="sigmoid",
+    router_scales_input=True, router_renormalize=False, router_aux_loss_coef=0.001,
+)
 _BERT = dict(
     architecture="encoder_only", positions="learned", norm="layernorm", norm_position="post",
     activation="gelu_exact", use_bias=True, tie_embeddings=True, scale_embeddings=False,
@@ -162,6 +175,22 @@ _PRESETS: dict[str, dict] = {
         _GPT_OSS, vocab_size=512, d_model=64, num_heads=4, num_kv_heads=2, head_dim=16,
         mlp_dim=96, num_layers=2, max_len=128, num_experts=4, experts_per_token=2,
         sliding_window=8, layer_types=("sliding", "full"), rope_scaling=None,
+        router_aux_loss_coef=0.01),
+    # Llama 4 Scout 17B-16E and Maverick 17B-128E (Meta, 2025), their text models: 16
+    # experts in every layer (Llama 3 RoPE scaling x16 of 8,192), or 128 experts in every
+    # other layer (dense layers between, no q/k norm, no scaling); 17B active each.
+    "llama4-scout": dict(
+        _LLAMA4, num_experts=16, max_len=10_485_760,
+        rope_scaling=dict(factor=16.0, low_freq_factor=1.0, high_freq_factor=1.0,
+                          original_max_len=8192)),
+    "llama4-maverick": dict(_LLAMA4, num_experts=128, moe_layers=tuple(range(1, 48, 2)),
+                            qk_l2_norm=False, max_len=1_048_576),
+    # A tiny Llama 4 for tests and the CPU demo: chunks of 4, a global layer last, 4 experts.
+    "llama4-tiny": dict(
+        _LLAMA4, vocab_size=512, d_model=64, num_heads=4, num_kv_heads=2, head_dim=16,
+        mlp_dim=128, expert_mlp_dim=64, shared_expert_mlp_dim=64, num_layers=4, max_len=128,
+        layer_types=("chunked", "chunked", "chunked", "full"), attention_chunk_size=4,
+        nope_layers=(3,), attn_temperature_floor=4, num_experts=4, experts_per_token=1,
         router_aux_loss_coef=0.01),
     # M2M-100 418M (Fan et al. 2020, 100 languages) and NLLB-200 distilled 600M (NLLB team
     # 2022, 200 languages): pre-norm encoder-decoders with fairseq's sinusoids from position

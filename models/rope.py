@@ -65,8 +65,9 @@ def rope_frequencies(head_dim: int, theta: float, scaling=None, *,
 def _llama3(inv_freq_h: np.ndarray, scaling: Llama3RopeScaling) -> np.ndarray:
     wavelength = 2 * np.pi / inv_freq_h
     low, high = scaling.low_freq_factor, scaling.high_freq_factor
-    smooth = (scaling.original_max_len / wavelength - low) / (high - low)
-    interpolated = (1 - smooth) * inv_freq_h / scaling.factor + smooth * inv_freq_h
+    with np.errstate(divide="ignore", invalid="ignore"):  # high == low: no band (Llama 4)
+        smooth = (scaling.original_max_len / wavelength - low) / (high - low)
+        interpolated = (1 - smooth) * inv_freq_h / scaling.factor + smooth * inv_freq_h
     scaled = np.where(wavelength > scaling.original_max_len / low,
                       inv_freq_h / scaling.factor, inv_freq_h)
     medium = (wavelength >= scaling.original_max_len / high) & (
@@ -113,13 +114,16 @@ def rope_tables(cfg: TransformerConfig, positions_BT: Int[Array, "B T"]):
 
 
 def apply_rope(x_BTNH: Float[Array, "B T N H"], positions_BT: Int[Array, "B T"],
-               inv_freq_h: Float[Array, " h"], scale: float = 1.0) -> Float[Array, "B T N H"]:
+               inv_freq_h: Float[Array, " h"], scale: float = 1.0, *,
+               interleaved: bool = False) -> Float[Array, "B T N H"]:
     """Rotary position embedding (rotate-half form over the first 2h channels), computed
     in float32; `inv_freq_h` is [h] or per row [B, h], and cos/sin are multiplied by
     `scale`.
 
     Channel i and channel h + i form a pair rotated by angle position * inv_freq_h[i];
-    channels from 2h on pass unchanged (partial rotary: h < H/2).
+    channels from 2h on pass unchanged (partial rotary: h < H/2). `interleaved`: channels
+    2i and 2i + 1 form pair i instead (the complex-number layout of Meta's Llama 4 and
+    DeepSeek checkpoints).
     """
     inv_freq = jnp.asarray(inv_freq_h, jnp.float32)
     inv_freq_Bh = inv_freq[None, :] if inv_freq.ndim == 1 else inv_freq
@@ -128,7 +132,15 @@ def apply_rope(x_BTNH: Float[Array, "B T N H"], positions_BT: Int[Array, "B T"],
     cos_BT1h = (jnp.cos(angle_BTh) * scale)[:, :, None, :]
     h = inv_freq.shape[-1]
     x = x_BTNH.astype(jnp.float32)
-    x1, x2, rest = x[..., :h], x[..., h:2 * h], x[..., 2 * h:]
-    out = jnp.concatenate([x1 * cos_BT1h - x2 * sin_BT1h, x2 * cos_BT1h + x1 * sin_BT1h, rest],
-                          axis=-1)
+    rest = x[..., 2 * h:]
+    if interleaved:
+        pairs = x[..., :2 * h].reshape(*x.shape[:-1], h, 2)
+        x1, x2 = pairs[..., 0], pairs[..., 1]
+        rotated = jnp.stack([x1 * cos_BT1h - x2 * sin_BT1h, x2 * cos_BT1h + x1 * sin_BT1h],
+                            axis=-1).reshape(*x.shape[:-1], 2 * h)
+        out = jnp.concatenate([rotated, rest], axis=-1)
+    else:
+        x1, x2 = x[..., :h], x[..., h:2 * h]
+        out = jnp.concatenate([x1 * cos_BT1h - x2 * sin_BT1h, x2 * cos_BT1h + x1 * sin_BT1h,
+                               rest], axis=-1)
     return out.astype(x_BTNH.dtype)

@@ -42,18 +42,22 @@ from models.masks import MaskSpec, positions_like, valid_from_lengths
 
 def _causal_spec(config: TransformerConfig, q_index_BT, k_index_BS, **fields) -> MaskSpec:
     """The decoder's self-attention: causal over the indices, within the sliding window
-    when the config has one."""
+    and the chunks when the config has them (each layer's kind may change both)."""
     return MaskSpec(q_index_BT, k_index_BS, causal=True, window=config.sliding_window,
-                    **fields)
+                    chunk=config.attention_chunk_size, **fields)
 
 
 def _forward_spec(config, tokens_BT, segment_ids_BT, positions_BT):
     """Positions (given or 0..T-1) and the causal (windowed, segment) description of a
-    full sequence. Within a packed segment, index distances are position distances."""
+    full sequence. Within a packed segment, index distances are position distances;
+    chunks start at each sequence's first position, so the chunk rule reads positions."""
     index_BT = positions_like(tokens_BT)
+    chunked = {}
+    if positions_BT is not None and config.attention_chunk_size is not None:
+        chunked = dict(q_position=positions_BT, k_position=positions_BT)
     positions_BT = index_BT if positions_BT is None else positions_BT
     return positions_BT, _causal_spec(config, index_BT, index_BT, q_segment=segment_ids_BT,
-                                      k_segment=segment_ids_BT, aligned=True)
+                                      k_segment=segment_ids_BT, aligned=True, **chunked)
 
 
 class _CachedDecoder(nn.Module):

@@ -105,7 +105,7 @@ def test_unknown_override_names_itself():
     (dict(rope_scaling=dict(factor=8.0)), r"rope_scaling=.* needs positions='rope'"),
     (dict(positions="rope", rope_scaling=dict(factr=8.0)), r"unknown keys \['factr'\]"),
     (dict(positions="rope", rope_scaling=dict(low_freq_factor=4.0, high_freq_factor=1.0)),
-     r"high_freq_factor=1.0 must be above low_freq_factor=4.0"),
+     r"high_freq_factor=1.0 must be at least low_freq_factor=4.0"),
     (dict(norm_eps=0.0), r"norm_eps=0.0 must be > 0"),
     (dict(positions="rope", position_offset=2),
      r"position_offset=2 needs positions='learned' or 'sinusoidal', not 'rope'"),

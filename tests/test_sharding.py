@@ -137,7 +137,9 @@ def test_every_parameter_of_every_preset_names_each_of_its_axes():
                                num_heads=4, num_kv_heads=min(base.num_kv_heads, 4),
                                head_dim=16, num_layers=2, num_encoder_layers=2,
                                num_decoder_layers=2,
-                               layer_types=base.layer_types[-2:])   # a full layer last
+                               layer_types=base.layer_types[-2:],   # a full layer last
+                               nope_layers=(1,) if base.nope_layers else (),
+                               moe_layers=(1,) if base.moe_layers and not scan else ())
             model = models.build(cfg)
             args, method = axes.init_args(cfg)
             boxed = axes.boxed_params(model, *args, method=method)

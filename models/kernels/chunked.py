@@ -146,7 +146,8 @@ def _pad_queries(q, spec: MaskSpec, bias, pad: int):
     if visible is not None and visible.shape[1] > 1:
         visible = jnp.pad(visible, ((0, 0), (0, pad), (0, 0)), mode="edge")
     spec = spec.replace(q_index=rows(spec.q_index), q_segment=rows(spec.q_segment),
-                        q_valid=rows(spec.q_valid), visible=visible)
+                        q_valid=rows(spec.q_valid), q_position=rows(spec.q_position),
+                        visible=visible)
     if bias is not None:
         bias = bias.replace(q_pos=rows(bias.q_pos))
     return q, spec, bias
@@ -167,9 +168,8 @@ def _pad_keys(k, v, spec: MaskSpec, bias, pad: int):
     visible = spec.visible
     if visible is not None:
         visible = jnp.pad(visible, ((0, 0), (0, 0), (0, pad)))
-    spec = spec.replace(k_index=rows(spec.k_index), k_segment=rows(spec.k_segment),
-                        k_valid=jnp.broadcast_to(valid, (k.shape[0], S + pad)),
-                        visible=visible)
+    spec = spec.key_rows(rows).replace(
+        k_valid=jnp.broadcast_to(valid, (k.shape[0], S + pad)), visible=visible)
     if bias is not None:
         bias = bias.replace(k_pos=rows(bias.k_pos))
     return jnp.pad(k, widths), jnp.pad(v, widths), spec, bias

@@ -35,6 +35,8 @@ def unsupported(q_BTNH, k_BSKH, spec: MaskSpec, bias, *, dropout_rate: float,
         return "its keys cannot be shared by several query rows (beams)"
     if spec.window_on is not None:
         return "its window cannot be switched per layer inside a scanned stack (layer_types)"
+    if spec.chunk is not None:
+        return f"it has no chunked local mask (attention_chunk_size={spec.chunk})"
     if softcap is not None:
         return f"it applies no logit soft-capping (attn_logit_softcapping={softcap})"
     if (spec.causal or spec.window is not None) and not spec.aligned:

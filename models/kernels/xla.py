@@ -125,10 +125,7 @@ def xla_attention(q_BTNH, k_BSKH, v_BSKH, spec: MaskSpec, bias=None, *, scale: f
     (None, or a `models.relative.RelativeBias`), both materialised here."""
     B, Bk = q_BTNH.shape[0], k_BSKH.shape[0]
     if Bk != B:          # key-side rows repeated for the query rows that share them
-        def rows(x):
-            return None if x is None else jnp.repeat(x, B // Bk, axis=0)
-        spec = spec.replace(k_index=rows(spec.k_index), k_segment=rows(spec.k_segment),
-                            k_valid=rows(spec.k_valid))
+        spec = spec.key_rows(lambda x: jnp.repeat(x, B // Bk, axis=0))
     mask = spec.materialize()
     return dot_product_attention(
         q_BTNH, k_BSKH, v_BSKH, None if mask is None else jnp.broadcast_to(
