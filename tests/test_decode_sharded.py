@@ -19,12 +19,25 @@ N = 5                      # new tokens
 PROMPT_LENGTHS = [3, 7]    # padded to width 8
 
 
+# Llama 4's layers (`llama4_text`): a chunked RoPE layer with experts, then a full NoPE one
+# with the dense MLP.
+LLAMA4 = dict(positions="rope", norm="rmsnorm", activation="swiglu", use_bias=False,
+              num_layers=2, layer_types=("chunked", "full"), attention_chunk_size=3,
+              nope_layers=(1,), attn_temperature_floor=2, rope_interleaved=True,
+              qk_l2_norm=True, num_experts=4, experts_per_token=1, router_score="sigmoid",
+              router_scales_input=True, router_renormalize=False, shared_expert_mlp_dim=16,
+              moe_layers=(0,))
+
+
 @functools.cache
 def setup(arch):
     """A GQA model (8 query heads, 4 kv heads, vocabulary 64: all divide the tensor axis),
-    its parameters on one device and the same ones split over tensor = 4, and prompts."""
-    cfg = tiny(arch, num_heads=8, num_kv_heads=4, vocab_size=64, num_layers=1,
-               num_encoder_layers=1, num_decoder_layers=1)
+    its parameters on one device and the same ones split over tensor = 4, and prompts.
+    `arch` "llama4": the decoder-only model with `LLAMA4`'s layers."""
+    variant = LLAMA4 if arch == "llama4" else {}
+    cfg = tiny("decoder_only" if variant else arch, **{
+        **dict(num_heads=8, num_kv_heads=4, vocab_size=64, num_layers=1, num_encoder_layers=1,
+               num_decoder_layers=1), **variant})
     f = fns(cfg)
     params = f.init()
     mesh = make_mesh((1, 1, TENSOR))
@@ -58,7 +71,7 @@ def test_cache_sharding_follows_the_params_kv_heads():
     assert static["cache_sharding"] == cache_sharding(sharded)
 
 
-@pytest.mark.parametrize("arch", ["decoder_only", "encoder_decoder"])
+@pytest.mark.parametrize("arch", ["decoder_only", "encoder_decoder", "llama4"])
 def test_tensor_parallel_greedy_equals_one_device(arch):
     model, params, sharded, _, prompts, lengths = setup(arch)
     kw = dict(max_new_tokens=N, eos_id=None)

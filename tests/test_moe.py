@@ -254,8 +254,17 @@ GPT_OSS_LIKE = dict(use_bias=True, activation="clamped_swiglu", swiglu_limit=0.5
                     attention_sinks=True)
 
 
+# Llama 4's: input-scaled sigmoid routing, a shared expert, experts in layer 0 only, and its
+# attention (a chunked RoPE layer with L2 q/k norms, a NoPE layer with its temperature).
+LLAMA4_LIKE = dict(router_score="sigmoid", router_scales_input=True, router_renormalize=False,
+                   shared_expert_mlp_dim=8, moe_layers=(0,), rope_interleaved=True,
+                   qk_l2_norm=True, layer_types=("chunked", "full"), attention_chunk_size=3,
+                   nope_layers=(1,), attn_temperature_floor=2)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", [{}, GPT_OSS_LIKE], ids=["mixtral", "gpt_oss"])
+@pytest.mark.parametrize("variant", [{}, GPT_OSS_LIKE, LLAMA4_LIKE],
+                         ids=["mixtral", "gpt_oss", "llama4"])
 def test_three_steps_with_experts_over_the_expert_axis_equal_one_device(variant):
     """A (1, 2, 1) mesh with expert 2 on the 4 simulated devices: the experts' weights and
     their adam moments split over expert (and embed over fsdp), the batch over fsdp ×
