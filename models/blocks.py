@@ -113,15 +113,17 @@ class SelfAttentionLayer(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Causal self-attention, cross-attention over the encoder output, then MLP."""
+    """Causal self-attention, cross-attention over the encoder output, then MLP; `kind`
+    as `SelfAttentionLayer`'s."""
 
     config: TransformerConfig
 
     @nn.compact
-    def __call__(self, carry, inputs: LayerInputs):
+    def __call__(self, carry, inputs: LayerInputs, kind=None):
         cfg, det = self.config, inputs.deterministic
         x_BTD, cache, layer = carry
-        x_BTD, cache, new_kv = _self_attention_sublayer(cfg, x_BTD, inputs, cache, layer)
+        x_BTD, cache, new_kv = _self_attention_sublayer(cfg, x_BTD, inputs, cache, layer,
+                                                        kind=kind)
         cross = CrossAttention(cfg, name="cross_attention")
         k_BSKH = jnp.swapaxes(inputs.cross_k[layer], 1, 2)
         v_BSKH = jnp.swapaxes(inputs.cross_v[layer], 1, 2)
@@ -166,7 +168,7 @@ class LayerStack(nn.Module):
                                         name="relative_bias")(inputs.positions, keys)
             inputs = inputs.replace(self_bias=bias)
         layer_type = self.layer_type
-        kinds = cfg.layer_kinds() if cfg.architecture == "decoder_only" else None
+        kinds = cfg.layer_kinds()
         if cfg.remat:
             layer_type = nn.remat(layer_type, prevent_cse=not cfg.scan_layers,
                                   policy=REMAT_POLICIES[cfg.remat_policy],

@@ -168,10 +168,12 @@ class TransformerConfig:
         layer_types: () for one kind of layer throughout (windowed when `sliding_window`
             is set, chunked when `attention_chunk_size` is), or one kind per decoder-only
             layer: "full" (every earlier key), "sliding" (the `sliding_window` most recent)
-            or "chunked" (the keys of the query's chunk). Under `scan_layers` each layer's
-            kind is a scanned input, not a branch. Gemma 2 alternates sliding and full;
-            Gemma 3 has five sliding layers to each full one; Llama 4 three chunked to a
-            full one.
+            or "chunked" (the keys of the query's chunk). An encoder-decoder's stacks
+            (of one depth) share the kinds, an encoder's sliding layers seeing the keys
+            within `sliding_window` positions on either side (T5Gemma). Under
+            `scan_layers` each layer's kind is a scanned input, not a branch. Gemma 2
+            alternates sliding and full; Gemma 3 has five sliding layers to each full
+            one; Llama 4 three chunked to a full one.
         attention_chunk_size: None, or C: chunked local attention: a query at position p
             sees only the keys of its chunk, positions C * floor(p / C) .. p (Llama 4's
             `attention_chunk_size`), in the forward pass, prefill and every cached step.
@@ -356,8 +358,9 @@ class TransformerConfig:
         return (self.sliding_window is not None,) * self.num_layers
 
     def layer_kinds(self) -> tuple[LayerKind, ...] | None:
-        """Each decoder-only layer's `LayerKind`, or None when every layer is alike (no
-        `layer_types`, no `nope_layers`): the stack then passes no kind at all."""
+        """Each layer's `LayerKind` (of every stack: `layer_types` has one kind per layer of
+        each), or None when every layer is alike (no `layer_types`, no `nope_layers`): the
+        stack then passes no kind at all."""
         if not self.layer_types and not self.nope_layers:
             return None
         if self.layer_types:

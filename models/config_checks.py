@@ -114,12 +114,15 @@ def _check_rope(cfg) -> None:
 def _check_attention_variants(cfg) -> None:
     """Per-layer kinds, soft-capping, output norms, the query scale."""
     if cfg.layer_types:
-        if cfg.architecture != "decoder_only":
-            raise UserError(f"TransformerConfig.layer_types={cfg.layer_types} needs "
-                            f"architecture='decoder_only', not {cfg.architecture!r}")
-        if len(cfg.layer_types) != cfg.num_layers:
+        if cfg.is_encoder_decoder and cfg.num_encoder_layers != cfg.num_decoder_layers:
+            raise UserError(f"TransformerConfig.layer_types names each layer of both stacks, "
+                            f"which needs num_encoder_layers={cfg.num_encoder_layers} equal "
+                            f"to num_decoder_layers={cfg.num_decoder_layers}")
+        depth = (("num_decoder_layers", cfg.num_decoder_layers) if cfg.is_encoder_decoder
+                 else ("num_layers", cfg.num_layers))
+        if len(cfg.layer_types) != depth[1]:
             raise UserError(f"TransformerConfig.layer_types has {len(cfg.layer_types)} "
-                            f"kinds for num_layers={cfg.num_layers}")
+                            f"kinds for {depth[0]}={depth[1]}")
         if "sliding" in cfg.layer_types and cfg.sliding_window is None:
             raise UserError("TransformerConfig.layer_types has 'sliding' layers but "
                             "sliding_window=None")

@@ -112,8 +112,9 @@ class EncoderOnly(PlainInit, nn.Module):
             raise UserError("token_types given, but the config has num_token_types=0")
         positions = positions_like(tokens) if positions is None else positions
         valid_BT = valid_from_lengths(tokens, lengths, "lengths")
-        spec = MaskSpec(q_segment=segment_ids, k_segment=segment_ids, q_valid=valid_BT,
-                        k_valid=valid_BT, aligned=True)
+        index_BT = positions_like(tokens)               # for a sliding layer's window
+        spec = MaskSpec(index_BT, index_BT, q_segment=segment_ids, k_segment=segment_ids,
+                        q_valid=valid_BT, k_valid=valid_BT, aligned=True)
         x_BTD = self.embed(tokens, positions, deterministic, token_types)
         x_BTD, _ = self.encoder(x_BTD, LayerInputs(spec, positions, deterministic=deterministic))
         return x_BTD

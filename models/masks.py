@@ -36,7 +36,7 @@ def causal_mask(q_pos_BT: Int[Array, "B T"], k_pos_BS: Int[Array, "B S"]) -> Boo
 
 
 def window_mask(q_pos_BT: Int[Array, "B T"], k_pos_BS: Int[Array, "B S"],
-                window: int) -> Bool[Array, "B T S"]:
+                window: int, *, both_sides: bool = False) -> Bool[Array, "B T S"]:
     """Sliding-window attention: a query at position p sees the keys at positions above
     p - window (with `causal_mask`: the `window` most recent positions, p included).
 
@@ -44,7 +44,12 @@ def window_mask(q_pos_BT: Int[Array, "B T"], k_pos_BS: Int[Array, "B S"],
                                     [1 1 1 1]                   [1 1 0 0]
                                     [0 1 1 1]                   [0 1 1 0]
                                     [0 0 1 1]]                  [0 0 1 1]]
+
+    `both_sides` (a bidirectional encoder's, as transformers' T5Gemma): the keys within
+    `window` positions on either side, |k - p| <= window.
     """
+    if both_sides:
+        return jnp.abs(k_pos_BS[:, None, :] - q_pos_BT[:, :, None]) <= window
     return k_pos_BS[:, None, :] > q_pos_BT[:, :, None] - window
 
 
@@ -119,7 +124,8 @@ class MaskSpec:
 
         causal    k_index <= q_index                          (static flag)
         window    k_index >  q_index - window                 (static; with causal: the
-                                                               `window` most recent keys)
+                                                               `window` most recent keys;
+                  |k_index - q_index| <= window                without: either side)
         chunk     k_position // chunk == q_position // chunk  (static; Llama 4's local
                                                                layers: the query's chunk)
         segments  q_segment == k_segment and q_segment > 0    (packed rows; 0 is padding)
@@ -247,7 +253,7 @@ def _visible(spec: MaskSpec, *arrays):
     if spec.causal:
         rules.append(causal_mask(q_index, k_index))
     if spec.window is not None:
-        in_window = window_mask(q_index, k_index, spec.window)
+        in_window = window_mask(q_index, k_index, spec.window, both_sides=not spec.causal)
         if spec.window_on is not None:
             in_window = in_window | ~spec.window_on
         rules.append(in_window)

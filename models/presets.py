@@ -46,6 +46,15 @@ _LLAMA4 = dict(
     attn_temperature_scale=0.1, experts_per_token=1, router_score="sigmoid",
     router_scales_input=True, router_renormalize=False, router_aux_loss_coef=0.001,
 )
+_T5GEMMA = dict(
+    architecture="encoder_decoder", positions="rope", norm="rmsnorm", norm_position="pre",
+    norm_scale_offset=1.0, activation="geglu", use_bias=False, share_embeddings=False,
+    tie_embeddings=True, scale_embeddings=True, sublayer_output_norm=True, norm_eps=1e-6,
+    vocab_size=256_000, d_model=2304, num_heads=8, num_kv_heads=4, head_dim=256, mlp_dim=9216,
+    num_encoder_layers=26, num_decoder_layers=26, max_len=8192, sliding_window=4096,
+    layer_types=("sliding", "full") * 13, attn_logit_softcapping=50.0,
+    final_logit_softcapping=30.0, query_pre_attn_scalar=256.0, pad_id=0, eos_id=1, bos_id=2,
+)
 _BERT = dict(
     architecture="encoder_only", positions="learned", norm="layernorm", norm_position="post",
     activation="gelu_exact", use_bias=True, tie_embeddings=True, scale_embeddings=False,
@@ -203,6 +212,15 @@ _PRESETS: dict[str, dict] = {
     "mbart-large-50": dict(_MBART, vocab_size=250_054),
     "pegasus-large": dict(_PEGASUS, vocab_size=96_103, num_encoder_layers=16,
                           num_decoder_layers=16),
+    # T5Gemma 2B-2B (Google, 2025): gemma-2-2b's layers in both stacks (the encoder's
+    # bidirectional, its sliding layers a window of 4,096 on either side), a token table per
+    # stack, the head tied to the decoder's; 5,596,853,760 parameters.
+    "t5gemma-2b-2b": dict(_T5GEMMA),
+    # A tiny T5Gemma for tests and the CPU demo: a sliding (8) and a full layer per stack.
+    "t5gemma-tiny": dict(
+        _T5GEMMA, vocab_size=512, d_model=64, num_heads=4, num_kv_heads=2, head_dim=16,
+        mlp_dim=128, num_encoder_layers=2, num_decoder_layers=2, max_len=128,
+        sliding_window=8, layer_types=("sliding", "full"), query_pre_attn_scalar=16.0),
     # Whisper tiny (39M) and large-v3 (1.55B: 128 mel bins, one more vocabulary entry).
     "whisper-tiny": dict(
         _WHISPER, d_model=384, num_heads=6, mlp_dim=1536, num_encoder_layers=4,

@@ -289,8 +289,9 @@ class EncoderDecoder(PlainInit, _CachedDecoder):
         check_same_shape(positions, src, "src_positions", "src")
         positions = positions_like(src) if positions is None else positions
         valid_BS = valid_from_lengths(src, lengths, "src_lengths")
-        spec = MaskSpec(q_segment=segment_ids, k_segment=segment_ids, q_valid=valid_BS,
-                        k_valid=valid_BS, aligned=True)
+        index_BS = positions_like(src)                  # for a sliding layer's window
+        spec = MaskSpec(index_BS, index_BS, q_segment=segment_ids, k_segment=segment_ids,
+                        q_valid=valid_BS, k_valid=valid_BS, aligned=True)
         x_BSD = self.src_embed(src, positions, deterministic)
         x_BSD, _ = self.encoder(x_BSD, LayerInputs(spec, positions, deterministic=deterministic))
         return x_BSD

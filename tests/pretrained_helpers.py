@@ -335,10 +335,23 @@ SEQ2SEQ_CASES = {
         positions="sinusoidal_paper", norm_position="pre", embedding_norm=False,
         logits_bias=True, scale_embeddings=True, activation="relu", share_embeddings=True,
         tie_embeddings=True, pad_id=0, bos_id=0, eos_id=1)),
+    # Gemma 2's layers in both stacks: sliding (a window of 3: both sides in the encoder)
+    # and full, GQA, soft-caps low enough to bend the logits, the stacks' own token tables.
+    "t5gemma": ("t5gemma", dict(
+        vocab_size=64, decoder_start_token_id=2, **{stack: dict(
+            vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+            max_position_embeddings=32, sliding_window=3, query_pre_attn_scalar=8,
+            attn_logit_softcapping=5.0, final_logit_softcapping=3.0)
+            for stack in ("encoder", "decoder")}), dict(
+        positions="rope", layer_types=("sliding", "full"), sliding_window=3, num_kv_heads=2,
+        share_embeddings=False, tie_embeddings=True, sublayer_output_norm=True,
+        norm_scale_offset=1.0, attn_logit_softcapping=5.0, final_logit_softcapping=3.0,
+        query_pre_attn_scalar=8.0, activation="geglu", pad_id=0, eos_id=1, bos_id=2)),
 }
 CONFIG_CLASSES.update(bart="BartConfig", marian="MarianConfig", m2m_100="M2M100Config",
                       mbart="MBartConfig", pegasus="PegasusConfig",
-                      t5="T5Config", mt5="MT5Config")
+                      t5="T5Config", mt5="MT5Config", t5gemma="T5GemmaConfig")
 
 
 def randomize_seq2seq(model, seed: int):

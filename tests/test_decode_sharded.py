@@ -29,13 +29,22 @@ LLAMA4 = dict(positions="rope", norm="rmsnorm", activation="swiglu", use_bias=Fa
               moe_layers=(0,))
 
 
+# T5Gemma's layers (`t5gemma`): Gemma 2's in both stacks, the encoder's window two-sided.
+T5GEMMA = dict(positions="rope", norm="rmsnorm", norm_scale_offset=1.0, activation="geglu",
+               use_bias=False, share_embeddings=False, scale_embeddings=True,
+               sublayer_output_norm=True, num_encoder_layers=2, num_decoder_layers=2,
+               layer_types=("sliding", "full"), sliding_window=3, attn_logit_softcapping=5.0,
+               final_logit_softcapping=3.0, query_pre_attn_scalar=8.0)
+VARIANTS = {"llama4": ("decoder_only", LLAMA4), "t5gemma": ("encoder_decoder", T5GEMMA)}
+
+
 @functools.cache
 def setup(arch):
     """A GQA model (8 query heads, 4 kv heads, vocabulary 64: all divide the tensor axis),
     its parameters on one device and the same ones split over tensor = 4, and prompts.
-    `arch` "llama4": the decoder-only model with `LLAMA4`'s layers."""
-    variant = LLAMA4 if arch == "llama4" else {}
-    cfg = tiny("decoder_only" if variant else arch, **{
+    `arch` "llama4" or "t5gemma": its family with `VARIANTS`' layers."""
+    arch, variant = VARIANTS.get(arch, (arch, {}))
+    cfg = tiny(arch, **{
         **dict(num_heads=8, num_kv_heads=4, vocab_size=64, num_layers=1, num_encoder_layers=1,
                num_decoder_layers=1), **variant})
     f = fns(cfg)
@@ -71,7 +80,7 @@ def test_cache_sharding_follows_the_params_kv_heads():
     assert static["cache_sharding"] == cache_sharding(sharded)
 
 
-@pytest.mark.parametrize("arch", ["decoder_only", "encoder_decoder", "llama4"])
+@pytest.mark.parametrize("arch", ["decoder_only", "encoder_decoder", "llama4", "t5gemma"])
 def test_tensor_parallel_greedy_equals_one_device(arch):
     model, params, sharded, _, prompts, lengths = setup(arch)
     kw = dict(max_new_tokens=N, eos_id=None)
@@ -88,7 +97,7 @@ def test_tensor_parallel_greedy_equals_one_device(arch):
         assert cache_split(lowered, cfg, B, width) == (True, False)
 
 
-@pytest.mark.parametrize("arch", ["decoder_only", "encoder_decoder"])
+@pytest.mark.parametrize("arch", ["decoder_only", "encoder_decoder", "t5gemma"])
 def test_tensor_parallel_beam_search_equals_one_device(arch):
     model, params, sharded, _, prompts, lengths = setup(arch)
     W = 3

@@ -35,6 +35,8 @@ def unsupported(q_BTNH, k_BSKH, spec: MaskSpec, bias, *, dropout_rate: float,
         return "its keys cannot be shared by several query rows (beams)"
     if spec.window_on is not None:
         return "its window cannot be switched per layer inside a scanned stack (layer_types)"
+    if spec.window is not None and not spec.causal:
+        return "its window is a causal one (the most recent keys), not one on both sides"
     if spec.chunk is not None:
         return f"it has no chunked local mask (attention_chunk_size={spec.chunk})"
     if softcap is not None:
