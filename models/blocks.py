@@ -68,18 +68,19 @@ def _out_norm(cfg, name: str):
     return make_norm(cfg, f"{name}_output_norm") if cfg.sublayer_output_norm else None
 
 
-def _self_attention_sublayer(cfg, x_BTD, inputs: LayerInputs, cache, layer, *, kind=None):
+def _self_attention_sublayer(cfg, x_BTD, inputs: LayerInputs, cache, layer, *, kind=None,
+                             normed: bool = True):
     """The residual self-attention sublayer; returns (x_BTD, cache), or with
     `inputs.read_only` (x_BTD, cache, the layer's new (k_BTKH, v_BTKH)). `kind`: the
-    layer's `LayerKind` (`SelfAttention`)."""
+    layer's `LayerKind` (`SelfAttention`); `normed` False: no norm before it."""
     attn = SelfAttention(cfg, name="self_attention")
     x_BTD, out = residual(
         cfg, x_BTD,
         lambda y: attn(y, spec=inputs.self_spec, positions_BT=inputs.positions, cache=cache,
                        layer=layer, deterministic=inputs.deterministic, bias=inputs.self_bias,
                        read_only=inputs.read_only, kind=kind),
-        make_norm(cfg, "self_attention_norm"), deterministic=inputs.deterministic,
-        out_norm=_out_norm(cfg, "self_attention"))
+        make_norm(cfg, "self_attention_norm") if normed else (lambda y: y),
+        deterministic=inputs.deterministic, out_norm=_out_norm(cfg, "self_attention"))
     return (x_BTD, cache, out) if inputs.read_only else (x_BTD, out, None)
 
 
@@ -98,16 +99,19 @@ class SelfAttentionLayer(nn.Module):
     """Self-attention then MLP: an encoder layer (bidirectional mask) or a decoder-only
     layer (causal mask, optionally with a cache). `kind` is the layer's `LayerKind` (see
     `LayerStack`), else None; `experts` whether its MLP is the mixture (None: as
-    `num_experts` says; `moe_layers` mixes them)."""
+    `num_experts` says; `moe_layers` mixes them); `attention_norm` False: none before the
+    attention (`first_attention_norm`)."""
 
     config: TransformerConfig
     experts: bool | None = None
+    attention_norm: bool = True
 
     @nn.compact
     def __call__(self, carry, inputs: LayerInputs, kind=None):
         x_BTD, cache, layer = carry
         x_BTD, cache, new_kv = _self_attention_sublayer(self.config, x_BTD, inputs, cache,
-                                                        layer, kind=kind)
+                                                        layer, kind=kind,
+                                                        normed=self.attention_norm)
         x_BTD = _mlp_sublayer(self.config, x_BTD, inputs, self.experts)
         return (x_BTD, cache, layer + 1), new_kv
 
@@ -192,6 +196,8 @@ class LayerStack(nn.Module):
             for i in range(self.num_layers):
                 kind = () if kinds is None else (kinds[i],)
                 mixed = dict(experts=cfg.layer_has_experts(i)) if cfg.moe_layers else {}
+                if i == 0 and not cfg.first_attention_norm:
+                    mixed["attention_norm"] = False
                 carry, layer_kv = layer_type(cfg, name=f"layer_{i}", **mixed)(carry, inputs,
                                                                                *kind)
                 per_layer.append(layer_kv)

@@ -42,7 +42,10 @@ Architecture = Literal["decoder_only", "encoder_decoder", "encoder_only"]
 PositionKind = Literal["sinusoidal", "sinusoidal_paper", "learned", "rope", "relative"]
 NormKind = Literal["layernorm", "rmsnorm"]
 NormPosition = Literal["pre", "post"]
-Activation = Literal["relu", "gelu", "gelu_exact", "silu", "swiglu", "geglu", "clamped_swiglu"]
+Activation = Literal["relu", "gelu", "gelu_exact", "silu", "swiglu", "geglu", "geglu_exact",
+                     "clamped_swiglu"]
+ClassifierPooling = Literal["first", "mean"]
+ClassifierHead = Literal["pooler", "transform"]
 AttentionImpl = Literal["auto", "xla", "chunked", "cudnn"]
 RematPolicy = Literal["full", "dots", "names"]
 MoeDispatch = Literal["ragged", "dense"]
@@ -137,13 +140,17 @@ class TransformerConfig:
         norm: "layernorm" or "rmsnorm"; norm_position: "pre" (x + f(norm(x)), with a final
             norm after the stack) or "post" (norm(x + f(x)), as in Vaswani et al.).
         norm_eps: epsilon of every norm.
+        norm_bias: LayerNorms have a bias (False: ModernBERT's).
+        first_attention_norm: False: the first layer's attention reads its input unnormed
+            (pre-norm; ModernBERT, whose embedding norm precedes it); not with scan_layers.
         norm_scale_offset: RMSNorm only: the norm multiplies by (offset + scale), so a
             stored scale of 0 is the identity when the offset is 1 (Gemma's 1 + weight);
             with an offset the normalised value and the product are computed in float32,
             then cast to `dtype`. 0.0: the plain scale.
         activation: "relu", "gelu" (tanh approximation, as GPT-2), "gelu_exact" (erf),
             "silu" (swish), or gated: "swiglu" (silu(x W_gate) * x W_up), "geglu" (the
-            same with tanh GELU, T5 v1.1) and "clamped_swiglu" (GPT-OSS: the gate clamped
+            same with tanh GELU, T5 v1.1), "geglu_exact" (with erf GELU, ModernBERT) and
+            "clamped_swiglu" (GPT-OSS: the gate clamped
             above and the up projection on both sides at `swiglu_limit`, then
             g * sigmoid(swiglu_alpha * g) * (u + 1)).
         swiglu_alpha, swiglu_limit: "clamped_swiglu"'s sigmoid gain and clamp.
@@ -197,6 +204,11 @@ class TransformerConfig:
             labels instead (see `models.encoder_only`).
         label_names: a classifier's C label names, class i first (empty: unnamed, shown
             as LABEL_i); they travel with the model (config.json's id2label).
+        classifier_pooling: what a classifier reads: "first" (the [CLS] token's state) or
+            "mean" (the mean of its example's real tokens' states; ModernBERT's option).
+        classifier_head: "pooler" (BERT's dense + tanh, then the output layer) or
+            "transform" (ModernBERT's dense, the activation and the norm, then the output
+            layer).
         share_embeddings: encoder-decoder only: source and target use one embedding table.
         tie_embeddings: the output projection is the transposed target embedding.
         scale_embeddings: multiply embeddings by sqrt(D) (Vaswani et al.); their initial
@@ -265,6 +277,8 @@ class TransformerConfig:
     norm: NormKind = "layernorm"
     norm_position: NormPosition = "pre"
     norm_eps: float = 1e-6
+    norm_bias: bool = True
+    first_attention_norm: bool = True
     norm_scale_offset: float = 0.0
     activation: Activation = "relu"
     swiglu_alpha: float = 1.702
@@ -296,6 +310,8 @@ class TransformerConfig:
     num_token_types: int = 0
     num_labels: int = 0
     label_names: tuple[str, ...] = ()
+    classifier_pooling: ClassifierPooling = "first"
+    classifier_head: ClassifierHead = "pooler"
     share_embeddings: bool = True
     tie_embeddings: bool = True
     scale_embeddings: bool = False

@@ -130,6 +130,7 @@ def _check_attention_variants(cfg) -> None:
             raise UserError("TransformerConfig.layer_types has 'chunked' layers but "
                             "attention_chunk_size=None")
     _check_llama4_attention(cfg)
+    _check_encoder_heads(cfg)
     for name in ("rope_local_theta", "attn_logit_softcapping", "final_logit_softcapping",
                  "query_pre_attn_scalar"):
         value = getattr(cfg, name)
@@ -159,6 +160,24 @@ def _check_attention_variants(cfg) -> None:
         raise UserError(f"TransformerConfig.query_pre_attn_scalar="
                         f"{cfg.query_pre_attn_scalar} scales the attention, and needs "
                         "scale_attention=True")
+
+
+def _check_encoder_heads(cfg) -> None:
+    """ModernBERT's parts: the unnormed first attention, the classifier's pooling and
+    head, LayerNorms without bias."""
+    if not cfg.first_attention_norm and (cfg.norm_position != "pre" or cfg.scan_layers
+                                         or cfg.is_encoder_decoder):
+        raise UserError("TransformerConfig.first_attention_norm=False (the first layer's "
+                        "attention without a norm) needs norm_position='pre', one stack and "
+                        f"scan_layers=False (not {cfg.norm_position!r}, {cfg.architecture!r},"
+                        f" {cfg.scan_layers}): a scan runs one layer's program for all")
+    for name, default in (("classifier_pooling", "first"), ("classifier_head", "pooler")):
+        if getattr(cfg, name) != default and cfg.architecture != "encoder_only":
+            raise UserError(f"TransformerConfig.{name}={getattr(cfg, name)!r} shapes an "
+                            "encoder's classifier, and needs architecture='encoder_only'")
+    if not cfg.norm_bias and cfg.norm != "layernorm":
+        raise UserError(f"TransformerConfig.norm_bias=False takes the LayerNorm's bias away;"
+                        f" norm={cfg.norm!r} has none")
 
 
 def _check_llama4_attention(cfg) -> None:

@@ -19,6 +19,12 @@ fixes it:
                       plus its own bias [V]                       (BertForMaskedLM)
     num_labels == C   pooler (dense + tanh of the first token), dropout, then a linear
                       layer to C logits                  (BertForSequenceClassification)
+
+ModernBERT's heads (`classifier_head="transform"`, `classifier_pooling`): its classifier
+pools the first token or the mean of the example's real tokens, then applies the masked-LM
+head's transform (dense, the activation, the norm) before the output layer; without
+`use_bias` the transforms have no bias, and a gated activation's plain function
+(`models.layers.UNGATED`) is the heads' activation.
 """
 
 from __future__ import annotations
@@ -32,14 +38,22 @@ from models.blocks import LayerInputs, LayerStack, SelfAttentionLayer
 from models.checks import check_same_shape, check_tokens
 from models.config import TransformerConfig
 from models.errors import UserError
-from models.layers import ACTIVATIONS, InputEmbedding, make_norm, token_embedding
+from models.layers import ACTIVATIONS, UNGATED, InputEmbedding, make_norm, token_embedding
 from models.masks import MaskSpec, positions_like, valid_from_lengths
 
 
-def _dense(cfg: TransformerConfig, features: int, name: str, out_axis: str) -> nn.Dense:
-    return nn.Dense(features, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
+def _dense(cfg: TransformerConfig, features: int, name: str, out_axis: str,
+           bias: bool = True) -> nn.Dense:
+    return nn.Dense(features, use_bias=bias, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
                     kernel_init=named(XAVIER_UNIFORM, "embed", out_axis),
                     bias_init=named(ZEROS, out_axis), name=name)
+
+
+def _transform(cfg: TransformerConfig, x_BTD):
+    """norm(act(x W + b)): the heads' transform (the bias with `use_bias`)."""
+    act = ACTIVATIONS[UNGATED.get(cfg.activation, cfg.activation)]
+    h_BTD = act(_dense(cfg, cfg.d_model, "transform", "embed", cfg.use_bias)(x_BTD))
+    return make_norm(cfg, "norm")(h_BTD)
 
 
 class MaskedLMHead(nn.Module):
@@ -52,8 +66,7 @@ class MaskedLMHead(nn.Module):
     @nn.compact
     def __call__(self, x_BTD: Float[Array, "B T D"]) -> Float[Array, "B T V"]:
         cfg = self.config
-        h_BTD = ACTIVATIONS[cfg.activation](_dense(cfg, cfg.d_model, "transform", "embed")(x_BTD))
-        h_BTD = make_norm(cfg, "norm")(h_BTD)
+        h_BTD = _transform(cfg, x_BTD)
         bias_V = self.param("bias", named(ZEROS, "vocab"), (cfg.vocab_size,),
                             cfg.param_dtype)
         logits_BTV = self.tokens.attend(h_BTD).astype(jnp.float32)
@@ -61,15 +74,19 @@ class MaskedLMHead(nn.Module):
 
 
 class ClassificationHead(nn.Module):
-    """A [CLS] state -> tanh(dense) (the "pooler") -> dropout -> C logits, for every state
-    it is given (`[..., D] -> [..., C]`)."""
+    """A pooled state -> tanh(dense) (the "pooler"; or with `classifier_head="transform"`
+    the masked-LM head's transform) -> dropout -> C logits, for every state it is given
+    (`[..., D] -> [..., C]`)."""
 
     config: TransformerConfig
 
     @nn.compact
     def __call__(self, x_BD: Float[Array, "... D"], deterministic: bool) -> Float[Array, "... C"]:
         cfg = self.config
-        pooled_BD = jnp.tanh(_dense(cfg, cfg.d_model, "pooler", "embed")(x_BD))
+        if cfg.classifier_head == "transform":
+            pooled_BD = _transform(cfg, x_BD)
+        else:
+            pooled_BD = jnp.tanh(_dense(cfg, cfg.d_model, "pooler", "embed")(x_BD))
         pooled_BD = nn.Dropout(cfg.dropout_rate)(pooled_BD, deterministic=deterministic)
         return _dense(cfg, cfg.num_labels, "classifier", "labels")(pooled_BD).astype(jnp.float32)
 
@@ -150,9 +167,26 @@ class EncoderOnly(PlainInit, nn.Module):
                            first_only: bool = False, **kwargs) -> Float[Array, "B T C"]:
         """Class logits (float32) read at every position, for packed rows whose examples
         start at their segments' first positions (training reads those); keywords as
-        `encode`. With `first_only`, the head reads position 0 alone (`[B, 1, C]`)."""
+        `encode`. With `first_only`, the head reads position 0 alone (`[B, 1, C]`). With
+        `classifier_pooling="mean"` a position reads the mean of its example's real
+        tokens (its segment's, or its row's up to `lengths`)."""
         if not self.config.num_labels:
             raise UserError("this model has a masked-LM head (num_labels=0); give the config "
                              "num_labels > 0 for a classifier")
         x_BTD = self.encode(tokens, deterministic=deterministic, **kwargs)
+        if self.config.classifier_pooling == "mean":
+            x_BTD = _example_means(x_BTD, tokens, kwargs.get("lengths"),
+                                   kwargs.get("segment_ids"))
         return self.classifier(x_BTD[:, :1] if first_only else x_BTD, deterministic)
+
+
+def _example_means(x_BTD, tokens_BT, lengths_B, segment_ids_BT):
+    """At each position, the mean of the states of its example's real tokens: those of its
+    segment (ids > 0), or of its row up to `lengths` (every token without either)."""
+    if segment_ids_BT is None:
+        segment_ids_BT = valid_from_lengths(tokens_BT, lengths_B, "lengths").astype(jnp.int32)
+    same_BTS = ((segment_ids_BT[:, :, None] == segment_ids_BT[:, None, :])
+                & (segment_ids_BT[:, None, :] > 0)).astype(jnp.float32)
+    sums_BTD = jnp.einsum("bts,bsd->btd", same_BTS, x_BTD.astype(jnp.float32))
+    counts_BT1 = jnp.maximum(same_BTS.sum(-1, keepdims=True), 1.0)
+    return (sums_BTD / counts_BT1).astype(x_BTD.dtype)

@@ -115,7 +115,7 @@ def make_norm(config: TransformerConfig, name: str | None = None,
             scale_init=ones, name=name)
     return nn.LayerNorm(
         epsilon=config.norm_eps, dtype=config.dtype, param_dtype=config.param_dtype,
-        scale_init=ones, bias_init=zeros, name=name)
+        use_bias=config.norm_bias, scale_init=ones, bias_init=zeros, name=name)
 
 
 class OffsetRMSNorm(nn.Module):
@@ -145,7 +145,10 @@ ACTIVATIONS = {
     "silu": jax.nn.silu,
 }
 # Gated activations: the function applied to the gate, which multiplies the up projection.
-GATED = {"swiglu": jax.nn.silu, "geglu": ACTIVATIONS["gelu"], "clamped_swiglu": None}
+GATED = {"swiglu": jax.nn.silu, "geglu": ACTIVATIONS["gelu"],
+         "geglu_exact": ACTIVATIONS["gelu_exact"], "clamped_swiglu": None}
+# The plain activation of each gated one (an encoder head's transform applies it).
+UNGATED = {"swiglu": "silu", "geglu": "gelu", "geglu_exact": "gelu_exact"}
 
 
 def gated(cfg: TransformerConfig, gate, up):

@@ -195,7 +195,7 @@ def projection_widths(cfg) -> dict[Site, tuple[int, int]]:
                    cfg.num_kv_heads * cfg.head_dim, cfg.mlp_dim)
     attention = {"query": (d, q), "key": (d, kv), "value": (d, kv), "out": (q, d)}
     mlp = {"up": (d, f), "down": (f, d)}
-    if cfg.activation in ("swiglu", "geglu"):
+    if cfg.activation in ("swiglu", "geglu", "geglu_exact"):
         mlp["gate"] = (d, f)
     stacks = {"decoder_only": ("decoder",), "encoder_only": ("encoder",),
               "encoder_decoder": ("encoder", "decoder")}[cfg.architecture]

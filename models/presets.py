@@ -55,6 +55,17 @@ _T5GEMMA = dict(
     layer_types=("sliding", "full") * 13, attn_logit_softcapping=50.0,
     final_logit_softcapping=30.0, query_pre_attn_scalar=256.0, pad_id=0, eos_id=1, bos_id=2,
 )
+# ModernBERT (Answer.AI and LightOn, 2024): a pre-norm encoder with RoPE, a global layer
+# (base 160,000) every third and local ones (64 positions either side, base 10,000) between,
+# GeGLU, no biases, LayerNorms without bias, the first layer's attention unnormed.
+_MODERNBERT = dict(
+    architecture="encoder_only", positions="rope", norm="layernorm", norm_position="pre",
+    norm_bias=False, first_attention_norm=False, activation="geglu_exact", use_bias=False,
+    tie_embeddings=True, embedding_norm=True, num_token_types=0, norm_eps=1e-5,
+    vocab_size=50_368, max_len=8192, rope_theta=160_000.0, rope_local_theta=10_000.0,
+    sliding_window=64, classifier_head="transform", pad_id=50_283, eos_id=50_282,
+    bos_id=50_281,
+)
 _BERT = dict(
     architecture="encoder_only", positions="learned", norm="layernorm", norm_position="post",
     activation="gelu_exact", use_bias=True, tie_embeddings=True, scale_embeddings=False,
@@ -221,6 +232,13 @@ _PRESETS: dict[str, dict] = {
         _T5GEMMA, vocab_size=512, d_model=64, num_heads=4, num_kv_heads=2, head_dim=16,
         mlp_dim=128, num_encoder_layers=2, num_decoder_layers=2, max_len=128,
         sliding_window=8, layer_types=("sliding", "full"), query_pre_attn_scalar=16.0),
+    # ModernBERT-base (149.7M) and -large (395.8M), their masked-LM models.
+    "modernbert-base": dict(
+        _MODERNBERT, d_model=768, num_heads=12, mlp_dim=1152, num_layers=22,
+        layer_types=tuple("full" if i % 3 == 0 else "sliding" for i in range(22))),
+    "modernbert-large": dict(
+        _MODERNBERT, d_model=1024, num_heads=16, mlp_dim=2624, num_layers=28,
+        layer_types=tuple("full" if i % 3 == 0 else "sliding" for i in range(28))),
     # Whisper tiny (39M) and large-v3 (1.55B: 128 mel bins, one more vocabulary entry).
     "whisper-tiny": dict(
         _WHISPER, d_model=384, num_heads=6, mlp_dim=1536, num_encoder_layers=4,

@@ -510,6 +510,14 @@ def their_new_tokens(row: np.ndarray, pad_id: int, eos_ids) -> np.ndarray:
 # checkpoint has two.
 
 ENCODER_LENS = np.array([10, 6])   # row 1 is padded
+_MODERNBERT = dict(vocab_size=64, hidden_size=32, intermediate_size=24, num_hidden_layers=4,
+                   num_attention_heads=4, max_position_embeddings=40, local_attention=4,
+                   pad_token_id=4, bos_token_id=1, eos_token_id=2, cls_token_id=1,
+                   sep_token_id=2,
+                   rope_parameters={"full_attention": {"rope_type": "default",
+                                                       "rope_theta": 1000.0},
+                                    "sliding_attention": {"rope_type": "default",
+                                                          "rope_theta": 50.0}})
 _ENCODER = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                 intermediate_size=48, max_position_embeddings=40)
 
@@ -533,8 +541,23 @@ ENCODER_CASES = {
         _ENCODER, num_hidden_layers=3, type_vocab_size=1, num_labels=2, hidden_act="relu",
         pad_token_id=3), dict(
         num_labels=2, num_layers=3, activation="relu", position_offset=4, max_len=36, pad_id=3)),
+    # Global, local, global layers (local: 2 positions on either side), RoPE bases of each
+    # kind, the first layer without its attention norm, GeGLU with erf GELU, no biases.
+    "modernbert-mlm": ("modernbert", "ModernBertForMaskedLM", dict(
+        _MODERNBERT, num_hidden_layers=3, global_attn_every_n_layers=2), dict(
+        num_labels=0, layer_types=("full", "sliding", "full"), sliding_window=2,
+        rope_theta=1000.0, rope_local_theta=50.0, activation="geglu_exact", norm_bias=False,
+        first_attention_norm=False, use_bias=False, pad_id=4, bos_id=1, eos_id=2)),
+    # A classifier pooling the mean of each row's real tokens, biases everywhere.
+    "modernbert-classifier-mean-biases": ("modernbert", "ModernBertForSequenceClassification",
+                                          dict(_MODERNBERT, classifier_pooling="mean",
+                                               attention_bias=True, mlp_bias=True,
+                                               classifier_bias=True, num_labels=3), dict(
+        num_labels=3, classifier_pooling="mean", classifier_head="transform", use_bias=True,
+        layer_types=("full", "sliding", "sliding", "full"))),
 }
-CONFIG_CLASSES.update(bert="BertConfig", roberta="RobertaConfig")
+CONFIG_CLASSES.update(bert="BertConfig", roberta="RobertaConfig",
+                      modernbert="ModernBertConfig")
 
 
 def randomize_encoder(model, seed: int):
@@ -552,8 +575,8 @@ def hf_encoder_logits(model, tokens, lengths, token_types=None) -> np.ndarray:
     with torch.no_grad():
         return model(input_ids=torch.as_tensor(tokens, dtype=torch.long),
                      attention_mask=torch.as_tensor(mask, dtype=torch.long),
-                     token_type_ids=None if token_types is None else torch.as_tensor(
-                         token_types, dtype=torch.long)).logits.float().numpy()
+                     **({} if token_types is None else dict(token_type_ids=torch.as_tensor(
+                         token_types, dtype=torch.long)))).logits.float().numpy()
 
 
 def hf_encoder_load(path: str, class_name: str):
@@ -584,7 +607,7 @@ class EncoderCheckpoint:
         self.tokens = rng.integers(6, hf_cfg.vocab_size, (B, T)).astype(np.int32)
         self.tokens[np.arange(T)[None, :] >= self.lengths[:, None]] = hf_cfg.pad_token_id
         self.token_types = None
-        if hf_cfg.type_vocab_size > 1:
+        if getattr(hf_cfg, "type_vocab_size", 1) > 1:
             self.token_types = (np.arange(T)[None, :] >= 3).astype(np.int32).repeat(B, 0)
         self.logits = hf_encoder_logits(self.model, self.tokens, self.lengths, self.token_types)
         self.state = state_of(self.model)

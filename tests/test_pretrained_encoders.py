@@ -123,6 +123,8 @@ def test_load_then_save_gives_files_transformers_loads_to_the_same_tensors(
     back = models.load(same)
     assert back.config == pre.config
     assert_same_params(back.params, pre.params)
+    if not pre.config.first_attention_norm:       # ModernBERT: one unnormed layer, looped
+        return
     scanned = models.load(c.path, scan_layers=True)
     assert_same_params(scanned.params, stack_layers(pre.params))
     models.save(str(tmp_path / "scanned"), scanned.config, scanned.params)

@@ -139,7 +139,8 @@ def test_every_parameter_of_every_preset_names_each_of_its_axes():
                                num_decoder_layers=2,
                                layer_types=base.layer_types[-2:],   # a full layer last
                                nope_layers=(1,) if base.nope_layers else (),
-                               moe_layers=(1,) if base.moe_layers and not scan else ())
+                               moe_layers=(1,) if base.moe_layers and not scan else (),
+                               first_attention_norm=base.first_attention_norm or scan)
             model = models.build(cfg)
             args, method = axes.init_args(cfg)
             boxed = axes.boxed_params(model, *args, method=method)

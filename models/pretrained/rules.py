@@ -125,8 +125,8 @@ def norm(cfg: TransformerConfig, at: Scope, theirs: str, ours: str) -> list[Rule
     """A norm: `{theirs}.weight` <-> `{ours}/scale`, and a LayerNorm's `{theirs}.bias` <->
     `{ours}/bias`."""
     table = [at.rule(f"{theirs}.weight", f"{ours}/scale")]
-    return table + ([at.rule(f"{theirs}.bias", f"{ours}/bias")] if cfg.norm == "layernorm"
-                    else [])
+    return table + ([at.rule(f"{theirs}.bias", f"{ours}/bias")]
+                    if cfg.norm == "layernorm" and cfg.norm_bias else [])
 
 
 def final_norm(cfg: TransformerConfig, stack: str, theirs: str) -> list[Rule]:
