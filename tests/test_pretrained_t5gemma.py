@@ -118,3 +118,55 @@ def test_three_steps_over_an_fsdp2_tensor2_mesh_equal_one_device():
     for b in ts._batches(cfg):
         state, _ = sh.train_step(state, jax.tree.map(lambda x: x.reshape(4, -1, ts.W), b))
     chex.assert_trees_all_close(sh.host_state(state).params, ts._one_device(cfg), atol=2e-5)
+
+
+PAIRS = [("the cat sat.", "el gato."), ("a dog ran.", "un perro."), ("the sea.", "el mar."),
+         ("a red cat.", "un gato rojo.")] * 6
+
+
+@pytest.mark.slow
+def test_fine_tuning_a_t5gemma_directory_with_lora_exports_an_adapter_peft_applies(
+        seq2seq_ckpt, data_dir, tmp_path):
+    """`finetune_translation` from a T5Gemma directory (with a Gemma tokenizer) and LoRA:
+    the run encodes with the directory's tokenizer, trains the adapters only, and exports
+    them in PEFT's layout (W/adapter), which PEFT applies to the transformers model with
+    our logits; the merged export is a t5gemma directory transformers loads."""
+    import os
+
+    import peft
+
+    from train import configs
+    from train.trainer import train_and_evaluate
+    c = seq2seq_ckpt("t5gemma")
+    path = copy_dir(c.path, tmp_path / "t5gemma")
+    chars = list("▁abcdefghijklmnopqrstuvwxyz.")
+    vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<unk>": 3,
+             **{ch: i + 4 for i, ch in enumerate(chars)}}
+    ph.transformers.GemmaTokenizer(vocab=vocab, merges=[]).save_pretrained(path)
+    files = []
+    for name, rows in (("train.tsv", PAIRS), ("test.tsv", PAIRS[:4])):
+        (tmp_path / name).write_text("".join(f"{s}\t{t}\n" for s, t in rows))
+        files.append(str(tmp_path / name))
+    cfg = configs.get("finetune_translation")
+    cfg.update(data_dir=data_dir, init_from=path, data_files=",".join(files),
+               num_train_steps=3, warmup_steps=1, learning_rate=1e-2,
+               per_device_batch_size=2, eval_per_device_batch_size=4, max_source_length=24,
+               max_target_length=24, max_decode_length=6, eval_every_steps=1000,
+               checkpoint_every_steps=1000, num_eval_decode=2, num_test_decode=2)
+    cfg.lora.rank = 4
+    cfg.lora.targets = "query,value"
+    workdir = str(tmp_path / "ft")
+    out = train_and_evaluate(cfg, workdir)
+    adapter = os.path.join(workdir, "adapter")
+    pre = models.load(path, adapter=adapter)
+    assert pre.config.lora is not None and pre.model_type == "t5gemma"
+    ours = fns(pre.config).forward(pre.params, jnp.asarray(c.src), jnp.asarray(c.tgt_in),
+                                   src_lengths=jnp.asarray(c.src_lens))
+    assert np.abs(np.asarray(ours) - c.logits).max() > 1e-4        # the adapters trained
+    theirs = peft.PeftModel.from_pretrained(ph.hf_seq2seq_load(path), adapter).eval()
+    np.testing.assert_allclose(ph.hf_seq2seq_logits(theirs, c.src, c.src_lens, c.tgt_in),
+                               ours, atol=1e-4, rtol=0)
+    merged = ph.hf_seq2seq_load(out["model"])
+    assert type(merged).__name__ == "T5GemmaForConditionalGeneration"
+    np.testing.assert_allclose(ph.hf_seq2seq_logits(merged, c.src, c.src_lens, c.tgt_in),
+                               ours, atol=1e-4, rtol=0)

@@ -140,7 +140,10 @@ def test_every_parameter_of_every_preset_names_each_of_its_axes():
                                layer_types=base.layer_types[-2:],   # a full layer last
                                nope_layers=(1,) if base.nope_layers else (),
                                moe_layers=(1,) if base.moe_layers and not scan else (),
-                               first_attention_norm=base.first_attention_norm or scan)
+                               first_attention_norm=base.first_attention_norm or scan,
+                               **{k: None if v is None else v % 64 for k, v in (
+                                   ("pad_id", base.pad_id), ("eos_id", base.eos_id),
+                                   ("bos_id", base.bos_id))})
             model = models.build(cfg)
             args, method = axes.init_args(cfg)
             boxed = axes.boxed_params(model, *args, method=method)
