@@ -80,6 +80,13 @@ CASES = {
     "bart": Case("bart", True, dict(rank=4, alpha=8, targets=CROSS), dict(
         target_modules=["q_proj", "k_proj", "v_proj", "fc2"],
         rank_pattern={"encoder_attn.v_proj": 2}, alpha_pattern={"encoder_attn.v_proj": 3})),
+    # The pre-norm translators on BART's layer names: adapters on every attention and the
+    # decoder's second MLP projection, one at another rank and scale.
+    **{name: Case(name, True, dict(rank=4, alpha=8, targets=(*CROSS, "mlp.down"),
+                                   overrides=(("cross_attention.value", 2, 3.0),)), dict(
+        target_modules=["q_proj", "k_proj", "v_proj", "fc2"],
+        rank_pattern={"encoder_attn.v_proj": 2}, alpha_pattern={"encoder_attn.v_proj": 6}))
+       for name in ("m2m100", "mbart", "pegasus")},
     # Gemma 2's layers in both stacks; the decoder's cross-attention adapters by name.
     "t5gemma": Case("t5gemma", True, dict(
         rank=4, alpha=8, targets=(*CROSS, "decoder.mlp.down"),

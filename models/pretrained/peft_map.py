@@ -105,7 +105,7 @@ def modules(family: Family, cfg: TransformerConfig) -> list[Module]:
     out = []
     for rule in family.rules(cfg):
         sites = [kernel_site(p) for p in rule.ours]
-        if len(rule.theirs) != 1 or None in sites:
+        if len(rule.theirs) != 1 or not sites or None in sites:   # no sites: a table rule
             continue
         name = rule.theirs[0].rsplit(".", 1)[0]
         kernels, stack = list(rule.ours), rule.stack
