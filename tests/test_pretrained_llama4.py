@@ -290,3 +290,36 @@ def test_served_speculative_and_beam_decoding_keep_the_chunks(highest_precision)
     out = decode.generate(scanned, stack_layers(params), padded, lengths, max_new_tokens=10,
                           eos_id=None)
     np.testing.assert_array_equal(out.tokens[:, :10], greedy.tokens[:, :10])
+
+
+def test_a_published_multimodal_checkpoint_loads_its_text_model(tmp_path, highest_precision):
+    """Llama4ForConditionalGeneration (model_type llama4, as every published Llama 4): its
+    text_config and language_model.* tensors load with transformers' text logits, the
+    vision tower's tensors are named in a warning, and the model saves as llama4_text,
+    which transformers' Llama4ForCausalLM reads to the same logits."""
+    torch, transformers = ph.torch, ph.transformers
+    text = {**_SMALL, "num_experts_per_tok": 2, "no_rope_layer_interval": 2,
+            "attention_chunk_size": 3}
+    vision = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                  intermediate_size=24, image_size=28, patch_size=14, vision_output_dim=16,
+                  projector_input_dim=16, projector_output_dim=32)
+    cfg = transformers.Llama4Config(text_config=text, vision_config=vision,
+                                    attn_implementation="eager")
+    torch.manual_seed(0)
+    model = ph.randomize(transformers.Llama4ForConditionalGeneration(cfg), 0)
+    model.save_pretrained(tmp_path / "mm")
+    tokens = ph.random_tokens(64, 0)
+    with torch.no_grad():
+        want = model.language_model(                 # transformers 5.24's text-only call
+            input_ids=torch.as_tensor(tokens, dtype=torch.long)).logits.numpy()
+    with pytest.warns(UserWarning, match=r"vision_model\..*multi_modal_projector|"
+                                         r"multi_modal_projector.*vision_model"):
+        pre = models.load(str(tmp_path / "mm"))
+    assert pre.model_type == "llama4" and pre.config.nope_layers == (1, 3)
+    np.testing.assert_allclose(fns(pre.config).forward(pre.params, tokens), want, atol=ATOL,
+                               rtol=0)
+    assert models.save(str(tmp_path / "text"), pre.config, pre.params) == "llama4_text"
+    np.testing.assert_allclose(hf_logits(hf_load(str(tmp_path / "text")), tokens), want,
+                               atol=ATOL, rtol=0)
+    with pytest.raises(ValueError, match="save the text model as llama4_text"):
+        models.save(str(tmp_path / "again"), pre.config, pre.params, model_type="llama4")

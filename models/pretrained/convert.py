@@ -231,8 +231,8 @@ def _plan(weights: Weights, family: Family, cfg: TransformerConfig, entries) -> 
         raise UserError(f"{family.model_type} checkpoint {weights.directory} has "
                          f"{len(extra)} tensor(s) the config does not use: {_show(extra)}")
     if skipped:
-        notes.append(f"{_show(skipped)}, weights of a head this config does not have, "
-                     "are skipped")
+        notes.append(f"{_show(skipped)}, weights of parts this model does not have (another "
+                     "head, a vision tower), are skipped")
     return _Plan({k: keys[0] for k, keys in stored.items() if keys}, fresh, notes)
 
 

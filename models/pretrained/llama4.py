@@ -25,10 +25,15 @@ padding in the temperature's positions (it uses the cache length, not `position_
 here a token's position is its own. Rows without padding, and every position below
 `floor_scale` (8192 in the published configs), are the same either way.
 
+The published checkpoints are multimodal (`llama4`, Llama4ForConditionalGeneration): their
+`text_config` is read as above and their `language_model.*` tensors are the text model's;
+the vision tower and its projector (`vision_model.*`, `multi_modal_projector.*`) are
+skipped with a warning naming them, and the image token ids in config.json are not read.
+Such a model saves as `llama4_text` (its text model alone).
+
 Refused by name: `attention_bias=True`, an activation other than silu, `layer_types` other
 than chunked and full attention, chunked layers without `attention_chunk_size`, a config
-without expert layers, and the multimodal `llama4` checkpoints (load their text model's
-directory).
+without expert layers, and a multimodal config given as `llama4_text`.
 """
 
 from __future__ import annotations
@@ -80,11 +85,10 @@ THEIR_KINDS = {v: k for k, v in KINDS.items()}
 
 
 def config_from_hf(hf: dict) -> TransformerConfig:
-    if hf.get("model_type") == "llama4" or "text_config" in hf:
-        raise ConfigReader(hf, "llama4").refuse(
-            "model_type", hf.get("model_type"), "the multimodal Llama 4 checkpoint: this "
-            "project loads the text model (llama4_text, Llama4ForCausalLM); save its "
-            "language model with transformers and load that directory")
+    if "text_config" in hf:
+        ConfigReader(hf, "llama4_text").refuse(
+            "text_config", "...", "a multimodal config is model_type llama4, whose "
+            "text_config this reads")
     if hf.get("rope_theta") is None and "rope_theta" not in (hf.get("rope_parameters") or {}):
         hf = {**hf, "rope_theta": DEFAULT_THETA}
     r = ConfigReader(hf, "llama4_text")
@@ -191,3 +195,30 @@ def rules(cfg: TransformerConfig) -> list[Rule]:
 
 FAMILY: Family = llama.family("llama4_text", "Llama4ForCausalLM", config_from_hf,
                               config_to_hf, rules)
+
+
+def multimodal_config_from_hf(hf: dict) -> TransformerConfig:
+    """The text model of a multimodal config.json (its `text_config`)."""
+    r = ConfigReader(hf, "llama4")
+    text = r.take("text_config")
+    if not isinstance(text, dict):
+        r.refuse("text_config", text, "a dict of Llama4TextConfig's fields")
+    for key in ("vision_config", "boi_token_index", "eoi_token_index", "image_token_index",
+                "tie_word_embeddings"):
+        r.take(key, None)                     # the image side's, or the text config's own
+    cfg = config_from_hf({**text, "model_type": "llama4_text"})
+    r.finish()
+    return cfg
+
+
+def multimodal_config_to_hf(cfg: TransformerConfig) -> dict:
+    raise Inexpressible("llama4 (multimodal) needs a vision tower this project does not "
+                        "hold: save the text model as llama4_text")
+
+
+MULTIMODAL = Family(
+    model_type="llama4", architectures=("Llama4ForConditionalGeneration",),
+    config_from_hf=multimodal_config_from_hf, config_to_hf=multimodal_config_to_hf,
+    rules=rules, renames=((r"^language_model\.", ""),),
+    skipped=(r"vision_model\..*", r"multi_modal_projector\..*"),
+    ignored=(r"(model\.)?layers\.\d+\.self_attn\.rotary_emb\.inv_freq",))
