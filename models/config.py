@@ -209,6 +209,8 @@ class TransformerConfig:
         classifier_head: "pooler" (BERT's dense + tanh, then the output layer) or
             "transform" (ModernBERT's dense, the activation and the norm, then the output
             layer).
+        head_bias: the encoder heads' transform dense layer has a bias (ModernBERT's
+            `classifier_bias`; BERT's always has one).
         share_embeddings: encoder-decoder only: source and target use one embedding table.
         tie_embeddings: the output projection is the transposed target embedding.
         scale_embeddings: multiply embeddings by sqrt(D) (Vaswani et al.); their initial
@@ -312,6 +314,7 @@ class TransformerConfig:
     label_names: tuple[str, ...] = ()
     classifier_pooling: ClassifierPooling = "first"
     classifier_head: ClassifierHead = "pooler"
+    head_bias: bool = True
     share_embeddings: bool = True
     tie_embeddings: bool = True
     scale_embeddings: bool = False

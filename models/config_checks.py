@@ -171,7 +171,8 @@ def _check_encoder_heads(cfg) -> None:
                         "attention without a norm) needs norm_position='pre', one stack and "
                         f"scan_layers=False (not {cfg.norm_position!r}, {cfg.architecture!r},"
                         f" {cfg.scan_layers}): a scan runs one layer's program for all")
-    for name, default in (("classifier_pooling", "first"), ("classifier_head", "pooler")):
+    for name, default in (("classifier_pooling", "first"), ("classifier_head", "pooler"),
+                          ("head_bias", True)):
         if getattr(cfg, name) != default and cfg.architecture != "encoder_only":
             raise UserError(f"TransformerConfig.{name}={getattr(cfg, name)!r} shapes an "
                             "encoder's classifier, and needs architecture='encoder_only'")

@@ -23,7 +23,7 @@ fixes it:
 ModernBERT's heads (`classifier_head="transform"`, `classifier_pooling`): its classifier
 pools the first token or the mean of the example's real tokens, then applies the masked-LM
 head's transform (dense, the activation, the norm) before the output layer; without
-`use_bias` the transforms have no bias, and a gated activation's plain function
+`head_bias` the transforms have no bias, and a gated activation's plain function
 (`models.layers.UNGATED`) is the heads' activation.
 """
 
@@ -50,9 +50,9 @@ def _dense(cfg: TransformerConfig, features: int, name: str, out_axis: str,
 
 
 def _transform(cfg: TransformerConfig, x_BTD):
-    """norm(act(x W + b)): the heads' transform (the bias with `use_bias`)."""
+    """norm(act(x W + b)): the heads' transform (the bias with `head_bias`)."""
     act = ACTIVATIONS[UNGATED.get(cfg.activation, cfg.activation)]
-    h_BTD = act(_dense(cfg, cfg.d_model, "transform", "embed", cfg.use_bias)(x_BTD))
+    h_BTD = act(_dense(cfg, cfg.d_model, "transform", "embed", cfg.head_bias)(x_BTD))
     return make_norm(cfg, "norm")(h_BTD)
 
 

@@ -63,7 +63,7 @@ _MODERNBERT = dict(
     norm_bias=False, first_attention_norm=False, activation="geglu_exact", use_bias=False,
     tie_embeddings=True, embedding_norm=True, num_token_types=0, norm_eps=1e-5,
     vocab_size=50_368, max_len=8192, rope_theta=160_000.0, rope_local_theta=10_000.0,
-    sliding_window=64, classifier_head="transform", pad_id=50_283, eos_id=50_282,
+    sliding_window=64, classifier_head="transform", head_bias=False, pad_id=50_283, eos_id=50_282,
     bos_id=50_281,
 )
 _BERT = dict(

@@ -546,6 +546,7 @@ ENCODER_CASES = {
     "modernbert-mlm": ("modernbert", "ModernBertForMaskedLM", dict(
         _MODERNBERT, num_hidden_layers=3, global_attn_every_n_layers=2), dict(
         num_labels=0, layer_types=("full", "sliding", "full"), sliding_window=2,
+        head_bias=False,
         rope_theta=1000.0, rope_local_theta=50.0, activation="geglu_exact", norm_bias=False,
         first_attention_norm=False, use_bias=False, pad_id=4, bos_id=1, eos_id=2)),
     # A classifier pooling the mean of each row's real tokens, biases everywhere.
@@ -554,6 +555,7 @@ ENCODER_CASES = {
                                                attention_bias=True, mlp_bias=True,
                                                classifier_bias=True, num_labels=3), dict(
         num_labels=3, classifier_pooling="mean", classifier_head="transform", use_bias=True,
+        head_bias=True,
         layer_types=("full", "sliding", "sliding", "full"))),
 }
 CONFIG_CLASSES.update(bert="BertConfig", roberta="RobertaConfig",

@@ -77,7 +77,7 @@ def test_fill_mask_and_classify_give_transformers_choices(encoder_ckpt, highest_
 
 
 REFUSED = [
-    (dict(mlp_bias=True), ["classifier_bias", "mlp_bias"]),
+    (dict(mlp_bias=True), ["mlp_bias", "attention_bias=False"]),
     (dict(classifier_activation="silu"), ["classifier_activation", "silu", "'gelu'"]),
     (dict(hidden_activation="relu"), ["hidden_activation", "relu"]),
     (dict(decoder_bias=False), ["decoder_bias", "False"]),
@@ -124,3 +124,82 @@ def test_a_modernbert_preset_at_the_published_size_has_transformers_parameter_co
     tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)
     shapes = jax.eval_shape(models.build(cfg).init, jax.random.key(0), tokens)["params"]
     assert sum(x.size for x in jax.tree.leaves(shapes)) == theirs == count
+
+
+@pytest.mark.slow
+def test_a_modernbert_directory_fine_tunes_into_a_classifier_transformers_reads(
+        encoder_ckpt, data_dir, tmp_path, highest_precision):
+    """`finetune_classify` from a ModernBERT masked-LM directory (with a tokenizer of its
+    special tokens): the classifier starts new for the data's labels, and the export is a
+    ModernBertForSequenceClassification that transformers reads to our class logits (mean
+    pooling kept). With LoRA the run is refused by name: a PEFT adapter would lose the new
+    head."""
+    from tokenizers import Tokenizer, models as tok_models, pre_tokenizers, processors
+
+    from train import configs
+    from train.trainer import train_and_evaluate
+    c = encoder_ckpt("modernbert-mlm")
+    path = copy_dir(c.path, tmp_path / "modernbert")
+    edit_config(path, set_fields(classifier_pooling="mean"))
+    specials = ["[UNK]", "[CLS]", "[SEP]", "[MASK]", "[PAD]"]
+    vocab = {t: i for i, t in enumerate(specials + list("abcdefghijklmnopqrstuvwxyz .0123"))}
+    backend = Tokenizer(tok_models.WordLevel(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    backend.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", special_tokens=[("[CLS]", 1), ("[SEP]", 2)])
+    transformers.PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token="[UNK]", cls_token="[CLS]", sep_token="[SEP]",
+        mask_token="[MASK]", pad_token="[PAD]").save_pretrained(path)
+    rows = [(f"a {word} line {i}", ("neg", "pos")[i % 2])
+            for i, word in enumerate(("cat", "dog", "sea", "red") * 6)]
+    files = []
+    for name in ("train", "dev", "test"):
+        (tmp_path / f"{name}.tsv").write_text("".join(f"{t}\t{y}\n" for t, y in rows))
+        files.append(str(tmp_path / f"{name}.tsv"))
+    cfg = configs.get("finetune_classify")
+    cfg.update(init_from=path, data_files=",".join(files), data_dir=data_dir,
+               num_train_steps=2, per_device_batch_size=2, eval_per_device_batch_size=8,
+               warmup_steps=1, max_source_length=32, max_target_length=32,
+               max_decode_length=31)
+    cfg.lora.rank = 4
+    with pytest.raises(ValueError, match=r"lora.rank=4 .* hold no classifier for 2 labels"):
+        train_and_evaluate(cfg, str(tmp_path / "lora"))
+    cfg.lora.rank = 0
+    out = train_and_evaluate(cfg, str(tmp_path / "ft"))
+    pre = models.load(out["model"])
+    assert pre.model_type == "modernbert" and pre.config.label_names == ("neg", "pos")
+    assert pre.config.classifier_pooling == "mean"
+    theirs = ph.hf_encoder_load(out["model"], "ModernBertForSequenceClassification")
+    ours = pre.model.apply({"params": pre.params}, jnp.asarray(c.tokens),
+                           lengths=jnp.asarray(c.lengths), method="classify")
+    np.testing.assert_allclose(ph.hf_encoder_logits(theirs, c.tokens, c.lengths), ours,
+                               atol=ph.ATOL, rtol=0)
+
+
+def test_adapters_on_the_fused_projections_load_in_peft_with_our_logits(
+        encoder_ckpt, tmp_path, highest_precision):
+    """LoRA on ModernBERT's query and value (one fused `attn.Wqkv`, its key block zero), its
+    attention output and MLP output (`attn.Wo`, `mlp.Wo`): PEFT reads the adapter we write
+    to our masked-LM logits."""
+    import peft
+
+    from models import lora
+    from models.lora import LoraConfig
+    from models.pretrained import peft as peft_files
+    from tests.helpers import random_adapters
+    c = encoder_ckpt("modernbert-mlm")
+    pre = models.load(c.path)
+    cfg = pre.config.replace(lora=LoraConfig(targets=("query", "value", "out", "down")))
+    adapters = random_adapters(cfg, seed=3)
+    out = str(tmp_path / "adapter")
+    models.save_adapter(out, cfg, adapters)
+    with open(f"{out}/{peft_files.CONFIG}") as f:
+        assert sorted(json.load(f)["target_modules"]) == ["Wo", "Wqkv"]
+    model = peft.PeftModel.from_pretrained(ph.hf_encoder_load(c.path, c.class_name), out)
+    theirs = ph.hf_encoder_logits(model.eval(), c.tokens, c.lengths)
+    ours = np.asarray(models.build(cfg).apply({"params": lora.join(pre.params, adapters)},
+                                              jnp.asarray(c.tokens),
+                                              lengths=jnp.asarray(c.lengths)))
+    assert np.abs(ours - c.logits).max() > 1e-2
+    for b, n in enumerate(c.lengths):
+        np.testing.assert_allclose(ours[b, :n], theirs[b, :n], atol=ph.ATOL, rtol=0)

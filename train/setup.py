@@ -391,10 +391,16 @@ def _start_run(settings: RunConfig, workdir: str, lock: workdir_lib.Lock
             print(f"resumed from step {resumed_from}", flush=True)
     elif init_from:
         loaded = wrapper.load_params(init_from, **_runtime(mcfg, base_dtype))
+        new, unused = _head_change(heads, loaded)
+        if new and mcfg.lora is not None:
+            raise UserError(f"lora.rank={mcfg.lora.rank} trains adapters over {init_from}'s "
+                            f"weights, which hold no {', '.join(new)} for "
+                            f"{mcfg.num_labels} labels: an adapter exported in PEFT's "
+                            "format would lose that new head. Fine-tune without lora first "
+                            "(or start from a directory with this head)")
         state = wrapper.init_state(fresh_state, loaded)
         if lead:
             print(f"initialised from {init_from} ({choice.model_type})", flush=True)
-            new, unused = _head_change(heads, loaded)
             if new or unused:
                 print(f"warning: {init_from}'s {', '.join(unused) or 'model'} is not "
                       f"used; {', '.join(new)} newly initialised for {mcfg.num_labels} "

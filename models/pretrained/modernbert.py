@@ -18,7 +18,7 @@ layers, GeGLU and no biases.
 `architectures` names the head (see `bert.heads_of`); a file with `classifier.weight`
 classifies. The special ids: pad 50283, cls (our bos) 50281, sep (our eos) 50282.
 
-Refused by name: biases on some of attention, MLP and head but not all, a head activation
+Refused by name: biases on the attention but not the MLP (or the reverse), a head activation
 other than the layers', another RoPE type, layer kinds other than full and sliding
 attention, `decoder_bias` false, an untied head. Dropouts train only and are not read;
 the sparse-prediction and flash-attention switches change nothing computed.
@@ -92,11 +92,11 @@ def config_from_hf(hf: dict) -> TransformerConfig:
     head_act = r.take("classifier_activation", "gelu")
     if head_act != act:
         r.refuse("classifier_activation", head_act, f"the layers' hidden_activation {act!r}")
-    biases = {k: bool(r.take(k, False)) for k in ("attention_bias", "mlp_bias",
-                                                  "classifier_bias")}
+    biases = {k: bool(r.take(k, False)) for k in ("attention_bias", "mlp_bias")}
     if len(set(biases.values())) > 1:
-        r.refuse("classifier_bias", biases, "biases on the attention, the MLP and the head "
-                 "together or on none")
+        r.refuse("mlp_bias", biases["mlp_bias"], f"biases on the attention and the MLP "
+                 f"together (attention_bias={biases['attention_bias']})")
+    head_bias = bool(r.take("classifier_bias", False))
     pooling = r.take("classifier_pooling", "cls")
     if pooling not in POOLING:
         r.refuse("classifier_pooling", pooling, f"one of {sorted(POOLING)}")
@@ -114,6 +114,7 @@ def config_from_hf(hf: dict) -> TransformerConfig:
     labels = bert.heads_of(r, "ModernBert")
     cfg = TransformerConfig(
         **fields, activation=ACTIVATIONS[act], use_bias=biases["attention_bias"],
+        head_bias=head_bias,
         layer_types=tuple(KINDS[k] for k in kinds), sliding_window=local // 2,
         rope_theta=full, rope_local_theta=sliding, classifier_pooling=POOLING[pooling],
         num_labels=labels, label_names=bert.label_names_of(r, labels))
@@ -127,13 +128,14 @@ def config_to_hf(cfg: TransformerConfig) -> dict:
         raise Inexpressible("modernbert expresses GeGLU or SwiGLU layers of global and local "
                             "kinds, each kind with its own unscaled RoPE base")
     hf = MAP.write(cfg, "modernbert", activation=cfg.activation, use_bias=cfg.use_bias,
+                   head_bias=cfg.head_bias,
                    layer_types=cfg.layer_types, sliding_window=cfg.sliding_window,
                    rope_theta=cfg.rope_theta, rope_local_theta=cfg.rope_local_theta,
                    classifier_pooling=cfg.classifier_pooling, num_labels=cfg.num_labels,
                    label_names=cfg.label_names)
     act = HF_ACTIVATIONS[cfg.activation]
     hf.update(hidden_activation=act, classifier_activation=act, attention_bias=cfg.use_bias,
-              mlp_bias=cfg.use_bias, classifier_bias=cfg.use_bias,
+              mlp_bias=cfg.use_bias, classifier_bias=cfg.head_bias,
               layer_types=[{v: k for k, v in KINDS.items()}[k] for k in cfg.layer_types],
               local_attention=2 * cfg.sliding_window,
               rope_parameters={
@@ -164,7 +166,7 @@ def rules(cfg: TransformerConfig) -> list[Rule]:
                              f"encoder/layer_{i}/self_attention_norm")),
              *final_norm(cfg, "encoder", "model.final_norm")]
     head = "classifier" if cfg.num_labels else "mlm_head"
-    table += [*linear(ROOT, "head.dense", f"{head}/transform", bias=cfg.use_bias),
+    table += [*linear(ROOT, "head.dense", f"{head}/transform", bias=cfg.head_bias),
               *norm(cfg, ROOT, "head.norm", f"{head}/norm")]
     if cfg.num_labels:
         return table + linear(ROOT, "classifier", "classifier/classifier", bias=True)
