@@ -235,10 +235,12 @@ def assert_refused_by_name(path: str, words) -> None:
         assert word in str(info.value), (word, str(info.value))
 
 
-def assert_bfloat16_loads_exactly(c: Checkpoint, root, **save_options) -> None:
-    """Checkpoint `c` saved in bfloat16 by transformers loads exactly: as float32, and as
-    bfloat16 (every leaf) with the same values; saved again (`save_options`: `models.save`'s)
-    it gives transformers the tensors it wrote, bit for bit."""
+def assert_bfloat16_loads_exactly(c, root, reload=None, **save_options) -> None:
+    """Checkpoint `c` (any case's: its transformers `model`) saved in bfloat16 by
+    transformers loads exactly: as float32, and as bfloat16 (every leaf) with the same
+    values; saved again (`save_options`: `models.save`'s) it gives transformers the tensors
+    it wrote, bit for bit (read back by `reload`'s from_pretrained; default: the causal LM
+    auto class)."""
     bf16 = copy.deepcopy(c.model).to(torch.bfloat16)
     bf16.save_pretrained(os.path.join(root, "bf16"), safe_serialization=True)
     as_f32 = models.load(os.path.join(root, "bf16"))
@@ -247,7 +249,8 @@ def assert_bfloat16_loads_exactly(c: Checkpoint, root, **save_options) -> None:
     assert_same_params(as_bf16.params,
                        jax.tree.map(lambda x: x.astype(jnp.bfloat16), as_f32.params))
     models.save(os.path.join(root, "again"), as_bf16.config, as_bf16.params, **save_options)
-    again = transformers.AutoModelForCausalLM.from_pretrained(os.path.join(root, "again"))
+    reload = reload or transformers.AutoModelForCausalLM
+    again = reload.from_pretrained(os.path.join(root, "again"))
     assert_same_tensors(state_of(bf16), again)
 
 

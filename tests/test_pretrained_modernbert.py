@@ -203,3 +203,9 @@ def test_adapters_on_the_fused_projections_load_in_peft_with_our_logits(
     assert np.abs(ours - c.logits).max() > 1e-2
     for b, n in enumerate(c.lengths):
         np.testing.assert_allclose(ours[b, :n], theirs[b, :n], atol=ph.ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["modernbert-mlm", "modernbert-classifier-mean-biases"])
+def test_a_bfloat16_checkpoint_loads_exactly(name, encoder_ckpt, tmp_path):
+    c = encoder_ckpt(name)
+    ph.assert_bfloat16_loads_exactly(c, tmp_path, reload=getattr(transformers, c.class_name))

@@ -578,3 +578,12 @@ def test_a_preset_is_the_published_config_with_transformers_parameter_count(pres
     tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)
     shapes = jax.eval_shape(models.build(cfg).init, jax.random.key(0), tokens, tokens)
     assert sum(math.prod(x.shape) for x in jax.tree.leaves(shapes["params"])) == their_count
+
+
+@pytest.mark.parametrize("name", ["m2m100", "mbart", "pegasus", "t5gemma"])
+def test_a_bfloat16_checkpoint_loads_exactly(name, seq2seq_ckpt, tmp_path):
+    """The translators of this round in bfloat16: loaded as float32 and as bfloat16 with
+    the same values, saved back to the tensors transformers wrote."""
+    ph.assert_bfloat16_loads_exactly(seq2seq_ckpt(name), tmp_path,
+                                     reload=ph.transformers.AutoModelForSeq2SeqLM,
+                                     model_type=seq2seq_ckpt(name).model_type)
