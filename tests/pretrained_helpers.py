@@ -649,3 +649,45 @@ def assert_greedy_equals_generate(pre, c, *, filler: int, n_new: int = 10) -> No
         np.testing.assert_array_equal(np.asarray(ours.tokens[b, :length]), theirs,
                                       err_msg=f"row {b}")
         assert np.all(np.asarray(ours.tokens[b, length:]) == 4)          # the config's pad
+
+
+def assert_every_decoder_gives_greedy(cfg, model_type: str, *, seed: int,
+                                      speculative: bool = True):
+    """A tiny model of `cfg` with every weight moved off its initial value (sinks, biases
+    and norms not zero or one): greedy decoding of a ragged batch gives each prompt's tokens
+    alone; the serving engine (paged cache, chunked prefill, preemption) gives them too;
+    with `speculative`, so does the model drafting for itself (every draft accepted, both
+    caches rolled forward by lengths); beam search of width 1 gives greedy's. Returns
+    (model, params, padded prompts, lengths, greedy output) for further checks."""
+    import serve
+    from models.pretrained import GenerationDefaults, Pretrained
+    from serve.engine import Engine
+    model = models.build(cfg)
+    params = jax.tree.map(lambda x: x + 0.3 * jnp.sin(jnp.arange(x.size).reshape(x.shape)),
+                          helpers.fns(cfg).init(0))
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(4, cfg.vocab_size, size=n).tolist() for n in (3, 13, 7, 1)]
+    padded, lengths = decode.pad_prompts(prompts)
+    greedy = decode.generate(model, params, padded, lengths, max_new_tokens=10, eos_id=None)
+    alone = [np.asarray(greedy.tokens[b, :10]).tolist() for b in range(len(prompts))]
+    for b, p in enumerate(prompts):     # the batch's rows are each prompt's alone
+        one, n = decode.pad_prompts([p])
+        assert decode.generate(model, params, one, n, max_new_tokens=10,
+                               eos_id=None).tokens[0, :10].tolist() == alone[b]
+    pre = Pretrained(model=model, config=cfg, params=params, tokenizer=None,
+                     generation=GenerationDefaults(), model_type=model_type)
+    engine = Engine(pre, max_slots=3, page_size=4, num_pages=10, max_tokens_per_step=8,
+                    prefill_chunk=4).start(warmup=False)
+    request = decode.DecodeRequest(max_new_tokens=10, eos_id=None)
+    handles = [engine.submit(serve.Submission(tuple(p), request)) for p in prompts]
+    assert [h.result()[1] for h in handles] == alone
+    engine.stop()
+    if speculative:
+        drafted = decode.generate(model, params, padded, lengths, max_new_tokens=10,
+                                  eos_id=None, draft_model=model, draft_params=params,
+                                  draft_tokens=3)
+        np.testing.assert_array_equal(drafted.tokens[:, :10], greedy.tokens[:, :10])
+    beam = decode.beam_search(model, params, padded, lengths, beam_size=1, max_new_tokens=10,
+                              eos_id=None)
+    np.testing.assert_array_equal(np.asarray(beam.tokens)[:, 0, :10], greedy.tokens[:, :10])
+    return model, params, padded, lengths, greedy

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -251,41 +250,13 @@ def test_a_llama4_preset_at_the_published_size_has_transformers_parameter_count(
 
 @pytest.mark.slow
 def test_served_speculative_and_beam_decoding_keep_the_chunks(highest_precision):
-    """llama4-tiny (chunks of 4, a NoPE layer) past several chunks: the serving engine
-    (paged cache, chunked prefill, preemption) gives `generate`'s tokens for each prompt
-    alone; speculative decoding with the model as its own draft gives greedy's; beam search
-    of width 1 gives greedy's; the scanned model gives the looped one's tokens."""
+    """llama4-tiny (chunks of 4, a NoPE layer) past several chunks: served, speculative and
+    beam-1 decoding give each prompt's greedy tokens (`assert_every_decoder_gives_greedy`),
+    and so does the scanned model."""
     import decode
-    import serve
-    from models.pretrained import GenerationDefaults, Pretrained
-    from serve.engine import Engine
     cfg = models.get_config("llama4-tiny", vocab_size=64, max_len=48, attn_temperature_floor=3)
-    model = models.build(cfg)
-    params = jax.tree.map(lambda x: x + 0.3 * jnp.sin(jnp.arange(x.size).reshape(x.shape)),
-                          fns(cfg).init(0))
-    rng = np.random.default_rng(3)
-    prompts = [rng.integers(4, 64, size=n).tolist() for n in (3, 13, 7, 1)]
-    padded, lengths = decode.pad_prompts(prompts)
-    greedy = decode.generate(model, params, padded, lengths, max_new_tokens=10, eos_id=None)
-    alone = [np.asarray(greedy.tokens[b, :10]).tolist() for b in range(len(prompts))]
-    for b, p in enumerate(prompts):
-        one, n = decode.pad_prompts([p])
-        assert decode.generate(model, params, one, n, max_new_tokens=10,
-                               eos_id=None).tokens[0].tolist() == alone[b]
-    pre = Pretrained(model=model, config=cfg, params=params, tokenizer=None,
-                     generation=GenerationDefaults(), model_type="llama4_text")
-    engine = Engine(pre, max_slots=3, page_size=4, num_pages=10, max_tokens_per_step=8,
-                    prefill_chunk=4).start(warmup=False)
-    request = decode.DecodeRequest(max_new_tokens=10, eos_id=None)
-    handles = [engine.submit(serve.Submission(tuple(p), request)) for p in prompts]
-    assert [h.result()[1] for h in handles] == alone
-    engine.stop()
-    drafted = decode.generate(model, params, padded, lengths, max_new_tokens=10, eos_id=None,
-                              draft_model=model, draft_params=params, draft_tokens=3)
-    np.testing.assert_array_equal(drafted.tokens[:, :10], greedy.tokens[:, :10])
-    beam = decode.beam_search(model, params, padded, lengths, beam_size=1, max_new_tokens=10,
-                              eos_id=None)
-    np.testing.assert_array_equal(np.asarray(beam.tokens)[:, 0, :10], greedy.tokens[:, :10])
+    _, params, padded, lengths, greedy = ph.assert_every_decoder_gives_greedy(
+        cfg, "llama4_text", seed=3)
     scanned = models.build(cfg.replace(scan_layers=True))
     out = decode.generate(scanned, stack_layers(params), padded, lengths, max_new_tokens=10,
                           eos_id=None)

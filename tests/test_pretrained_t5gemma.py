@@ -174,35 +174,7 @@ def test_fine_tuning_a_t5gemma_directory_with_lora_exports_an_adapter_peft_appli
 
 @pytest.mark.slow
 def test_the_serving_engine_and_beam_search_carry_both_stacks_kinds(highest_precision):
-    """t5gemma-tiny with random weights, sources past the encoder's window: the serving
-    engine (paged cache, chunked prefill, preemption) gives `generate`'s tokens for each
-    source alone, and beam search of width 1 gives greedy's."""
-    import decode
-    import serve
-    from models.pretrained import GenerationDefaults, Pretrained
-    from serve.engine import Engine
+    """t5gemma-tiny, sources past the encoder's window: served and beam-1 decoding give
+    each source's greedy tokens (`assert_every_decoder_gives_greedy`)."""
     cfg = models.get_config("t5gemma-tiny", vocab_size=64, max_len=48, sliding_window=3)
-    model = models.build(cfg)
-    params = jax.tree.map(lambda x: x + 0.3 * jnp.sin(jnp.arange(x.size).reshape(x.shape)),
-                          fns(cfg).init(0))
-    rng = np.random.default_rng(5)
-    sources = [rng.integers(4, 64, size=n).tolist() for n in (3, 13, 7, 1)]
-    padded, lengths = decode.pad_prompts(sources)
-    greedy = decode.generate(model, params, padded, lengths, max_new_tokens=10, eos_id=None)
-    alone = []
-    for s in sources:
-        one, n = decode.pad_prompts([s])
-        alone.append(decode.generate(model, params, one, n, max_new_tokens=10,
-                                     eos_id=None).tokens[0, :10].tolist())
-    np.testing.assert_array_equal(greedy.tokens[:, :10], np.asarray(alone))
-    pre = Pretrained(model=model, config=cfg, params=params, tokenizer=None,
-                     generation=GenerationDefaults(), model_type="t5gemma")
-    engine = Engine(pre, max_slots=3, page_size=4, num_pages=10, max_tokens_per_step=8,
-                    prefill_chunk=4).start(warmup=False)
-    request = decode.DecodeRequest(max_new_tokens=10, eos_id=None)
-    handles = [engine.submit(serve.Submission(tuple(s), request)) for s in sources]
-    assert [h.result()[1] for h in handles] == alone
-    engine.stop()
-    beam = decode.beam_search(model, params, padded, lengths, beam_size=1, max_new_tokens=10,
-                              eos_id=None)
-    np.testing.assert_array_equal(np.asarray(beam.tokens)[:, 0, :10], greedy.tokens[:, :10])
+    ph.assert_every_decoder_gives_greedy(cfg, "t5gemma", seed=5, speculative=False)
