@@ -123,10 +123,38 @@ def test_bad_shapes_raise():
     q, k, v = _qkv(6, N=4, K=4)
     with pytest.raises(ValueError, match="incompatible attention shapes"):
         models.dot_product_attention(q, k[..., :4], v[..., :4])
-    with pytest.raises(ValueError, match="differ in shape"):
+    with pytest.raises(ValueError, match=r"differ in \[B, S, K\]"):
         models.dot_product_attention(q, k, v[:, :3])
     with pytest.raises(ValueError, match="rank 3"):
         models.dot_product_attention(q, k, v, jnp.ones((2, 1, 5, 7), bool))
     q3, _, _ = _qkv(6, N=3)
     with pytest.raises(ValueError, match="N divisible by K"):
         models.dot_product_attention(q3, k[:, :, :2], v[:, :, :2])
+
+
+def test_values_of_another_width_than_the_keys_give_the_same_attention_in_xla_and_chunked():
+    """Latent attention's values are narrower than its keys (and its step's are the keys'
+    first numbers): both implementations give the output the values' width, and the same
+    numbers and gradients as the attention written out."""
+    from models.kernels import attend
+    from models.masks import MaskSpec
+    r = np.random.default_rng(3)
+    q, k = (jnp.asarray(r.normal(size=(2, 5, 4, 12)), jnp.float32) for _ in range(2))
+    k, v = k[:, :, :1], jnp.asarray(r.normal(size=(2, 5, 1, 8)), jnp.float32)
+    pos = jnp.broadcast_to(jnp.arange(5), (2, 5))
+    spec = MaskSpec(pos, pos, causal=True)
+
+    def written_out(q, k, v):
+        logits = jnp.einsum("btnh,bsh->bnts", q, k[:, :, 0]) * 0.3
+        logits = jnp.where(np.tril(np.ones((5, 5), bool)), logits, -jnp.inf)
+        return jnp.einsum("bnts,bsh->btnh", jax.nn.softmax(logits, -1), v[:, :, 0])
+
+    want = written_out(q, k, v)
+    want_grads = jax.grad(lambda *a: jnp.sum(written_out(*a) ** 2), argnums=(0, 1, 2))(q, k, v)
+    for impl in ("xla", "chunked"):
+        def out(q, k, v, impl=impl):
+            return attend(q, k, v, spec, impl=impl, scale=0.3, block=2)[0]
+        chex.assert_shape(out(q, k, v), (2, 5, 4, 8))
+        np.testing.assert_allclose(out(q, k, v), want, atol=1e-6)
+        grads = jax.grad(lambda *a: jnp.sum(out(*a) ** 2), argnums=(0, 1, 2))(q, k, v)
+        chex.assert_trees_all_close(grads, want_grads, atol=1e-5)

@@ -80,6 +80,10 @@ def attend(q_BTNH, k_BSKH, v_BSKH, spec: MaskSpec, bias=None, *, impl: str = "au
     `dot_product_attention`; `block` is chunked attention's query and key block size;
     `softcap` None, or c: the scaled logits become c * tanh(logits / c) before bias and mask
     (cudnn refuses it)."""
+    if impl == "cudnn" and v_BSKH.shape[-1] != k_BSKH.shape[-1]:
+        raise UserError(f"attention_impl='cudnn' cannot compute this attention: its values "
+                        f"are as wide as its keys, not {v_BSKH.shape[-1]} against "
+                        f"{k_BSKH.shape[-1]} (latent attention); use 'chunked' or 'xla'")
     chosen = choose(impl, q_BTNH, k_BSKH, spec, bias, dropout_rate=dropout_rate,
                     with_probs=with_probs, with_lse=with_lse, softcap=softcap)
     if chosen == "xla":

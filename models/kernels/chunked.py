@@ -58,7 +58,8 @@ def chunked_attention(q_BTNH, k_BSKH, v_BSKH, spec: MaskSpec, bias=None, *,
 
     Args:
         q_BTNH: queries; k_BSKH, v_BSKH: keys and values with K heads (K divides N) and
-            Bk rows (Bk divides B).
+            Bk rows (Bk divides B); the values' width may differ from the keys' (the
+            output has the values').
         spec: which keys each query sees (`models.masks.MaskSpec`, query side [B, T], key
             side [Bk, S]).
         bias: None, or a description with `rows(fold)` and `block(q_slice, k_slice)` ->
@@ -94,7 +95,7 @@ def chunked_attention(q_BTNH, k_BSKH, v_BSKH, spec: MaskSpec, bias=None, *,
         key_data = (jax.random.key_data(dropout_rng)
                     if jnp.issubdtype(dropout_rng.dtype, jax.dtypes.prng_key) else dropout_rng)
     out, lse = _attention(plan, _Operands(q, k, v, spec, bias, key_data))
-    out = out[:, :Q].reshape(B, T, N, H).astype(v_BSKH.dtype)
+    out = out[:, :Q].reshape(B, T, N, v_BSKH.shape[-1]).astype(v_BSKH.dtype)
     if not with_lse:
         return out
     lse = jnp.where(jnp.isposinf(lse[..., :Q]), -jnp.inf, lse[..., :Q])   # [Bk, K, G, Q]
@@ -276,7 +277,7 @@ def _forward(plan: _Plan, ops: _Operands):
 
         init = (jnp.full((Bk, K, G, plan.bq), MASKED_LOGIT, jnp.float32),
                 jnp.zeros((Bk, K, G, plan.bq), jnp.float32),
-                jnp.zeros((Bk, K, G, plan.bq, H), jnp.float32))
+                jnp.zeros((Bk, K, G, plan.bq, v.shape[-1]), jnp.float32))
         (m, total, acc), _ = lax.scan(step, init, jnp.arange(plan.nk))
         seen = total > 0.0
         total = jnp.where(seen, total, 1.0)
@@ -286,7 +287,7 @@ def _forward(plan: _Plan, ops: _Operands):
 
     out, lse = lax.map(one_query_block, jnp.arange(plan.nq))
     # [nq, Bk, K, G, bq, H] -> [Bk, Q, K, G, H];  [nq, Bk, K, G, bq] -> [Bk, K, G, Q]
-    out = out.transpose(1, 0, 4, 2, 3, 5).reshape(Bk, Qp, K, G, H)
+    out = out.transpose(1, 0, 4, 2, 3, 5).reshape(Bk, Qp, K, G, v.shape[-1])
     lse = lse.transpose(1, 2, 3, 0, 4).reshape(Bk, K, G, Qp)
     return out, lse
 
@@ -358,7 +359,7 @@ def _attention_bwd(plan, residuals, cotangents):
             return lax.cond(visible, update, lambda c: c, inner), None
 
         init = (jnp.zeros((Bk, K, plan.bk, H), jnp.float32),
-                jnp.zeros((Bk, K, plan.bk, H), jnp.float32), dq, d_bias)
+                jnp.zeros((Bk, K, plan.bk, v.shape[-1]), jnp.float32), dq, d_bias)
         (dk_j, dv_j, dq, d_bias), _ = lax.scan(step, init, jnp.arange(plan.nq))
         return (dq, d_bias), (dk_j, dv_j)
 

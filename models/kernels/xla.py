@@ -33,7 +33,8 @@ def dot_product_attention(
 
     Args:
         q_BTNH: queries.
-        k_BSKH, v_BSKH: keys and values with K heads, N % K == 0. Their batch Bk may divide
+        k_BSKH, v_BSKH: keys and values with K heads, N % K == 0 (the values' width may
+            differ from the keys': the output has the values'). Their batch Bk may divide
             B: then B = Bk * W and the W query rows of one key row (beams sharing one encoded
             source) attend to it without the keys being copied.
         mask_BTS: True where a query may see a key; broadcastable to [B, T, S]; None means
@@ -54,8 +55,8 @@ def dot_product_attention(
     """
     B, T, N, H = q_BTNH.shape
     Bk, S, K, Hk = k_BSKH.shape
-    if k_BSKH.shape != v_BSKH.shape:
-        raise UserError(f"keys {k_BSKH.shape} and values {v_BSKH.shape} differ in shape")
+    if k_BSKH.shape[:3] != v_BSKH.shape[:3]:
+        raise UserError(f"keys {k_BSKH.shape} and values {v_BSKH.shape} differ in [B, S, K]")
     if H != Hk or N % K or B % Bk:
         raise UserError(
             f"incompatible attention shapes: q {q_BTNH.shape} [B,T,N,H] vs k {k_BSKH.shape} "
@@ -91,8 +92,8 @@ def dot_product_attention(
     probs_BKGQS = jax.nn.softmax(logits_BKGQS, axis=-1)
     if mask_BTS is not None:
         probs_BKGQS = jnp.where(mask_B11QS, probs_BKGQS, 0.0)
-    out_BTNH, probs_BNTS = _weighted(probs_BKGQS, v_BSKH, (B, T, N, H), dropout_rate,
-                                     dropout_rng)
+    out_BTNH, probs_BNTS = _weighted(probs_BKGQS, v_BSKH, (B, T, N, v_BSKH.shape[-1]),
+                                     dropout_rate, dropout_rng)
     if not with_lse:
         return out_BTNH, probs_BNTS
     lse_BKGQ = jax.nn.logsumexp(logits_BKGQS, axis=-1)
