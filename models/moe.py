@@ -10,7 +10,15 @@ The `TransformerConfig` fields that choose and shape it:
                           weights by their sum (Mixtral; Qwen3-MoE's `norm_topk_prob`).
                           False: the k softmax probabilities as they are.
     router_score          "softmax" (above) or "sigmoid": each chosen expert's weight is
-                          the sigmoid of its logit (Llama 4), renormalised as above.
+                          the sigmoid of its logit (Llama 4, DeepSeek-V3), renormalised as
+                          above.
+    router_groups, router_top_groups
+                          sigmoid routing limited to the experts of the top_groups best of
+                          `router_groups` equal groups (DeepSeek-V3's n_group, topk_group).
+    router_score_bias     a learned-elsewhere bias [E] ("router_score_bias") added to the
+                          sigmoid scores to choose the experts, not to weigh them
+                          (DeepSeek-V3's e_score_correction_bias; no gradient reaches it).
+    routed_scaling        the factor on the routed experts' weights (routed_scaling_factor).
     router_scales_input   False: each expert's output is multiplied by its weight. True:
                           its input is (Llama 4: expert(x * w)), and outputs are summed.
     shared_expert_mlp_dim None, or F_s: a dense gated MLP of that width ("shared_expert")
@@ -61,21 +69,41 @@ ROUTER_COLLECTION = "router"
 
 
 def route(logits_NE: Float[Array, "N E"], k: int, *, renormalize: bool,
-          score: str = "softmax") -> tuple[Float[Array, "N k"], Int[Array, "N k"]]:
+          score: str = "softmax", choice_bias_E=None, groups: int = 1, top_groups: int = 1,
+          scaling: float = 1.0) -> tuple[Float[Array, "N k"], Int[Array, "N k"]]:
     """The top-k routing of float32 logits: (weights [N, k], expert ids [N, k]), the
     largest probability first.
 
         route([[0., 0., log(2)]], 2, renormalize=True)  -> ([[2/3, 1/3]], [[2, 0]])
         route([[0., 0., log(2)]], 2, renormalize=False) -> ([[1/2, 1/4]], [[2, 0]])
+
+    With `score="sigmoid"` each expert's score is the sigmoid of its logit, and the k
+    chosen are those of the highest scores plus `choice_bias_E` (DeepSeek-V3's selection
+    bias, which chooses but does not weigh) among the experts of the `top_groups` best of
+    `groups` equal groups (a group's worth: the sum of its two best biased scores). The
+    weights are the chosen scores (renormalised), times `scaling`.
     """
     logits_NE = logits_NE.astype(jnp.float32)
-    if score == "sigmoid":                   # top k of the logits, then their sigmoids
-        top_Nk, experts_Nk = jax.lax.top_k(logits_NE, k)
-        weights_Nk = jax.nn.sigmoid(top_Nk)
+    if score == "sigmoid":
+        scores_NE = jax.nn.sigmoid(logits_NE)
+        choice_NE = logits_NE if choice_bias_E is None and groups == 1 else (  # same order
+            scores_NE if choice_bias_E is None
+            else scores_NE + choice_bias_E.astype(jnp.float32)[None, :])
+        if groups > 1:
+            n, e = choice_NE.shape
+            grouped_NGe = choice_NE.reshape(n, groups, e // groups)
+            worth_NG = jax.lax.top_k(grouped_NGe, 2)[0].sum(-1)
+            kept_NG = jnp.zeros((n, groups), bool).at[
+                jnp.arange(n)[:, None], jax.lax.top_k(worth_NG, top_groups)[1]].set(True)
+            choice_NE = jnp.where(kept_NG[:, :, None], grouped_NGe, -jnp.inf).reshape(n, e)
+        experts_Nk = jax.lax.top_k(choice_NE, k)[1]
+        weights_Nk = jnp.take_along_axis(scores_NE, experts_Nk, axis=-1)
     else:
         weights_Nk, experts_Nk = jax.lax.top_k(jax.nn.softmax(logits_NE, axis=-1), k)
     if renormalize:
         weights_Nk = weights_Nk / jnp.sum(weights_Nk, axis=-1, keepdims=True)
+    if scaling != 1.0:
+        weights_Nk = weights_Nk * scaling
     return weights_Nk, experts_Nk
 
 
@@ -182,9 +210,16 @@ class MoeMLP(nn.Module):
                 for name, axis, width in (("gate_bias", "mlp", f), ("up_bias", "mlp", f),
                                           ("down_bias", "embed", d)))
         self.sow(ROUTER_COLLECTION, "router_logits", logits_NE.reshape(b, t, e))
+        choice_bias_E = None
+        if cfg.router_score_bias:        # chooses, never weighs: it takes no gradient
+            choice_bias_E = self.param("router_score_bias", named(ZEROS, "expert"), (e,),
+                                       cfg.param_dtype)
         weights_Nk, experts_Nk = route(logits_NE, cfg.experts_per_token,
                                        renormalize=cfg.router_renormalize,
-                                       score=cfg.router_score)
+                                       score=cfg.router_score, choice_bias_E=choice_bias_E,
+                                       groups=cfg.router_groups,
+                                       top_groups=cfg.router_top_groups,
+                                       scaling=cfg.routed_scaling)
         drop = nn.Dropout(cfg.mlp_dropout_rate)
         y_ND = DISPATCH[cfg.moe_dispatch](
             x_ND, weights_Nk, experts_Nk, gate_EDF=gate_EDF.astype(cfg.dtype),
