@@ -91,7 +91,8 @@ def _attend(module: nn.Module, q, k, v, spec: MaskSpec, *, bias=None, determinis
 def _scale(cfg: TransformerConfig, q) -> float:
     if not cfg.scale_attention:
         return 1.0
-    return (q.shape[-1] if cfg.query_pre_attn_scalar is None
+    width = cfg.head_dim if cfg.latent else q.shape[-1]    # a latent step's q is wider
+    return (width if cfg.query_pre_attn_scalar is None
             else cfg.query_pre_attn_scalar) ** -0.5
 
 

@@ -26,6 +26,7 @@ The names used:
     lora_rows   the rows of per-row adapters (`LoraConfig.per_row`: one adapter a row)
     expert      a mixture-of-experts layer's experts (`models.moe`)
     taps, conv_in   an audio front end's kernel width and input channels (`models.audio`)
+    latent      latent attention's compressed widths (`models.latent_attention`)
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ from models.errors import UserError
 
 # The logical axis names parameters use (see the module docstring).
 NAMES = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "layers", "positions",
-         "types", "buckets", "labels", "lora", "lora_rows", "expert", "taps", "conv_in")
+         "types", "buckets", "labels", "lora", "lora_rows", "expert", "taps", "conv_in",
+         "latent")
 
 
 def _traced_once(init):
@@ -144,6 +146,7 @@ DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("expert", EXPERT_AXIS),
     ("taps", None),
     ("conv_in", None),
+    ("latent", None),          # latent attention's compressed width (kv_lora_rank, q_lora_rank)
 )
 
 

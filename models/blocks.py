@@ -19,6 +19,7 @@ from jaxtyping import Array, Float, Int
 
 from models.attention import CrossAttention, SelfAttention
 from models.config import TransformerConfig
+from models.latent_attention import LatentSelfAttention
 from models.layers import MLP, make_norm, residual
 from models.masks import MaskSpec
 from models.moe import ROUTER_COLLECTION, MoeMLP
@@ -73,7 +74,7 @@ def _self_attention_sublayer(cfg, x_BTD, inputs: LayerInputs, cache, layer, *, k
     """The residual self-attention sublayer; returns (x_BTD, cache), or with
     `inputs.read_only` (x_BTD, cache, the layer's new (k_BTKH, v_BTKH)). `kind`: the
     layer's `LayerKind` (`SelfAttention`); `normed` False: no norm before it."""
-    attn = SelfAttention(cfg, name="self_attention")
+    attn = (LatentSelfAttention if cfg.latent else SelfAttention)(cfg, name="self_attention")
     x_BTD, out = residual(
         cfg, x_BTD,
         lambda y: attn(y, spec=inputs.self_spec, positions_BT=inputs.positions, cache=cache,

@@ -160,8 +160,7 @@ class KVCache:
         if not is_int(cache_len) or not 1 <= cache_len <= config.max_len:
             raise UserError(
                 f"cache_len={cache_len!r} must be an int in [1, max_len={config.max_len}]")
-        shape = (batch_size, config.num_kv_heads, int(cache_len), config.head_dim)
-        return cls(**empty_self(config, shape, dtype),
+        return cls(**empty_self(config, batch_size, int(cache_len), dtype),
                    lengths=jnp.zeros((batch_size,), jnp.int32))
 
     @property

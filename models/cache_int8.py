@@ -83,9 +83,12 @@ def bytes_per_token(config, kv_cache_dtype: str = "auto") -> int:
                          int8 with float32 scales 2*2*2*(64 + 4) = 544
     """
     item = np.dtype(config.dtype).itemsize
-    per_head = (config.head_dim * item if check_kv_cache_dtype(kv_cache_dtype) == "auto"
-                else config.head_dim + item)
-    return 2 * config.decoder_layers * config.num_kv_heads * per_head
+    heads, key_width, value_width = config.cache_shape      # latent attention: one "head"
+    if check_kv_cache_dtype(kv_cache_dtype) == "auto":
+        per_head = (key_width + value_width) * item
+    else:
+        per_head = key_width + value_width + 2 * item
+    return config.decoder_layers * heads * per_head
 
 
 # ---------------------------------------------------------------------------------------------
@@ -96,23 +99,31 @@ def layers_dtype(x) -> jnp.dtype:
     return x[0].dtype if isinstance(x, tuple) else x.dtype
 
 
-def empty_self(config, shape, dtype: str) -> dict:
-    """Zero self-attention leaves of `shape` ([rows, K, slots, H]) per decoder layer, in
-    the layout of the config's stack, as a cache's constructor keywords: with `dtype`
-    "auto" keys and values in the config's dtype; with "int8" int8 ones and their scales
-    ([rows, K, slots, 1], in the config's dtype).
+def empty_self(config, rows: int, slots: int, dtype: str) -> dict:
+    """Zero self-attention leaves of [rows, K, slots, H] per decoder layer (K and the keys'
+    and values' H from `config.cache_shape`: a latent-attention cache's values are read
+    from its keys, and have H = 0), in the layout of the config's stack, as a cache's
+    constructor keywords: with `dtype` "auto" keys and values in the config's dtype; with
+    "int8" int8 ones and their scales ([rows, K, slots, 1], in the config's dtype).
 
     Raises:
-        UserError: a dtype not in `KV_CACHE_DTYPES`.
+        UserError: a dtype not in `KV_CACHE_DTYPES`, or "int8" for latent attention.
     """
+    heads, key_width, value_width = config.cache_shape
+    k_shape, v_shape = ((rows, heads, slots, width) for width in (key_width, value_width))
+
     def zeros(shape, dtype):
         if config.scan_layers:
             return jnp.zeros((config.decoder_layers, *shape), dtype)
         return tuple(jnp.zeros(shape, dtype) for _ in range(config.decoder_layers))
     if check_kv_cache_dtype(dtype, "dtype") == "auto":
-        return dict(k=zeros(shape, config.dtype), v=zeros(shape, config.dtype))
-    scales = (*shape[:-1], 1)
-    return dict(k=zeros(shape, jnp.int8), v=zeros(shape, jnp.int8),
+        return dict(k=zeros(k_shape, config.dtype), v=zeros(v_shape, config.dtype))
+    if config.latent:
+        raise UserError("kv_cache_dtype='int8' is not built for latent attention (kv_lora_rank="
+                        f"{config.kv_lora_rank}): its cache is already the compressed latent; "
+                        "use 'auto'")
+    scales = (rows, heads, slots, 1)
+    return dict(k=zeros(k_shape, jnp.int8), v=zeros(v_shape, jnp.int8),
                 k_scale=zeros(scales, config.dtype), v_scale=zeros(scales, config.dtype))
 
 

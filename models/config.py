@@ -85,7 +85,8 @@ _POSITIVE = ("vocab_size", "d_model", "num_heads", "num_kv_heads", "head_dim", "
              "max_len", "num_layers", "num_encoder_layers", "num_decoder_layers",
              "sliding_window", "relative_buckets", "relative_max_distance", "attention_block",
              "expert_mlp_dim", "attention_chunk_size", "shared_expert_mlp_dim",
-             "attn_temperature_floor")
+             "attn_temperature_floor", "router_groups", "router_top_groups", "kv_lora_rank",
+             "q_lora_rank", "qk_rope_head_dim", "v_head_dim")
 _LAYER_INDICES = ("nope_layers", "moe_layers")
 
 
@@ -294,6 +295,10 @@ class TransformerConfig:
     router_scales_input: bool = False
     shared_expert_mlp_dim: int | None = None
     moe_layers: tuple[int, ...] = ()
+    router_groups: int = 1
+    router_top_groups: int = 1
+    router_score_bias: bool = False
+    routed_scaling: float = 1.0
     router_aux_loss_coef: float = 0.0
     router_z_loss_coef: float = 0.0
     moe_dispatch: MoeDispatch = "ragged"
@@ -305,6 +310,10 @@ class TransformerConfig:
     layer_types: tuple[str, ...] = ()
     attention_chunk_size: int | None = None
     attention_sinks: bool = False
+    kv_lora_rank: int | None = None
+    q_lora_rank: int | None = None
+    qk_rope_head_dim: int | None = None
+    v_head_dim: int | None = None
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
     sublayer_output_norm: bool = False
@@ -399,8 +408,31 @@ class TransformerConfig:
     # Derived quantities, so no caller recomputes them.
     @property
     def rope_dim(self) -> int:
-        """The channels of each head that RoPE rotates (the first ones)."""
+        """The channels of each head that RoPE rotates (the first ones; with latent
+        attention, the `qk_rope_head_dim` after the unrotated ones)."""
+        if self.kv_lora_rank is not None:
+            return self.qk_rope_head_dim
         return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def latent(self) -> bool:
+        """Multi-head latent attention (DeepSeek-V3, `models.latent_attention`)."""
+        return self.kv_lora_rank is not None
+
+    @property
+    def value_dim(self) -> int:
+        """Each head's value width: `v_head_dim`, or `head_dim` when it is None."""
+        return self.v_head_dim or self.head_dim
+
+    @property
+    def cache_shape(self) -> tuple[int, int, int]:
+        """(heads, key width, value width) of one cached token per layer: the kv heads'
+        keys and values, or with latent attention one head whose "key" is the compressed
+        latent and the rotated key (`kv_lora_rank + qk_rope_head_dim`) and whose values
+        are the latent's first `kv_lora_rank` numbers, read from the key (none stored)."""
+        if self.latent:
+            return 1, self.kv_lora_rank + self.qk_rope_head_dim, 0
+        return self.num_kv_heads, self.head_dim, self.head_dim
 
     @property
     def expert_width(self) -> int:

@@ -74,6 +74,7 @@ def validate(cfg) -> None:
     if cfg.rope_scaling is not None and cfg.positions != "rope":
         raise UserError(f"TransformerConfig.rope_scaling={cfg.rope_scaling} needs "
                          f"positions='rope', not {cfg.positions!r}")
+    _check_latent_attention(cfg)
     _check_rope(cfg)
     _check_attention_variants(cfg)
     _check_moe(cfg)
@@ -207,6 +208,40 @@ def _check_llama4_attention(cfg) -> None:
                         "there are none")
 
 
+def _check_latent_attention(cfg) -> None:
+    """Multi-head latent attention (`kv_lora_rank`; `models.latent_attention`)."""
+    fields = ("q_lora_rank", "qk_rope_head_dim", "v_head_dim")
+    if cfg.kv_lora_rank is None:
+        for name in fields:
+            if getattr(cfg, name) is not None:
+                raise UserError(f"TransformerConfig.{name}={getattr(cfg, name)} shapes latent "
+                                "attention, and needs kv_lora_rank")
+        return
+    needs = dict(architecture="decoder_only", positions="rope", num_kv_heads=cfg.num_heads,
+                 qk_norm=False, qk_l2_norm=False, attention_sinks=False, nope_layers=(),
+                 attn_logit_softcapping=None, sliding_window=None, layer_types=(),
+                 attention_chunk_size=None)
+    got = {name: getattr(cfg, name) for name in needs}
+    if isinstance(cfg.rope_scaling, LongRopeScaling):
+        needs["rope_scaling"], got["rope_scaling"] = "not LongRoPE", "LongRoPE"
+    for name, value in needs.items():
+        if got[name] != value:
+            raise UserError(f"TransformerConfig.kv_lora_rank={cfg.kv_lora_rank} (latent "
+                            f"attention) needs {name}={value!r}, not {got[name]!r}")
+    if cfg.lora is not None:
+        raise UserError(f"TransformerConfig.lora={list(cfg.lora.targets)}: adapters on latent "
+                        f"attention (kv_lora_rank={cfg.kv_lora_rank}) are not built; fine-tune "
+                        "it in full")
+    if cfg.qk_rope_head_dim is None or cfg.qk_rope_head_dim % 2:
+        raise UserError(f"TransformerConfig.kv_lora_rank={cfg.kv_lora_rank} needs an even "
+                        f"qk_rope_head_dim (the rotated part of each query and key), not "
+                        f"{cfg.qk_rope_head_dim}")
+    if cfg.qk_rope_head_dim >= cfg.head_dim:
+        raise UserError(f"TransformerConfig.qk_rope_head_dim={cfg.qk_rope_head_dim} must be "
+                        f"below head_dim={cfg.head_dim} (the query and key width: the "
+                        "unrotated part, then the rotated one)")
+
+
 def _check_moe(cfg) -> None:
     """The mixture-of-experts MLP's fields (`models.moe`)."""
     for name in ("num_experts", "router_aux_loss_coef", "router_z_loss_coef"):
@@ -216,7 +251,8 @@ def _check_moe(cfg) -> None:
         raise UserError(f"TransformerConfig.experts_per_token={cfg.experts_per_token} must "
                         "be >= 1")
     defaults = dict(router_score="softmax", router_scales_input=False,
-                    shared_expert_mlp_dim=None, moe_layers=())
+                    shared_expert_mlp_dim=None, moe_layers=(), router_groups=1,
+                    router_top_groups=1, router_score_bias=False, routed_scaling=1.0)
     if not cfg.num_experts:
         for name, default in defaults.items():
             if getattr(cfg, name) != default:
@@ -227,6 +263,28 @@ def _check_moe(cfg) -> None:
         raise UserError(f"TransformerConfig.scan_layers=True runs one layer's program for "
                         f"every layer, but moe_layers={list(cfg.moe_layers)} mixes dense and "
                         "expert MLPs (different parameters): use scan_layers=False")
+    if cfg.num_experts % cfg.router_groups:
+        raise UserError(f"TransformerConfig.router_groups={cfg.router_groups} does not divide "
+                        f"num_experts={cfg.num_experts}")
+    if cfg.router_top_groups > cfg.router_groups:
+        raise UserError(f"TransformerConfig.router_top_groups={cfg.router_top_groups} exceeds "
+                        f"router_groups={cfg.router_groups}")
+    if cfg.router_groups > 1 and (cfg.num_experts // cfg.router_groups < 2
+                                  or cfg.router_score != "sigmoid"):
+        raise UserError(f"TransformerConfig.router_groups={cfg.router_groups}: a group is "
+                        "scored by its two best experts' sigmoid scores, so it needs at least "
+                        f"2 experts a group (num_experts={cfg.num_experts}) and "
+                        f"router_score='sigmoid' (not {cfg.router_score!r})")
+    kept = cfg.router_top_groups * (cfg.num_experts // cfg.router_groups)
+    if cfg.router_groups > 1 and cfg.experts_per_token > kept:
+        raise UserError(f"TransformerConfig.experts_per_token={cfg.experts_per_token} exceeds "
+                        f"the {kept} experts of router_top_groups={cfg.router_top_groups} "
+                        f"groups of {cfg.num_experts // cfg.router_groups}")
+    if cfg.router_score_bias and cfg.router_score != "sigmoid":
+        raise UserError("TransformerConfig.router_score_bias=True biases the sigmoid scores' "
+                        f"choice, and needs router_score='sigmoid', not {cfg.router_score!r}")
+    if not cfg.routed_scaling > 0:
+        raise UserError(f"TransformerConfig.routed_scaling={cfg.routed_scaling} must be > 0")
     if cfg.experts_per_token > cfg.num_experts:
         raise UserError(f"TransformerConfig.experts_per_token={cfg.experts_per_token} "
                         f"exceeds num_experts={cfg.num_experts}")
