@@ -6,6 +6,8 @@ Each preset reproduces the architecture of its namesake; sizes that depend on th
 
 from __future__ import annotations
 
+import math
+
 from models.config import TransformerConfig, check_keys
 from models.errors import UserError
 from models.rope_scaling import YarnRopeScaling
@@ -45,6 +47,22 @@ _LLAMA4 = dict(
     nope_layers=tuple(range(3, 48, 4)), attn_temperature_floor=8192,
     attn_temperature_scale=0.1, experts_per_token=1, router_score="sigmoid",
     router_scales_input=True, router_renormalize=False, router_aux_loss_coef=0.001,
+)
+# DeepSeek-V3 (DeepSeek-AI, 2024): multi-head latent attention (the cache holds a 512-wide
+# latent and a 64-wide rotated key per token and layer), 3 dense layers then 58 of 256
+# sigmoid-routed experts (8 of the best 4 of 8 groups, a selection bias, x2.5) and one
+# shared expert; YaRN x40 of 4,096, whose mscale also scales the logits.
+_DEEPSEEK_V3 = dict(
+    _LLAMA, vocab_size=129_280, d_model=7168, num_heads=128, head_dim=192, mlp_dim=18_432,
+    num_layers=61, max_len=163_840, norm_eps=1e-6, kv_lora_rank=512, q_lora_rank=1536,
+    qk_rope_head_dim=64, v_head_dim=128, rope_interleaved=True, num_experts=256,
+    experts_per_token=8, expert_mlp_dim=2048, shared_expert_mlp_dim=2048,
+    moe_layers=tuple(range(3, 61)), router_score="sigmoid", router_score_bias=True,
+    router_groups=8, router_top_groups=4, routed_scaling=2.5,
+    rope_scaling=YarnRopeScaling(factor=40.0, original_max_len=4096, beta_fast=32.0,
+                                 beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0),
+    query_pre_attn_scalar=192 / (0.1 * math.log(40.0) + 1.0) ** 4, pad_id=None, bos_id=0,
+    eos_id=1,
 )
 _T5GEMMA = dict(
     architecture="encoder_decoder", positions="rope", norm="rmsnorm", norm_position="pre",
@@ -212,6 +230,16 @@ _PRESETS: dict[str, dict] = {
         layer_types=("chunked", "chunked", "chunked", "full"), attention_chunk_size=4,
         nope_layers=(3,), attn_temperature_floor=4, num_experts=4, experts_per_token=1,
         router_aux_loss_coef=0.01),
+    # DeepSeek-V3 (and R1, the same architecture): 671B parameters, 37B active.
+    "deepseek-v3": dict(_DEEPSEEK_V3),
+    # A tiny DeepSeek-V3 for tests and the CPU demo: a dense layer then two of 8 experts in
+    # 4 groups (2 of the best 2 groups), a 16-wide latent, low-rank queries.
+    "deepseek-v3-tiny": dict(
+        _DEEPSEEK_V3, vocab_size=512, d_model=64, num_heads=4, head_dim=24, mlp_dim=128,
+        num_layers=3, max_len=128, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8,
+        v_head_dim=16, num_experts=8, experts_per_token=2, expert_mlp_dim=32,
+        shared_expert_mlp_dim=32, moe_layers=(1, 2), router_groups=4, router_top_groups=2,
+        rope_scaling=None, query_pre_attn_scalar=None, pad_id=0, eos_id=1, bos_id=2),
     # M2M-100 418M (Fan et al. 2020, 100 languages) and NLLB-200 distilled 600M (NLLB team
     # 2022, 200 languages): pre-norm encoder-decoders with fairseq's sinusoids from position
     # 2, one shared table; 483.9M and 615.1M parameters with their vocabularies.

@@ -35,7 +35,16 @@ T5GEMMA = dict(positions="rope", norm="rmsnorm", norm_scale_offset=1.0, activati
                sublayer_output_norm=True, num_encoder_layers=2, num_decoder_layers=2,
                layer_types=("sliding", "full"), sliding_window=3, attn_logit_softcapping=5.0,
                final_logit_softcapping=3.0, query_pre_attn_scalar=8.0)
-VARIANTS = {"llama4": ("decoder_only", LLAMA4), "t5gemma": ("encoder_decoder", T5GEMMA)}
+# DeepSeek-V3's layers (`deepseek_v3`): latent attention (the latent cache whole on every
+# device: one "head"), a dense layer then group-limited, biased sigmoid routing.
+DEEPSEEK_V3 = dict(positions="rope", norm="rmsnorm", activation="swiglu", use_bias=False,
+                   num_layers=2, num_kv_heads=8, head_dim=12, kv_lora_rank=8, q_lora_rank=12,
+                   qk_rope_head_dim=4, v_head_dim=6, rope_interleaved=True, num_experts=4,
+                   experts_per_token=2, router_score="sigmoid", router_score_bias=True,
+                   router_groups=2, router_top_groups=1, routed_scaling=2.0,
+                   shared_expert_mlp_dim=16, moe_layers=(1,))
+VARIANTS = {"llama4": ("decoder_only", LLAMA4), "t5gemma": ("encoder_decoder", T5GEMMA),
+            "deepseek_v3": ("decoder_only", DEEPSEEK_V3)}
 
 
 @functools.cache
@@ -60,9 +69,9 @@ def setup(arch):
 def cache_split(lowered, cfg, rows: int, slots: int) -> tuple[bool, bool]:
     """(the compiled program holds the per-device K/V buffers [rows, K / 4, slots, H] (with
     a leading L when scanned), it holds the whole ones [rows, K, slots, H]), read off the
-    partitioned HLO."""
+    partitioned HLO. A latent cache's one "head" cannot split: (False, True)."""
     text = lowered.compile().as_text()
-    L, K, H = cfg.decoder_layers, cfg.num_kv_heads, cfg.head_dim
+    L, (K, H, _) = cfg.decoder_layers, cfg.cache_shape
     layers = f"{L}," if cfg.scan_layers else ""     # stacked, or one buffer per layer
     split, whole = (f"f32[{layers}{rows},{k},{slots},{H}]" for k in (K // TENSOR, K))
     return split in text, whole in text
@@ -80,7 +89,8 @@ def test_cache_sharding_follows_the_params_kv_heads():
     assert static["cache_sharding"] == cache_sharding(sharded)
 
 
-@pytest.mark.parametrize("arch", ["decoder_only", "encoder_decoder", "llama4", "t5gemma"])
+@pytest.mark.parametrize("arch", ["decoder_only", "encoder_decoder", "llama4", "t5gemma",
+                                  "deepseek_v3"])
 def test_tensor_parallel_greedy_equals_one_device(arch):
     model, params, sharded, _, prompts, lengths = setup(arch)
     kw = dict(max_new_tokens=N, eos_id=None)
@@ -92,12 +102,12 @@ def test_tensor_parallel_greedy_equals_one_device(arch):
 
     cfg, B, width = model.config, prompts.shape[0], prompts.shape[1]
     lowered = decode.generate.lower(model, sharded, prompts, lengths, **kw)
-    assert cache_split(lowered, cfg, B, split.cache_len) == (True, False)
+    assert cache_split(lowered, cfg, B, split.cache_len) == (not cfg.latent, cfg.latent)
     if cfg.is_encoder_decoder:   # cross K/V: one row per source, the source's slots
         assert cache_split(lowered, cfg, B, width) == (True, False)
 
 
-@pytest.mark.parametrize("arch", ["decoder_only", "encoder_decoder", "t5gemma"])
+@pytest.mark.parametrize("arch", ["decoder_only", "encoder_decoder", "t5gemma", "deepseek_v3"])
 def test_tensor_parallel_beam_search_equals_one_device(arch):
     model, params, sharded, _, prompts, lengths = setup(arch)
     W = 3
@@ -115,6 +125,6 @@ def test_tensor_parallel_beam_search_equals_one_device(arch):
     for beam_cache, rows, self_slots in (("gathered", B * W, slots), ("table", B, W * slots)):
         lowered = decode.beam_search.lower(model, sharded, prompts, lengths,
                                            beam_cache=beam_cache, **kw)
-        assert cache_split(lowered, cfg, rows, self_slots) == (True, False)
+        assert cache_split(lowered, cfg, rows, self_slots) == (not cfg.latent, cfg.latent)
         if cfg.is_encoder_decoder:
             assert cache_split(lowered, cfg, B, width) == (True, False)

@@ -262,9 +262,17 @@ LLAMA4_LIKE = dict(router_score="sigmoid", router_scales_input=True, router_reno
                    nope_layers=(1,), attn_temperature_floor=2)
 
 
+# DeepSeek-V3's: latent attention, biased sigmoid routing among the best of two groups,
+# scaled, a shared expert, experts in layer 0 only.
+DEEPSEEK_V3_LIKE = dict(head_dim=12, kv_lora_rank=8, q_lora_rank=12, qk_rope_head_dim=4,
+                        v_head_dim=6, rope_interleaved=True, router_score="sigmoid",
+                        router_score_bias=True, router_groups=2, router_top_groups=1,
+                        routed_scaling=2.0, shared_expert_mlp_dim=8, moe_layers=(0,))
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", [{}, GPT_OSS_LIKE, LLAMA4_LIKE],
-                         ids=["mixtral", "gpt_oss", "llama4"])
+@pytest.mark.parametrize("variant", [{}, GPT_OSS_LIKE, LLAMA4_LIKE, DEEPSEEK_V3_LIKE],
+                         ids=["mixtral", "gpt_oss", "llama4", "deepseek_v3"])
 def test_three_steps_with_experts_over_the_expert_axis_equal_one_device(variant):
     """A (1, 2, 1) mesh with expert 2 on the 4 simulated devices: the experts' weights and
     their adam moments split over expert (and embed over fsdp), the batch over fsdp ×

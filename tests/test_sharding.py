@@ -141,6 +141,7 @@ def test_every_parameter_of_every_preset_names_each_of_its_axes():
                                nope_layers=(1,) if base.nope_layers else (),
                                moe_layers=(1,) if base.moe_layers and not scan else (),
                                first_attention_norm=base.first_attention_norm or scan,
+                               qk_rope_head_dim=8 if base.latent else None,
                                **{k: None if v is None else v % 64 for k, v in (
                                    ("pad_id", base.pad_id), ("eos_id", base.eos_id),
                                    ("bos_id", base.bos_id))})

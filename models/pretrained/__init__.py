@@ -65,6 +65,7 @@ from models.errors import UserError
 from models.pretrained import (
     bart,
     bert,
+    deepseek_v3,
     gemma,
     gemma2,
     gemma3,
@@ -114,6 +115,7 @@ FAMILIES: dict[str, Family] = {
                               qwen3.FAMILY, gemma.FAMILY, gemma2.FAMILY, gemma3.FAMILY,
                               phi3.FAMILY, mixtral.FAMILY,
                               qwen3_moe.FAMILY, gpt_oss.FAMILY, llama4.FAMILY,
+                              deepseek_v3.FAMILY,
                               llama4.MULTIMODAL, bart.FAMILY,
                               marian.FAMILY, m2m_100.FAMILY, mbart.FAMILY, pegasus.FAMILY,
                               t5gemma.FAMILY, t5.FAMILY, t5.MT5_FAMILY, bert.FAMILY, roberta.FAMILY,
@@ -122,9 +124,9 @@ FAMILIES: dict[str, Family] = {
 # Tried in this order when saving a config without a model_type; the first that expresses
 # it wins (the project's own type expresses everything).
 SAVE_ORDER = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2",
-              "gemma3_text", "phi3", "mixtral", "qwen3_moe", "gpt_oss", "llama4_text",
-              "bart", "marian", "m2m_100", "mbart", "pegasus", "t5gemma", "t5", "whisper", "bert",
-              "roberta", "modernbert", zoo.MODEL_TYPE)
+              "gemma3_text", "phi3", "mixtral", "qwen3_moe", "gpt_oss", "deepseek_v3",
+              "llama4_text", "bart", "marian", "m2m_100", "mbart", "pegasus", "t5gemma", "t5",
+              "whisper", "bert", "roberta", "modernbert", zoo.MODEL_TYPE)
 # Written last by `save`; `load` checks the files against it when it is there.
 MANIFEST = "zoo_integrity.json"
 # Fields a loaded config may be given: how to run it, not what it computes.
