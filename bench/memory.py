@@ -20,6 +20,13 @@ RMSNorm, SwiGLU) of 4 layers, D 512, 8 heads, MLP 1376, V 8192, float32, batch 1
 - `prefill`: a prompt of T tokens into a cache of T slots: `one_block` (one prefill call,
   logits of every token) against `chunks` (`models.prefill_in_chunks`, 512 tokens at a
   time, the last token's logits only), for each implementation.
+- `cache` lines: the decoding cache's bytes per token per row (the `KVCache` of T slots,
+  built abstractly, bfloat16), for DeepSeek-V3's latent cache (`deepseek-v3`: 61 layers of
+  one 512-wide latent and one 64-wide rotated key), the grouped-query cache a Llama of the
+  same width and depth would keep (8 kv heads of 128), and the same model's keys and values
+  expanded to its 128 heads (what a cache of the expanded attention would hold), with each
+  one's ratio to the latent cache; at T 1k, 8k and 32k (the same per token: it grows
+  linearly).
 - `summary` lines: `growth` (temp bytes per doubling of T, from 2048 up; linear memory is
   2.0), `ratio_at_4096` (chunked temp / xla temp, with the whole loss and with the sliced
   one, and `xla_over_best`: how many times below the materialised path the best
@@ -177,6 +184,30 @@ def summaries(lines: list[dict], lengths: list[int]) -> list[dict]:
     return out
 
 
+def cache_lines(lengths=(1024, 8192, 32768)) -> list[dict]:
+    """Bytes per token of the decoding cache of DeepSeek-V3 (latent), of a GQA Llama of its
+    width and depth, and of its attention expanded to every head (see the docstring)."""
+    latent = models.get_config("deepseek-v3", dtype="bfloat16")
+    plain = dict(kv_lora_rank=None, q_lora_rank=None, qk_rope_head_dim=None, v_head_dim=None,
+                 query_pre_attn_scalar=None)
+    caches = {"deepseek_v3_latent": latent,
+              "llama_gqa_8x128": latent.replace(**plain, head_dim=128, num_kv_heads=8),
+              # keys of 192 and values of 128 per head: as two of 160
+              "expanded_128_heads": latent.replace(**plain, head_dim=160)}
+    lines = []
+    for T in lengths:
+        per = {}
+        for name, cfg in caches.items():
+            cache = jax.eval_shape(lambda cfg=cfg, T=T: models.KVCache.create(cfg, 1, T))
+            per[name] = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache)
+                            if x.ndim >= 4) // T
+        for name, value in per.items():
+            lines.append({"case": "cache", "model": name, "T": T, "layers": latent.num_layers,
+                          "bytes_per_token": int(value),
+                          "over_latent": round(value / per["deepseek_v3_latent"], 2)})
+    return lines
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m bench.memory", description=__doc__.split("\n")[0])
     p.add_argument("--lengths", type=int, nargs="+",
@@ -209,6 +240,8 @@ def main(argv=None) -> None:
             for mode in ("one_block", "chunks"):
                 emit(prefill_line(T, impl=impl, mode=mode, timed=timed))
     for line in summaries(lines, lengths):
+        print(json.dumps(line), flush=True)
+    for line in cache_lines():
         print(json.dumps(line), flush=True)
 
 

@@ -17,6 +17,11 @@ experts of width 64, top 2. Variants:
                  the router, the experts and the attention, the clamped SwiGLU, attention
                  sinks, sliding (a window of a quarter of the sequence) and full layers
                  alternating
+    deepseek_v3  the mixture as DeepSeek-V3's layer has it: latent attention (a latent of
+                 D / 3, queries of rank D / 2, heads of 64 unrotated + 32 rotated key
+                 numbers and 64 value numbers), sigmoid scores with the selection bias
+                 among the best 2 of 4 groups, scaled x2.5, and one routed expert a token
+                 beside a shared one (so the same active MLP width as the others)
 
 The mixtures train with the router's load-balancing loss (coefficient 0.01). Each line:
 
@@ -48,7 +53,7 @@ SHAPES = {
     "small": dict(name="llama-small", num_layers=4, expert_width=1024, num_experts=8, k=2),
     "tiny": dict(name="llama-tiny", expert_width=64, num_experts=8, k=2),       # --quick
 }
-VARIANTS = ("dense", "moe_ragged", "moe_dense", "gpt_oss")
+VARIANTS = ("dense", "moe_ragged", "moe_dense", "gpt_oss", "deepseek_v3")
 
 
 def variant_config(shape: str, variant: str, seq_len: int) -> models.TransformerConfig:
@@ -64,6 +69,14 @@ def variant_config(shape: str, variant: str, seq_len: int) -> models.Transformer
                       sliding_window=max(1, seq_len // 4),
                       layer_types=("sliding", "full") * (layers // 2) + ("sliding",) * (
                           layers % 2))
+    if variant == "deepseek_v3":
+        d = models.get_config(name).d_model
+        fields.update(num_kv_heads=models.get_config(name).num_heads, head_dim=96,
+                      kv_lora_rank=d // 3, q_lora_rank=d // 2, qk_rope_head_dim=32,
+                      v_head_dim=64, rope_interleaved=True, router_score="sigmoid",
+                      router_score_bias=True, router_groups=4, router_top_groups=2,
+                      routed_scaling=2.5, shared_expert_mlp_dim=width)
+        k -= 1                                         # the shared expert is the other
     return models.get_config(name, **fields, mlp_dim=width, max_len=seq_len,
                              num_experts=experts, experts_per_token=k,
                              router_aux_loss_coef=0.01,

@@ -26,3 +26,16 @@ def test_memory_benchmark_prints_grad_prefill_and_summary_lines(capsys):
     assert prefills == {(i, m) for i in ("xla", "chunked") for m in ("one_block", "chunks")}
     ratio = [x for x in lines if x.get("what") == "ratio_at_4096"]
     assert not ratio                                        # 4096 was not measured
+
+
+def test_the_cache_lines_weigh_the_latent_cache_against_gqa_and_expanded_heads():
+    """DeepSeek-V3's cache per token: 61 layers x (512 + 64) bfloat16 numbers; a Llama of
+    its width with 8 kv heads of 128 keeps 61 x 2 x 8 x 128; the expanded heads 61 x 128 x
+    (192 + 128). Per token, so the same at every T."""
+    lines = memory.cache_lines((1024, 2048))
+    got = {(x["model"], x["T"]): x["bytes_per_token"] for x in lines}
+    for T in (1024, 2048):
+        assert got["deepseek_v3_latent", T] == 61 * 576 * 2
+        assert got["llama_gqa_8x128", T] == 61 * 2 * 8 * 128 * 2
+        assert got["expanded_128_heads", T] == 61 * 128 * 320 * 2
+    assert {x["over_latent"] for x in lines if x["model"] == "llama_gqa_8x128"} == {3.56}
