@@ -12,6 +12,8 @@ named; and the deepseek-v3 preset has transformers' parameter count.
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -150,6 +152,33 @@ def test_the_selection_bias_chooses_the_experts_and_does_not_weigh_them(ckpt):
     assert sorted(np.asarray(experts[0]).tolist()) == [4, 6]
     np.testing.assert_allclose(np.sort(weights[0]),
                                np.sort(2.0 * jax.nn.sigmoid(logits[0, [4, 6]])), rtol=1e-6)
+
+
+def test_the_published_multi_token_prediction_layer_is_skipped_with_a_warning(ckpt, tmp_path):
+    """The published files hold one more layer past the last (its decoder layer's tensors
+    and enorm, hnorm, eh_proj, shared_head): skipped, named in the warning, the logits
+    unchanged; a stray tensor inside a real layer is still refused by name."""
+    from safetensors.numpy import load_file, save_file
+    c = ckpt("deepseek-v3-q-lora-groups-yarn")
+    path = copy_dir(c.path, tmp_path / "m")
+    file = os.path.join(path, "model.safetensors")
+    tensors = load_file(file)
+    mtp = {k.replace("layers.2.", "layers.3."): v for k, v in tensors.items()
+           if k.startswith("model.layers.2.")}
+    mtp.update({f"model.layers.3.{name}.weight": np.ones((32,), np.float32)
+                for name in ("enorm", "hnorm", "shared_head.norm")})
+    mtp["model.layers.3.eh_proj.weight"] = np.ones((32, 64), np.float32)
+    save_file({**tensors, **mtp}, file, metadata={"format": "pt"})
+    with pytest.warns(UserWarning, match=r"model\.layers\.3\..*are skipped"):
+        pre = models.load(path)
+    np.testing.assert_allclose(fns(pre.config).forward(pre.params, c.tokens), c.logits,
+                               atol=ATOL, rtol=0)
+    save_file({**tensors, "model.layers.1.self_attn.q_proj.weight": np.ones((48, 32),
+                                                                         np.float32)},
+              file, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"1 tensor\(s\) the config does not use: "
+                                         r"model\.layers\.1\.self_attn\.q_proj\.weight"):
+        models.load(path)
 
 
 def test_a_bfloat16_checkpoint_loads_exactly(ckpt, tmp_path):

@@ -217,7 +217,7 @@ def _plan(weights: Weights, family: Family, cfg: TransformerConfig, entries) -> 
     used = {c for keys in stored.values() for c in keys} | set(fixed)
     extra = {k for k in present - used if not family.is_ignored(k)
              and not (k == resolve(TIED_HEAD) and cfg.tie_embeddings)}
-    skipped = {k for k in extra if family.is_skipped(k)}
+    skipped = {k for k in extra if family.is_skipped(k, cfg)}
     extra -= skipped
     if missing:        # what it holds instead names a variant (quantized experts, say)
         instead = f"; it holds {len(extra)} the config does not use: {_show(extra)}" \

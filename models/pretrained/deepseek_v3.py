@@ -18,10 +18,9 @@ attention and a mixture of shared and routed experts.
 
 Checkpoints hold each expert apart (`mlp.experts.{e}.gate_proj`, ...), as the published
 files and transformers' `save_pretrained` do. The published files' multi-token-prediction
-module (`num_nextn_predict_layers`, a layer past the last with `enorm`, `hnorm`, `eh_proj`
-and `shared_head`) is not part of the causal LM transformers builds: its tensors named so
-are skipped with a warning; its ordinary layer tensors are refused by name (unexpected
-weights), so such a file needs them removed first.
+module (`num_nextn_predict_layers`: layers past the last, with `enorm`, `hnorm`, `eh_proj`
+and `shared_head` beside a decoder layer's tensors) is not part of the causal LM
+transformers builds: its tensors are skipped with a warning naming them.
 
 Refused by name: FP8 checkpoints (`quantization_config`), `attention_bias=True`,
 `num_key_value_heads` other than `num_attention_heads`, an activation other than silu,
@@ -198,4 +197,4 @@ FAMILY: Family = Family(
     model_type="deepseek_v3", architectures=("DeepseekV3ForCausalLM",),
     config_from_hf=config_from_hf, config_to_hf=config_to_hf, rules=rules, prefix="model.",
     ignored=(r"(model\.)?layers\.\d+\.self_attn\.rotary_emb\.inv_freq",),
-    skipped=(r"model\.layers\.\d+\.(enorm|hnorm|eh_proj|shared_head)\..*",))
+    skipped_layers=r"model\.layers\.(\d+)\..*")

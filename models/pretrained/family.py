@@ -57,6 +57,9 @@ class Family:
         skipped: regexes of file keys that are weights of a head the config does not have
             (BERT's pooler under a masked-LM head, its next-sentence head): skipped when no
             rule reads them, and named in a `UserWarning` (unlike `ignored` buffers).
+        skipped_layers: None, or a regex of file keys whose one group is a layer's index:
+            those of layers at or past the config's `num_layers` are skipped as `skipped`
+            are (DeepSeek-V3's multi-token-prediction layer, past the last).
     """
 
     model_type: str
@@ -72,12 +75,16 @@ class Family:
     renames: tuple[tuple[str, str], ...] = ()
     optional_heads: dict[str, str] = dataclasses.field(default_factory=dict)
     skipped: tuple[str, ...] = ()
+    skipped_layers: str | None = None
 
     def is_ignored(self, key: str) -> bool:
         return any(re.fullmatch(p, key) for p in self.ignored)
 
-    def is_skipped(self, key: str) -> bool:
-        return any(re.fullmatch(p, key) for p in self.skipped)
+    def is_skipped(self, key: str, config: TransformerConfig | None = None) -> bool:
+        if any(re.fullmatch(p, key) for p in self.skipped):
+            return True
+        layer = re.fullmatch(self.skipped_layers, key) if self.skipped_layers else None
+        return bool(layer and config is not None and int(layer.group(1)) >= config.num_layers)
 
     def rename(self, key: str) -> str:
         """A file's key under the name the rules use (`renames`)."""
