@@ -287,3 +287,19 @@ def test_three_steps_over_an_fsdp2_tensor2_mesh_equal_one_device():
     for b in ts._batches(cfg):
         state, _ = sh.train_step(state, jax.tree.map(lambda x: x.reshape(4, -1, ts.W), b))
     chex.assert_trees_all_close(sh.host_state(state).params, ts._one_device(cfg), atol=2e-5)
+
+
+def test_int8_weights_quantize_the_latent_projections_and_the_experts(ckpt):
+    """`quantize="int8"`: every Projection of the latent attention (query_a, query_b, kv_a,
+    out) and the experts are int8; kv_b, read whole by each call, stays in the float dtype;
+    the logits follow the float ones."""
+    from models.quant import Quantized
+    c = ckpt("deepseek-v3-q-lora-groups-yarn")
+    pre = models.load(c.path, quantize="int8")
+    attn = pre.params["decoder"]["layer_1"]["self_attention"]
+    assert all(isinstance(attn[name]["kernel"], Quantized)
+               for name in ("query_a", "query_b", "kv_a", "out"))
+    assert not isinstance(attn["kv_b_kernel"], Quantized)
+    assert isinstance(pre.params["decoder"]["layer_1"]["mlp"]["gate_kernel"], Quantized)
+    logits = np.asarray(pre.model.apply({"params": pre.params}, jnp.asarray(c.tokens)))
+    assert np.abs(logits - c.logits).max() < 0.03 * np.abs(c.logits).max()
