@@ -85,11 +85,36 @@ def _self_attention_sublayer(cfg, x_BTD, inputs: LayerInputs, cache, layer, *, k
     return (x_BTD, cache, out) if inputs.read_only else (x_BTD, out, None)
 
 
+def _sliced_mlp(cfg):
+    """The dense MLP ("mlp") over `cfg.mlp_chunks` slices of the sequence, so that its
+    [B, T, F] activations are held one slice at a time in the backward pass (a long
+    sequence's largest per-layer arrays once attention is chunked and the loss sliced);
+    the same parameters and numbers as one call. In a rematerialised layer (`remat`) the
+    layer's recomputation already frees each slice's activations before the next; without
+    it each slice is rematerialised on its own. A sequence shorter than the slices (a
+    decoding step) is one slice."""
+    one = (MLP if cfg.remat else nn.remat(MLP, static_argnums=(2,)))(cfg, name="mlp")
+
+    def call(x_BTD, deterministic):
+        T = x_BTD.shape[1]
+        n = min(cfg.mlp_chunks, T)
+        ends = [T * i // n for i in range(n + 1)]
+        return jnp.concatenate([one(x_BTD[:, a:b], deterministic)
+                                for a, b in zip(ends, ends[1:], strict=False)], axis=1)
+    return call
+
+
 def _mlp_sublayer(cfg, x_BTD, inputs: LayerInputs, experts: bool | None = None):
-    """The residual MLP sublayer: the dense MLP, or with `num_experts` the mixture of
-    experts (`models.moe`); `experts` says which for this layer (None: `num_experts`)."""
+    """The residual MLP sublayer: the dense MLP (over slices of the sequence with
+    `mlp_chunks`), or with `num_experts` the mixture of experts (`models.moe`); `experts`
+    says which for this layer (None: `num_experts`)."""
     experts = bool(cfg.num_experts) if experts is None else experts
-    mlp = (MoeMLP if experts else MLP)(cfg, name="mlp")
+    if experts:
+        mlp = MoeMLP(cfg, name="mlp")
+    elif cfg.mlp_chunks > 1:
+        mlp = _sliced_mlp(cfg)
+    else:
+        mlp = MLP(cfg, name="mlp")
     x_BTD, _ = residual(cfg, x_BTD, lambda y: (mlp(y, inputs.deterministic), None),
                         make_norm(cfg, "mlp_norm"), deterministic=inputs.deterministic,
                         out_norm=_out_norm(cfg, "mlp"))

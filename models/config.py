@@ -86,7 +86,7 @@ _POSITIVE = ("vocab_size", "d_model", "num_heads", "num_kv_heads", "head_dim", "
              "sliding_window", "relative_buckets", "relative_max_distance", "attention_block",
              "expert_mlp_dim", "attention_chunk_size", "shared_expert_mlp_dim",
              "attn_temperature_floor", "router_groups", "router_top_groups", "kv_lora_rank",
-             "q_lora_rank", "qk_rope_head_dim", "v_head_dim")
+             "q_lora_rank", "qk_rope_head_dim", "v_head_dim", "mlp_chunks")
 _LAYER_INDICES = ("nope_layers", "moe_layers")
 
 
@@ -287,6 +287,7 @@ class TransformerConfig:
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
     mlp_dropout_rate: float = 0.0
+    mlp_chunks: int = 1
     num_experts: int = 0
     experts_per_token: int = 2
     expert_mlp_dim: int | None = None

@@ -247,6 +247,10 @@ def _check_moe(cfg) -> None:
     for name in ("num_experts", "router_aux_loss_coef", "router_z_loss_coef"):
         if getattr(cfg, name) < 0:
             raise UserError(f"TransformerConfig.{name}={getattr(cfg, name)} must be >= 0")
+    if cfg.mlp_chunks > 1 and cfg.num_experts:
+        raise UserError(f"TransformerConfig.mlp_chunks={cfg.mlp_chunks} slices the dense MLP "
+                        f"over the sequence; the experts (num_experts={cfg.num_experts}) route "
+                        "every token at once: use mlp_chunks=1")
     if cfg.experts_per_token < 1:
         raise UserError(f"TransformerConfig.experts_per_token={cfg.experts_per_token} must "
                         "be >= 1")
