@@ -16,7 +16,7 @@ RMSNorm, SwiGLU) of 4 layers, D 512, 8 heads, MLP 1376, V 8192, float32, batch 1
   `[T, V]` logits, then their log-softmax) or, for the long-sequence configuration
   (`chunked` attention), also "sliced": the head and the loss in `loss_chunks` slices of
   `LOSS_SLICE` positions each, recomputed in the backward pass (`train.chunked_loss`,
-  the run config's `loss_chunks`).
+  the run config's `loss_chunks`), and the MLP in as many slices (`mlp_chunks`).
 - `prefill`: a prompt of T tokens into a cache of T slots: `one_block` (one prefill call,
   logits of every token) against `chunks` (`models.prefill_in_chunks`, 512 tokens at a
   time, the last token's logits only), for each implementation.
@@ -60,10 +60,12 @@ LOSS_SLICE = 512          # positions per slice of the sliced loss: loss_chunks 
 
 
 def config(T: int, *, impl: str, policy: str | None, scan: bool = True,
-           block: int = 512, dtype: str = "float32") -> models.TransformerConfig:
+           block: int = 512, dtype: str = "float32",
+           mlp_chunks: int = 1) -> models.TransformerConfig:
     remat = {} if policy is None else dict(remat=True, remat_policy=policy)
     return models.TransformerConfig(**MODEL, max_len=T, attention_impl=impl, scan_layers=scan,
-                                    attention_block=block, dtype=dtype, **remat)
+                                    attention_block=block, dtype=dtype, mlp_chunks=mlp_chunks,
+                                    **remat)
 
 
 def _tokens(T: int):
@@ -93,10 +95,11 @@ def grad_line(T: int, *, impl: str, policy: str | None, scan: bool, timed: bool,
     slices of `LOSS_SLICE` positions (`train.chunked_loss`), never the whole logits;
     computing in `dtype` (parameters float32; `python -m bench.accelerator` asks for
     bfloat16, which cuDNN needs)."""
-    cfg = config(T, impl=impl, policy=policy, scan=scan, dtype=dtype)
+    chunks = max(1, T // LOSS_SLICE) if sliced else 0
+    cfg = config(T, impl=impl, policy=policy, scan=scan, dtype=dtype,
+                 mlp_chunks=max(1, chunks))
     model = models.build(cfg)
     tokens = _tokens(T)
-    chunks = max(1, T // LOSS_SLICE) if sliced else 0
 
     def loss(params, tokens):
         if sliced:
@@ -115,7 +118,8 @@ def grad_line(T: int, *, impl: str, policy: str | None, scan: bool, timed: bool,
     compiled = grad.lower(params, tokens).compile()
     out = {"case": "grad", "T": T, "impl": impl, "policy": policy, "dtype": dtype,
            "layers": "scan" if scan else "loop", "loss": "sliced" if sliced else "whole",
-           "loss_chunks": chunks, "compile_s": round(time.perf_counter() - t0, 2),
+           "loss_chunks": chunks, "mlp_chunks": cfg.mlp_chunks,
+           "compile_s": round(time.perf_counter() - t0, 2),
            **_memory(compiled)}
     if timed:
         real = jax.jit(model.init)(jax.random.key(0), tokens)["params"]

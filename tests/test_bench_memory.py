@@ -22,6 +22,8 @@ def test_memory_benchmark_prints_grad_prefill_and_summary_lines(capsys):
     assert by["chunked", "whole", 2048] < by["xla", "whole", 2048]   # no T x S array to keep
     assert by["chunked", "sliced", 2048] < by["chunked", "whole", 2048]   # nor a T x V one
     assert {x["loss_chunks"] for x in grads if x["loss"] == "sliced"} == {1, 4}
+    assert {x["mlp_chunks"] for x in grads if x["loss"] == "sliced"} == {1, 4}
+    assert {x["mlp_chunks"] for x in grads if x["loss"] == "whole"} == {1}
     prefills = {(x["impl"], x["mode"]) for x in lines if x["case"] == "prefill"}
     assert prefills == {(i, m) for i in ("xla", "chunked") for m in ("one_block", "chunks")}
     ratio = [x for x in lines if x.get("what") == "ratio_at_4096"]
