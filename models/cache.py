@@ -25,6 +25,10 @@ Slots at or beyond `lengths[b]` may hold stale values (the padding of a right-pa
 after prefill); a query reads only slots before its own position (causal over absolute
 positions, and a decoding step's `filled` slots).
 
+A latent-attention model's cache (`config.latent`, `models.latent_attention`) has one
+"head" whose key is the token's compressed latent and rotated key, and values of width 0
+(the attention reads them from the key): `config.cache_shape` gives (K, key H, value H).
+
 An int8 cache (`create(..., dtype="int8")`, `models.cache_int8`) holds int8 keys and values
 and their scales, `k_scale` and `v_scale` ([B, K, S, 1] per layer: the layout of `k` and
 `v` with H = 1), quantized by `write` and `commit` and dequantized by `read`. Every other

@@ -84,7 +84,7 @@ class PagedKVCache:
         if (pages_per_row - 1) * page_size >= config.max_len:
             raise UserError(f"pages_per_row={pages_per_row} of page_size={page_size} reach "
                             f"past the model's max_len {config.max_len}")
-        cache = cls(**empty_self(config, num_pages, page_size, dtype),  # each leaf apart
+        cache = cls(**empty_self(config, num_pages, page_size, dtype),  # apart: donated
                     page_table=jnp.full((rows, pages_per_row), num_pages, jnp.int32),
                     lengths=jnp.zeros((rows,), jnp.int32))
         if source_len is None:
