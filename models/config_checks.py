@@ -228,10 +228,6 @@ def _check_latent_attention(cfg) -> None:
         if got[name] != value:
             raise UserError(f"TransformerConfig.kv_lora_rank={cfg.kv_lora_rank} (latent "
                             f"attention) needs {name}={value!r}, not {got[name]!r}")
-    if cfg.lora is not None:
-        raise UserError(f"TransformerConfig.lora={list(cfg.lora.targets)}: adapters on latent "
-                        f"attention (kv_lora_rank={cfg.kv_lora_rank}) are not built; fine-tune "
-                        "it in full")
     if cfg.qk_rope_head_dim is None or cfg.qk_rope_head_dim % 2:
         raise UserError(f"TransformerConfig.kv_lora_rank={cfg.kv_lora_rank} needs an even "
                         f"qk_rope_head_dim (the rotated part of each query and key), not "

@@ -15,6 +15,7 @@ A projection is named by where it sits, `stack.block.name`:
     stack   encoder | decoder          (an encoder-only model's stack is "encoder")
     block   self_attention | cross_attention | mlp
     name    query | key | value | out  (attention)   gate | up | down  (MLP)
+            query_a | query_b | kv_a | out  (latent attention's: `models.latent_attention`)
 
 A target names the last one, two or three parts and adapts every projection it ends:
 "query" (each attention's), "cross_attention.value", "decoder.mlp.down"; or a block, for
@@ -40,10 +41,13 @@ from models.errors import UserError, check_positive_int
 from models.quant import is_quantized
 
 STACKS = ("encoder", "decoder")
-BLOCKS = {"self_attention": ("query", "key", "value", "out"),
+# Latent attention's projections (`models.latent_attention`) are self-attention's too: its
+# low-rank query pair and the latent's projection (kv_b, read whole, takes no adapter).
+LATENT = ("query_a", "query_b", "kv_a")
+BLOCKS = {"self_attention": ("query", "key", "value", "out", *LATENT),
           "cross_attention": ("query", "key", "value", "out"),
           "mlp": ("gate", "up", "down")}
-NAMES = ("query", "key", "value", "out", "gate", "up", "down")
+NAMES = ("query", "key", "value", "out", *LATENT, "gate", "up", "down")
 Site = tuple[str, str, str]           # (stack, block, name)
 
 
@@ -194,6 +198,11 @@ def projection_widths(cfg) -> dict[Site, tuple[int, int]]:
     d, q, kv, f = (cfg.d_model, cfg.num_heads * cfg.head_dim,
                    cfg.num_kv_heads * cfg.head_dim, cfg.mlp_dim)
     attention = {"query": (d, q), "key": (d, kv), "value": (d, kv), "out": (q, d)}
+    if cfg.latent:
+        attention = {"kv_a": (d, cfg.kv_lora_rank + cfg.rope_dim),
+                     "out": (cfg.num_heads * cfg.value_dim, d)}
+        attention.update({"query": (d, q)} if cfg.q_lora_rank is None else
+                          {"query_a": (d, cfg.q_lora_rank), "query_b": (cfg.q_lora_rank, q)})
     mlp = {"up": (d, f), "down": (f, d)}
     if cfg.activation in ("swiglu", "geglu", "geglu_exact"):
         mlp["gate"] = (d, f)

@@ -212,7 +212,8 @@ def test_latent_attention_refuses_what_it_does_not_compute():
                           (dict(sliding_window=4), "sliding_window=None"),
                           (dict(qk_rope_head_dim=24), "below head_dim=24"),
                           (dict(kv_lora_rank=None), "q_lora_rank=24 shapes latent"),
-                          (dict(lora={"rank": 2, "targets": ["out"]}), "adapters on latent")):
+                          (dict(lora={"rank": 2, "targets": ["query"]}),
+                           r"'query' names no projection.*query_a")):
         with pytest.raises(ValueError, match=words):
             tiny.replace(**change)
     with pytest.raises(ValueError, match="int8.*latent attention"):
@@ -303,3 +304,40 @@ def test_int8_weights_quantize_the_latent_projections_and_the_experts(ckpt):
     assert isinstance(pre.params["decoder"]["layer_1"]["mlp"]["gate_kernel"], Quantized)
     logits = np.asarray(pre.model.apply({"params": pre.params}, jnp.asarray(c.tokens)))
     assert np.abs(logits - c.logits).max() < 0.03 * np.abs(c.logits).max()
+
+
+@pytest.mark.parametrize("name,targets,modules", [
+    ("deepseek-v3-q-lora-groups-yarn", ("query_a", "query_b", "kv_a", "out"),
+     ["kv_a_proj_with_mqa", "o_proj", "q_a_proj", "q_b_proj"]),
+    ("deepseek-v3-q-proj-ungrouped", ("self_attention",),
+     ["kv_a_proj_with_mqa", "o_proj", "q_proj"])])
+def test_adapters_on_latent_attention_load_in_peft_with_our_logits(
+        name, targets, modules, ckpt, tmp_path, highest_precision):
+    """LoRA on the latent attention's projections (the low-rank query pair or q_proj, the
+    latent's kv_a, the output): PEFT reads the adapter we write onto transformers'
+    DeepSeek-V3 to our logits, beside the experts (which take none)."""
+    import json
+
+    import peft
+
+    from models import lora
+    from models.lora import LoraConfig
+    from models.pretrained import peft as peft_files
+    from tests.helpers import random_adapters
+    c = ckpt(name)
+    pre = models.load(c.path)
+    cfg = pre.config.replace(lora=LoraConfig(rank=2, targets=targets))
+    adapters = random_adapters(cfg, seed=4)
+    out = str(tmp_path / "adapter")
+    models.save_adapter(out, cfg, adapters)
+    with open(f"{out}/{peft_files.CONFIG}") as f:
+        assert sorted(json.load(f)["target_modules"]) == modules
+    model = peft.PeftModel.from_pretrained(hf_load(c.path), out).eval()
+    theirs = hf_logits(model, c.tokens)
+    ours = np.asarray(fns(cfg).forward(lora.join(pre.params, adapters), c.tokens))
+    assert np.abs(ours - c.logits).max() > 1e-2
+    np.testing.assert_allclose(ours, theirs, atol=ATOL, rtol=0)
+    again = models.load(c.path, adapter=out)
+    chex_tree = jax.tree.map(np.asarray, lora.split(again.params)[1])
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b), chex_tree,
+                 jax.tree.map(np.asarray, adapters))
