@@ -224,14 +224,17 @@ def test_cancelled_and_stopped_requests_free_their_slots_and_pages():
 
 def test_an_error_in_the_loop_ends_every_request_with_it_and_refuses_new_ones(monkeypatch):
     engine = Engine(_pretrained("decoder_only"), **SIZES)
+    submitted = threading.Event()
 
-    def broken(rows):
+    def broken(rows):              # fails once every request is in (running or waiting)
+        submitted.wait(timeout=60)
         raise RuntimeError("a bug in the step")
     monkeypatch.setattr(engine, "_decode", broken)
     monkeypatch.setattr(threading, "excepthook", lambda args: None)   # the thread's report
     engine.start(warmup=False)
     request = decode.DecodeRequest(max_new_tokens=4)
     handles = [engine.submit(serve.Submission((5, 6), request)) for _ in range(6)]
+    submitted.set()
     for h in handles:                            # running or waiting: each hears of it
         last = h.result()[2]
         assert (last.finish_reason, last.error) == ("error", "RuntimeError: a bug in the step")
