@@ -26,14 +26,11 @@ from tests import pretrained_helpers as ph
 from tests.helpers import fns
 from tests.pretrained_helpers import (
     SPECIAL,
-    assert_same_params,
-    assert_same_tensors,
     copy_dir,
     edit_config,
     hf_load,
     hf_logits,
     set_fields,
-    stack_layers,
 )
 from tests.test_pretrained_2025 import _our_count, _their_count
 
@@ -118,19 +115,7 @@ def test_greedy_generate_on_a_ragged_batch_equals_transformers_generate(
 
 @pytest.mark.parametrize("name", CASES)
 def test_load_then_save_gives_the_tensors_transformers_wrote_bit_for_bit(name, ckpt, tmp_path):
-    c = ckpt(name)
-    pre = models.load(c.path)
-    out = str(tmp_path / "again")
-    assert models.save(out, pre.config, pre.params) == "deepseek_v3"
-    again = hf_load(out)
-    assert type(again) is type(c.model)
-    assert_same_tensors(c.state, again)
-    np.testing.assert_array_equal(hf_logits(again, c.tokens), c.logits)
-    assert models.load(out).config == pre.config
-    assert_same_params(models.load(out).params, pre.params)
-    if not pre.config.moe_layers:
-        scanned = models.load(c.path, scan_layers=True)
-        assert_same_params(scanned.params, stack_layers(pre.params))
+    ph.assert_saves_back_bit_for_bit(ckpt(name), "deepseek_v3", tmp_path)
 
 
 def test_the_selection_bias_chooses_the_experts_and_does_not_weigh_them(ckpt):
