@@ -85,8 +85,10 @@ def test_ragged_dispatch_equals_dense_in_values_and_gradients():
         dense = jax.grad(loss, argnum)(kernels, x, "dense")
         jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4),
                      ragged, dense)
+    # A sum of 33 x D sines that mostly cancel: each term agrees to float32 rounding, the
+    # sum to that rounding times the number of terms (1.1e-5 absolute on an AMD EPYC host).
     np.testing.assert_allclose(loss(kernels, x, "ragged"), loss(kernels, x, "dense"),
-                               rtol=1e-5)
+                               atol=1e-4)
 
 
 @pytest.mark.slow
