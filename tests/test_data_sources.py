@@ -113,6 +113,32 @@ def test_local_translation_counts_every_malformed_line(data_dir, tmp_path):
     assert again.bad_lines.counts == ds.bad_lines.counts
 
 
+def test_text_records_are_read_as_tfdss_decoder_reads_them(data_dir, tmp_path):
+    """Our datasets' features are all `Text`: their records are parsed from the stored
+    tf.train.Example directly, equal to what TFDS's own decoder gives, in the order asked."""
+    from tensorflow_datasets.core.data_sources.array_record import ArrayRecordDataSource
+    train = tmp_path / "train.tsv"
+    train.write_text("naïve café ☃\tun café naïf\nhello\tbonjour\n"
+                     + "".join(f"line {i}\tligne {i} \U0001f600\n" for i in range(30)),
+                     encoding="utf-8")
+    test = tmp_path / "test.tsv"
+    test.write_text("one\tun\n")
+    local = data.load_dataset("local_translation", data_dir, data_files=(str(train), str(test)))
+    for ds in (local, data.load_dataset("toy_classification", data_dir)):
+        source = ds.split("train")
+        assert sorted(datasets_mod._text_feature_names(source)) == sorted(ds.keys)
+        indices = [len(source) - 1, 0, len(source) // 2, 0]     # any order, repeats
+        want = [source[i] for i in indices]                  # TFDS's decoder
+        assert ds._records("train", indices) == want and ds._records("train", []) == []
+        assert ds.examples("train", indices) == [
+            tuple(r[k].decode() for k in ds.keys) for r in want]
+    assert ("naïve café ☃", "un café naïf") in local.examples(
+        "train", range(len(local.split("train"))))
+    # A source with decoders (or a feature other than Text) goes through TFDS's decoder.
+    decoded = ArrayRecordDataSource(source.dataset_info, "train", decoders={"text": None})
+    assert datasets_mod._text_feature_names(decoded) is None
+
+
 def test_line_aligned_files_and_local_text(data_dir, tmp_path):
     src, tgt = tmp_path / "a.en", tmp_path / "a.fr"
     src.write_text("one\ntwo\n\nfour\n")

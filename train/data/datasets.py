@@ -131,6 +131,9 @@ class Dataset:
     def _records(self, split: str, indices) -> list:
         source = self.split(split)
         indices = [int(i) for i in indices]
+        names = _text_feature_names(source)
+        if names is not None:
+            return _text_records(source, indices, names)
         try:
             return source.__getitems__(indices)
         except TypeError:   # tfds.testing.mock_data's sources only read one at a time
@@ -226,6 +229,37 @@ def data_changes(saved: dict, current: dict) -> list[str]:
                    f"{str(saved.get('dataset_digest'))[:12]} -> "
                    f"{current['dataset_digest'][:12]})")
     return out
+
+
+def _text_feature_names(source) -> tuple[str, ...] | None:
+    """The names of an array_record source's features when each is a plain `Text` (every
+    dataset this project prepares but speech, whose clips are paths too), else None."""
+    from tensorflow_datasets.core.data_sources.array_record import ArrayRecordDataSource
+    if type(source) is not ArrayRecordDataSource or source.decoders is not None:
+        return None
+    features = source.dataset_info.features
+    if not isinstance(features, tfds.features.FeaturesDict) or not all(
+            type(f) is tfds.features.Text for f in features.values()):
+        return None
+    return tuple(features.keys())
+
+
+def _text_records(source, indices: list[int], names: tuple[str, ...]) -> list[dict]:
+    """Records of a text-only source as TFDS's decoder returns them ({name: bytes}), parsed
+    from the stored tf.train.Example directly: a fourth of the time of TFDS's general
+    decoder, which a run pays for each example it reads (its tokenizer, tokens, labels)."""
+    from tensorflow_datasets.proto import tf_example_pb2
+    if not indices:
+        return []
+    raw = source.data_source.__getitems__(indices)
+    if len(raw) != len(indices):
+        raise IndexError(f"asked {source!r} for {len(indices)} records, got {len(raw)}")
+    parse = tf_example_pb2.Example.FromString
+    records = []
+    for record in raw:
+        feature = parse(record).features.feature
+        records.append({name: feature[name].bytes_list.value[0] for name in names})
+    return records
 
 
 def _text(value) -> str:
