@@ -132,9 +132,9 @@ class Dataset:
         source = self.split(split)
         indices = [int(i) for i in indices]
         names = _text_feature_names(source)
-        if names is not None:
-            return _text_records(source, indices, names)
         try:
+            if names is not None:
+                return _text_records(source, indices, names)
             return source.__getitems__(indices)
         except TypeError:   # tfds.testing.mock_data's sources only read one at a time
             return [source[i] for i in indices]
