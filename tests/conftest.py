@@ -84,8 +84,8 @@ def _compiled_programs_per_module():
 @pytest.fixture(autouse=True, scope="session")
 def _prepared_examples_read_once():
     """Each prepared TFDS split's examples are read from disk once per test process, then
-    kept: deserialising them is a third of a tiny training run's time (about 0.1 ms an
-    example, 20,000-50,000 examples a split), and the suite trains hundreds of runs on the
+    kept: parsing them costs about 15 us an example (20,000-50,000 examples a split, read
+    for the tokenizer, the tokens and the labels), and the suite trains hundreds of runs on the
     same few prepared datasets. Keyed on the prepared directory, which names the dataset,
     its config (a local dataset's hashes its files' paths and contents) and version, so a
     changed dataset is read from disk. Runs started as processes read as a user's do.
