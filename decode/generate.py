@@ -176,6 +176,13 @@ def _generate(model, params, inputs: GenerateInputs, *, max_new_tokens, cache_le
                         cache_len)
 
 
+@functools.cache
+def default_rng() -> jax.Array:
+    """`jax.random.key(0)`, the key of a call given none, made once: making it is a
+    dispatch of its own (0.6 ms) on every greedy call otherwise."""
+    return jax.random.key(0)
+
+
 def generate_arguments(model: nn.Module, params, prompts, lengths,
                        request: DecodeRequest | None = None, **options) -> tuple[tuple, dict]:
     """A `generate` call's arguments, checked, as its jitted computation takes them.
@@ -283,7 +290,7 @@ def _keyword_arguments(model: nn.Module, params, prompts, lengths, *, max_new_to
         top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty)
     if strategy.sample and rng is None:
         raise UserError("rng is required when temperature > 0 (sampling: strategy.sample)")
-    rng = jax.random.key(0) if rng is None else rng
+    rng = default_rng() if rng is None else rng
     inputs = GenerateInputs(shared.prompts, shared.lengths, rng, sampling, shared.constraints,
                             draft_params=draft_params if draft else None)
     return (model, params, inputs), {**shared.static, "strategy": strategy, "loop": loop,

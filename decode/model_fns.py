@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from decode.loop import SplitStep
 from decode.placement import constrain_cache
 from models import BeamKVCache, KVCache, prefill_in_chunks
+from models.attention import fuse_qkv
 
 # Prompts longer than this are prefilled this many tokens at a time: no attention over the
 # whole prompt at once, whatever its length (`models.prefill_in_chunks`).
@@ -107,7 +108,15 @@ def model_step_fn(model: nn.Module, params, cache_sharding=None) -> SplitStep:
     """The model as the loops' step, in two parts (`decode.loop.SplitStep`): the model's
     `read_step`, which reads the cache, and the cache's `commit` of the new keys and
     values; called whole it is `step_fn(tokens_B, cache) -> (logits_BV, cache)`. The cache
-    goes in and comes back on `cache_sharding` (None: wherever the compiler puts it)."""
+    goes in and comes back on `cache_sharding` (None: wherever the compiler puts it).
+
+    The step reads each self-attention's query, key and value kernels as one
+    (`models.attention.fuse_qkv`, copied here, once per call of the loop that takes the
+    step): one matrix product instead of three, 6-8% of a batch-1 step on a CPU. Not when
+    the parameters split their kv heads over a mesh (`cache_sharding`), where the joined
+    kernel would not be split like the three."""
+    if cache_sharding is None:
+        params = fuse_qkv(params)
 
     def read(tokens_B, cache):
         cache = constrain_cache(cache, cache_sharding)

@@ -68,7 +68,7 @@ def validate(cfg) -> None:
         raise UserError(f"TransformerConfig.norm_scale_offset={cfg.norm_scale_offset} "
                         f"needs norm='rmsnorm', not {cfg.norm!r}")
     if cfg.qk_norm and cfg.is_encoder_decoder:
-        raise UserError("TransformerConfig.qk_norm=True normalises cfg-attention's "
+        raise UserError("TransformerConfig.qk_norm=True normalises self-attention's "
                         "queries and keys; an encoder-decoder's cross-attention has no "
                         "such norms")
     if cfg.rope_scaling is not None and cfg.positions != "rope":
