@@ -19,7 +19,7 @@ line per measurement:
   against one [512, 1536] (40 of each, distinct, so none stays in the cache).
 - `joined_qkv`: the step with each self-attention's query, key and value kernels joined
   (`models.attention.fuse_qkv`, what `decode.model_fns.model_step_fn` does) over the
-  step with the three apart.
+  step with the three apart (two programs, compiled apart; their tokens must agree).
 
 `--quick`: tiny shapes and few runs, for the suite.
 """
@@ -80,17 +80,20 @@ class Case:
 _FUSE = model_fns.fuse_qkv
 
 
-def step_times(case: Case, repeats: int, short: int, long: int) -> dict[bool, float]:
-    """Seconds per step, joined and apart, interleaved run by run (a shared machine drifts)."""
-    calls = {(joined, n): case.run(n, joined) for joined in (True, False) for n in (short, long)}
-    for call in calls.values():
-        jax.block_until_ready(call())
+def step_times(case: Case, repeats: int, short: int, long: int,
+               ways=(True, False)) -> dict[bool, float]:
+    """Seconds per step, joined and apart (`ways`), interleaved run by run (a shared
+    machine drifts). Both ways must give the same tokens, or the comparison is refused."""
+    calls = {(joined, n): case.run(n, joined) for joined in ways for n in (short, long)}
+    tokens = {key: jax.block_until_ready(call()) for key, call in calls.items()}
+    if len(ways) > 1 and not (tokens[True, long] == tokens[False, long]).all():
+        raise AssertionError("the joined and apart steps chose different tokens")
     best = dict.fromkeys(calls, math.inf)
     for _ in range(repeats):
         for key, call in calls.items():
             best[key] = min(best[key], _best(call, 1))
     return {joined: (best[joined, long] - best[joined, short]) / (long - short)
-            for joined in (True, False)}
+            for joined in ways}
 
 
 def host_us(case: Case, repeats: int) -> dict[str, float]:
@@ -163,7 +166,7 @@ def main(argv=None) -> int:
 
     case = Case(full, src_len)
     steps = step_times(case, repeats, short, long)
-    narrow_step = step_times(Case(narrow, src_len), repeats, short, long)[True]
+    narrow_step = step_times(Case(narrow, src_len), repeats, short, long, (True,))[True]
     n_bytes = step_param_bytes(case.params)
     bound = n_bytes / matmul_bandwidth(n_bytes, 1)
     print(json.dumps(dict(
