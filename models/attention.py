@@ -33,13 +33,32 @@ __all__ = ["CrossAttention", "CrossKVProjection", "SelfAttention", "apply_rope",
            "dot_product_attention", "fuse_qkv", "rope_frequencies"]
 
 
-def _dense_heads(config: TransformerConfig, heads: int, name: str) -> Projection:
-    """A query, key or value projection [D] -> [heads, H] (heads named "heads" for queries,
-    "kv_heads" for keys and values)."""
+def _dense_heads(config: TransformerConfig, heads: int, name: str,
+                 width: int | None = None) -> Projection:
+    """A query, key or value projection [D] -> [heads, width] (width H by default; heads
+    named "heads" for queries, "kv_heads" for keys and values)."""
     axis = "heads" if name == "query" else "kv_heads"
-    return Projection.make(config, (heads, config.head_dim), name, in_axes=("embed",),
+    return Projection.make(config, (heads, width or config.head_dim), name, in_axes=("embed",),
                            out_axes=(axis, "head_dim"),
                            bias=config.use_bias or config.qkv_bias)
+
+
+def _queries_and_gate(config: TransformerConfig, x_BTD, deterministic: bool):
+    """The queries [B, T, N, H] and, with `attention_output_gate`, the gate [B, T, N, H]:
+    one projection [D] -> [N, 2H] whose first H channels of each head are its query and
+    the last H its gate (None without the gate)."""
+    if not config.attention_output_gate:
+        return _dense_heads(config, config.num_heads, "query")(x_BTD, deterministic), None
+    both_BTN2H = _dense_heads(config, config.num_heads, "query", 2 * config.head_dim)(
+        x_BTD, deterministic)
+    return both_BTN2H[..., :config.head_dim], both_BTN2H[..., config.head_dim:]
+
+
+def _gated(out_BTNH, gate_BTNH):
+    """The attention output times sigmoid(gate) (`attention_output_gate`), or as it is."""
+    if gate_BTNH is None:
+        return out_BTNH
+    return out_BTNH * jax.nn.sigmoid(gate_BTNH.astype(out_BTNH.dtype))
 
 
 def _dense_out(config: TransformerConfig) -> Projection:
@@ -215,7 +234,10 @@ class SelfAttention(nn.Module):
     a looped stack, traced ones in a scanned one (`layer_kind`). Llama 4's parts follow
     the rotation (`_queries_and_keys`). With
     `config.attention_sinks` each head's learned `sinks` logit joins its softmax
-    (`_with_sinks`), in the forward pass and the read-only step alike.
+    (`_with_sinks`), in the forward pass and the read-only step alike. With
+    `config.attention_output_gate` the query projection is [D, N, 2H], each head's last H
+    channels a gate: the output is multiplied by their sigmoid before `out` (Qwen3-Next;
+    `fuse_qkv` leaves such a query apart).
     """
 
     config: TransformerConfig
@@ -236,10 +258,11 @@ class SelfAttention(nn.Module):
     ) -> tuple[Float[Array, "B T D"], KVCache | tuple | None]:
         cfg, det = self.config, deterministic
         spec, rope = layer_kind(cfg, spec, kind, positions_BT)
+        gate_BTNH = None
         if self.has_variable("params", "qkv_kernel"):            # see `fuse_qkv`
             q_BTNH, k_BTKH, v_BTKH = self._fused_qkv(x_BTD)
         else:
-            q_BTNH = _dense_heads(cfg, cfg.num_heads, "query")(x_BTD, det)
+            q_BTNH, gate_BTNH = _queries_and_gate(cfg, x_BTD, det)
             k_BTKH = _dense_heads(cfg, cfg.num_kv_heads, "key")(x_BTD, det)
             v_BTKH = _dense_heads(cfg, cfg.num_kv_heads, "value")(x_BTD, det)
         if cfg.qk_norm:                  # over H, one scale for every head (before RoPE)
@@ -252,7 +275,7 @@ class SelfAttention(nn.Module):
                                    cache.as_cached(k_BTKH, v_BTKH),
                                    positions_BT=positions_BT, spec=spec, bias=bias,
                                    sinks=sinks)
-            return _dense_out(cfg)(out_BTNH, det), (k_BTKH, v_BTKH)
+            return _dense_out(cfg)(_gated(out_BTNH, gate_BTNH), det), (k_BTKH, v_BTKH)
         if cache is None:
             k_BSKH, v_BSKH = k_BTKH, v_BTKH
         else:
@@ -260,7 +283,7 @@ class SelfAttention(nn.Module):
             k_BSKH, v_BSKH = cache.read(layer)
         out_BTNH = _attend(self, q_BTNH, k_BSKH, v_BSKH, spec, bias=bias,
                            deterministic=deterministic, sinks=sinks)
-        return _dense_out(cfg)(out_BTNH, det), cache
+        return _dense_out(cfg)(_gated(out_BTNH, gate_BTNH), det), cache
 
     def _fused_qkv(self, x_BTD):
         """The queries, keys and values as one product with `fuse_qkv`'s kernel [D, N+2K, H]
@@ -295,13 +318,22 @@ def fuse_qkv(params):
     """
     if not isinstance(params, dict):
         return params
-    if all(isinstance(params.get(n), dict) for n in _QKV) and _fusable(params):
-        out = {k: v for k, v in params.items() if k not in _QKV}
-        out["qkv_kernel"] = jnp.concatenate([params[n]["kernel"] for n in _QKV], axis=-2)
-        if "bias" in params["query"]:
-            out["qkv_bias"] = jnp.concatenate([params[n]["bias"] for n in _QKV], axis=-2)
-        return out
-    return {k: fuse_qkv(v) for k, v in params.items()}
+    return {k: _joined(v) if k == "self_attention" else fuse_qkv(v)
+            for k, v in params.items()}
+
+
+def _joined(attention):
+    """One `SelfAttention`'s parameters with its query, key and value joined, where they
+    can be (only a self-attention's: another layer's "query", "key" and "value", as a
+    Gated DeltaNet's, mean something else)."""
+    if not (isinstance(attention, dict) and all(isinstance(attention.get(n), dict)
+                                                for n in _QKV) and _fusable(attention)):
+        return attention
+    out = {k: v for k, v in attention.items() if k not in _QKV}
+    out["qkv_kernel"] = jnp.concatenate([attention[n]["kernel"] for n in _QKV], axis=-2)
+    if "bias" in attention["query"]:
+        out["qkv_bias"] = jnp.concatenate([attention[n]["bias"] for n in _QKV], axis=-2)
+    return out
 
 
 def _fusable(params) -> bool:

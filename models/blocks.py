@@ -19,6 +19,8 @@ from jaxtyping import Array, Float, Int
 
 from models.attention import CrossAttention, SelfAttention
 from models.config import TransformerConfig
+from models.errors import UserError
+from models.gated_deltanet import GatedDeltaNet
 from models.latent_attention import LatentSelfAttention
 from models.layers import MLP, make_norm, residual
 from models.masks import MaskSpec
@@ -85,6 +87,21 @@ def _self_attention_sublayer(cfg, x_BTD, inputs: LayerInputs, cache, layer, *, k
     return (x_BTD, cache, out) if inputs.read_only else (x_BTD, out, None)
 
 
+def _linear_attention_sublayer(cfg, x_BTD, inputs: LayerInputs, cache, normed: bool = True):
+    """The residual Gated DeltaNet sublayer of a "linear" layer (`models.gated_deltanet`),
+    in the place of self-attention: the same norms around it, no cache (a config with
+    such layers refuses one: `models.checks.check_decodable`)."""
+    if cache is not None or inputs.read_only:
+        raise UserError("a linear-attention layer was given a decoding cache, which does not "
+                        "hold its recurrent state yet")
+    mixer = GatedDeltaNet(cfg, name="linear_attention")
+    x_BTD, _ = residual(
+        cfg, x_BTD, lambda y: (mixer(y, deterministic=inputs.deterministic), None),
+        make_norm(cfg, "self_attention_norm") if normed else (lambda y: y),
+        deterministic=inputs.deterministic, out_norm=_out_norm(cfg, "self_attention"))
+    return x_BTD
+
+
 def _sliced_mlp(cfg):
     """The dense MLP ("mlp") over `cfg.mlp_chunks` slices of the sequence, so that its
     [B, T, F] activations are held one slice at a time in the backward pass (a long
@@ -126,15 +143,22 @@ class SelfAttentionLayer(nn.Module):
     layer (causal mask, optionally with a cache). `kind` is the layer's `LayerKind` (see
     `LayerStack`), else None; `experts` whether its MLP is the mixture (None: as
     `num_experts` says; `moe_layers` mixes them); `attention_norm` False: none before the
-    attention (`first_attention_norm`)."""
+    attention (`first_attention_norm`); `linear` True: a Gated DeltaNet in the place of
+    self-attention (a "linear" layer of `layer_types`; `kind` then unread)."""
 
     config: TransformerConfig
     experts: bool | None = None
     attention_norm: bool = True
+    linear: bool = False
 
     @nn.compact
     def __call__(self, carry, inputs: LayerInputs, kind=None):
         x_BTD, cache, layer = carry
+        if self.linear:
+            x_BTD = _linear_attention_sublayer(self.config, x_BTD, inputs, cache,
+                                               normed=self.attention_norm)
+            x_BTD = _mlp_sublayer(self.config, x_BTD, inputs, self.experts)
+            return (x_BTD, cache, layer + 1), None
         x_BTD, cache, new_kv = _self_attention_sublayer(self.config, x_BTD, inputs, cache,
                                                         layer, kind=kind,
                                                         normed=self.attention_norm)
@@ -181,7 +205,8 @@ class LayerStack(nn.Module):
     With `config.layer_types` or `nope_layers` each layer learns its `LayerKind`
     (sliding, chunked, rotating): looped, as static Python bools; scanned, as bools scanned
     over the layers (one element a layer), so one compiled layer serves every kind. With
-    `moe_layers` (looped only) each layer learns whether its MLP is the mixture.
+    `moe_layers` (looped only) each layer learns whether its MLP is the mixture, and with
+    "linear" kinds (looped only) whether it is a Gated DeltaNet.
     """
 
     config: TransformerConfig
@@ -222,6 +247,8 @@ class LayerStack(nn.Module):
             for i in range(self.num_layers):
                 kind = () if kinds is None else (kinds[i],)
                 mixed = dict(experts=cfg.layer_has_experts(i)) if cfg.moe_layers else {}
+                if cfg.has_linear_layers:
+                    mixed["linear"] = cfg.layer_types[i] == "linear"
                 if i == 0 and not cfg.first_attention_norm:
                     mixed["attention_norm"] = False
                 carry, layer_kv = layer_type(cfg, name=f"layer_{i}", **mixed)(carry, inputs,

@@ -42,6 +42,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from models.cache_int8 import as_cached, empty_self, layers_dtype, quantize, read_kv
+from models.checks import check_decodable
 from models.config import TransformerConfig
 from models.errors import UserError, check_positive_int, is_int
 
@@ -157,8 +158,10 @@ class KVCache:
         int8 with a scale per token per kv head ("int8", `models.cache_int8`).
 
         Raises:
-            UserError: a size out of range, or a dtype not in `KV_CACHE_DTYPES`.
+            UserError: a size out of range, a dtype not in `KV_CACHE_DTYPES`, or a config
+                with linear (Gated DeltaNet) layers (`models.checks.check_decodable`).
         """
+        check_decodable(config)
         cache_len = config.max_len if cache_len is None else cache_len
         batch_size = check_positive_int(batch_size, "batch_size")
         if not is_int(cache_len) or not 1 <= cache_len <= config.max_len:

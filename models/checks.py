@@ -70,3 +70,14 @@ def check_cache_room(cache_lengths, new_lengths, cache_len: int) -> None:
             raise UserError(
                 f"cache full: row {row} would reach {int(end[row])} tokens, beyond the cache "
                 f"length {cache_len}")
+
+
+def check_decodable(config) -> None:
+    """Refuses a KV cache (and so prefill and the cached steps) for a config with linear
+    (Gated DeltaNet) layers: their state is not in the cache yet."""
+    if config.has_linear_layers:
+        linear = [i for i, kind in enumerate(config.layer_types) if kind == "linear"]
+        raise UserError("qwen3_next's linear-attention layers carry a recurrent state that the "
+                        f"decoding cache does not hold yet (layer_types has 'linear' layers "
+                        f"{linear}): the teacher-forced forward pass (model.apply(params, "
+                        "tokens)) computes them; prefill, the cached steps and a KVCache do not")

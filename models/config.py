@@ -86,7 +86,9 @@ _POSITIVE = ("vocab_size", "d_model", "num_heads", "num_kv_heads", "head_dim", "
              "sliding_window", "relative_buckets", "relative_max_distance", "attention_block",
              "expert_mlp_dim", "attention_chunk_size", "shared_expert_mlp_dim",
              "attn_temperature_floor", "router_groups", "router_top_groups", "kv_lora_rank",
-             "q_lora_rank", "qk_rope_head_dim", "v_head_dim", "mlp_chunks")
+             "q_lora_rank", "qk_rope_head_dim", "v_head_dim", "mlp_chunks",
+             "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+             "linear_value_head_dim", "linear_conv_width", "linear_chunk_size")
 _LAYER_INDICES = ("nope_layers", "moe_layers")
 
 
@@ -157,9 +159,10 @@ class TransformerConfig:
         swiglu_alpha, swiglu_limit: "clamped_swiglu"'s sigmoid gain and clamp.
         mlp_dropout_rate: dropout on the MLP's hidden activations (training only).
         num_experts, experts_per_token, expert_mlp_dim, router_renormalize,
-            router_score, router_scales_input, shared_expert_mlp_dim, moe_layers,
-            router_aux_loss_coef, router_z_loss_coef, moe_dispatch: the mixture-of-experts
-            MLP in place of the dense one (0 experts: dense); see `models.moe`.
+            router_score, router_scales_input, shared_expert_mlp_dim, shared_expert_gate,
+            moe_layers, router_aux_loss_coef, router_z_loss_coef, moe_dispatch: the
+            mixture-of-experts MLP in place of the dense one (0 experts: dense); see
+            `models.moe`.
         use_bias: biases in the attention and MLP projections (with experts: on the
             router's logits and on each expert's projections, as GPT-OSS).
         qkv_bias: biases in the query/key/value projections even without `use_bias`
@@ -176,12 +179,26 @@ class TransformerConfig:
         layer_types: () for one kind of layer throughout (windowed when `sliding_window`
             is set, chunked when `attention_chunk_size` is), or one kind per decoder-only
             layer: "full" (every earlier key), "sliding" (the `sliding_window` most recent)
-            or "chunked" (the keys of the query's chunk). An encoder-decoder's stacks
+            or "chunked" (the keys of the query's chunk), or "linear" (no attention: a
+            Gated DeltaNet layer, `models.gated_deltanet`; decoder-only, looped, and not
+            yet in the decoding cache). An encoder-decoder's stacks
             (of one depth) share the kinds, an encoder's sliding layers seeing the keys
             within `sliding_window` positions on either side (T5Gemma). Under
             `scan_layers` each layer's kind is a scanned input, not a branch. Gemma 2
             alternates sliding and full; Gemma 3 has five sliding layers to each full
             one; Llama 4 three chunked to a full one.
+        linear_num_key_heads, linear_num_value_heads, linear_key_head_dim,
+            linear_value_head_dim: the "linear" layers' (Gated DeltaNet's,
+            `models.gated_deltanet`) K' query/key heads of width H' and N' value heads of
+            width E' (N' a multiple of K'); None without linear layers, required with them.
+        linear_conv_width: the width W of the linear layers' causal depthwise convolution
+            over their queries, keys and values.
+        linear_chunk_size: the tokens the linear layers' delta rule solves together
+            (`models.delta_rule.chunked`): how it runs, not what it computes (float32
+            rounding aside); a loaded model may take it.
+        attention_output_gate: self-attention's query projection is twice as wide: each
+            head's second H channels are a gate, and the attention output is multiplied by
+            sigmoid(gate) before the output projection (Qwen3-Next's gated attention).
         attention_chunk_size: None, or C: chunked local attention: a query at position p
             sees only the keys of its chunk, positions C * floor(p / C) .. p (Llama 4's
             `attention_chunk_size`), in the forward pass, prefill and every cached step.
@@ -295,6 +312,7 @@ class TransformerConfig:
     router_score: RouterScore = "softmax"
     router_scales_input: bool = False
     shared_expert_mlp_dim: int | None = None
+    shared_expert_gate: bool = False
     moe_layers: tuple[int, ...] = ()
     router_groups: int = 1
     router_top_groups: int = 1
@@ -309,6 +327,13 @@ class TransformerConfig:
     qk_l2_norm: bool = False
     sliding_window: int | None = None
     layer_types: tuple[str, ...] = ()
+    linear_num_key_heads: int | None = None
+    linear_num_value_heads: int | None = None
+    linear_key_head_dim: int | None = None
+    linear_value_head_dim: int | None = None
+    linear_conv_width: int = 4
+    linear_chunk_size: int = 64
+    attention_output_gate: bool = False
     attention_chunk_size: int | None = None
     attention_sinks: bool = False
     kv_lora_rank: int | None = None
@@ -405,6 +430,11 @@ class TransformerConfig:
         """Whether decoder-only layer `layer` has the mixture of experts (`num_experts`,
         in every layer or in the `moe_layers`) rather than the dense MLP."""
         return bool(self.num_experts) and (not self.moe_layers or layer in self.moe_layers)
+
+    @property
+    def has_linear_layers(self) -> bool:
+        """Whether any layer is a Gated DeltaNet ("linear" in `layer_types`)."""
+        return "linear" in self.layer_types
 
     # Derived quantities, so no caller recomputes them.
     @property
@@ -529,7 +559,7 @@ def _rope_scaling(value):
                      "dict of its fields")
 
 
-LAYER_TYPES = ("full", "sliding", "chunked")
+LAYER_TYPES = ("full", "sliding", "chunked", "linear")
 
 
 class LayerKind(typing.NamedTuple):
@@ -555,7 +585,7 @@ def _layer_indices(name: str, value) -> tuple[int, ...]:
 
 
 def _layer_types(value) -> tuple[str, ...]:
-    """A tuple of "full" / "sliding" (a list or tuple given), or a UserError."""
+    """A tuple of `LAYER_TYPES` (a list or tuple given), or a UserError."""
     if isinstance(value, str) or not isinstance(value, (list, tuple)):
         raise UserError(f"TransformerConfig.layer_types={value!r} must be a list of "
                         f"{LAYER_TYPES}")

@@ -75,6 +75,7 @@ def validate(cfg) -> None:
         raise UserError(f"TransformerConfig.rope_scaling={cfg.rope_scaling} needs "
                          f"positions='rope', not {cfg.positions!r}")
     _check_latent_attention(cfg)
+    _check_linear_attention(cfg)
     _check_rope(cfg)
     _check_attention_variants(cfg)
     _check_moe(cfg)
@@ -218,7 +219,8 @@ def _check_latent_attention(cfg) -> None:
                                 "attention, and needs kv_lora_rank")
         return
     needs = dict(architecture="decoder_only", positions="rope", num_kv_heads=cfg.num_heads,
-                 qk_norm=False, qk_l2_norm=False, attention_sinks=False, nope_layers=(),
+                 qk_norm=False, qk_l2_norm=False, attention_sinks=False,
+                 attention_output_gate=False, nope_layers=(),
                  attn_logit_softcapping=None, sliding_window=None, layer_types=(),
                  attention_chunk_size=None)
     got = {name: getattr(cfg, name) for name in needs}
@@ -238,6 +240,46 @@ def _check_latent_attention(cfg) -> None:
                         "unrotated part, then the rotated one)")
 
 
+LINEAR_SHAPE = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                "linear_value_head_dim")
+
+
+def _check_linear_attention(cfg) -> None:
+    """Qwen3-Next's parts: the Gated DeltaNet ("linear") layers and gated attention."""
+    if cfg.attention_output_gate and cfg.is_encoder_decoder:
+        raise UserError("TransformerConfig.attention_output_gate=True gates self-attention's "
+                        "output; an encoder-decoder's cross-attention has no gate")
+    if cfg.shared_expert_gate and not cfg.shared_expert_mlp_dim:
+        raise UserError("TransformerConfig.shared_expert_gate=True scales the shared expert, "
+                        "and needs shared_expert_mlp_dim (there is no shared expert)")
+    if cfg.lora is not None and (cfg.has_linear_layers or cfg.attention_output_gate):
+        raise UserError("TransformerConfig.lora: adapters on a model with 'linear' layers or "
+                        "attention_output_gate are not supported yet (set lora=None)")
+    if not cfg.has_linear_layers:
+        for name in LINEAR_SHAPE:
+            if getattr(cfg, name) is not None:
+                raise UserError(f"TransformerConfig.{name}={getattr(cfg, name)} shapes the "
+                                "linear-attention layers, and layer_types has no 'linear' "
+                                "layer")
+        return
+    missing = [name for name in LINEAR_SHAPE if getattr(cfg, name) is None]
+    if missing:
+        raise UserError(f"TransformerConfig.layer_types has 'linear' layers, which need "
+                        f"{', '.join(missing)} (None)")
+    if cfg.architecture != "decoder_only":
+        raise UserError(f"TransformerConfig.layer_types has 'linear' layers, which need "
+                        f"architecture='decoder_only', not {cfg.architecture!r}")
+    keys, values = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    if values % keys:
+        raise UserError(f"TransformerConfig.linear_num_value_heads={values} is not a multiple "
+                        f"of linear_num_key_heads={keys} (each key head serves a group of "
+                        "value heads)")
+    if cfg.scan_layers:
+        raise UserError("TransformerConfig.scan_layers=True runs one layer's program for every "
+                        "layer, but layer_types has 'linear' layers (Gated DeltaNet, other "
+                        "parameters than attention's): use scan_layers=False")
+
+
 def _check_moe(cfg) -> None:
     """The mixture-of-experts MLP's fields (`models.moe`)."""
     for name in ("num_experts", "router_aux_loss_coef", "router_z_loss_coef"):
@@ -251,8 +293,9 @@ def _check_moe(cfg) -> None:
         raise UserError(f"TransformerConfig.experts_per_token={cfg.experts_per_token} must "
                         "be >= 1")
     defaults = dict(router_score="softmax", router_scales_input=False,
-                    shared_expert_mlp_dim=None, moe_layers=(), router_groups=1,
-                    router_top_groups=1, router_score_bias=False, routed_scaling=1.0)
+                    shared_expert_mlp_dim=None, shared_expert_gate=False, moe_layers=(),
+                    router_groups=1, router_top_groups=1, router_score_bias=False,
+                    routed_scaling=1.0)
     if not cfg.num_experts:
         for name, default in defaults.items():
             if getattr(cfg, name) != default:

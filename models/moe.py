@@ -23,6 +23,8 @@ The `TransformerConfig` fields that choose and shape it:
                           its input is (Llama 4: expert(x * w)), and outputs are summed.
     shared_expert_mlp_dim None, or F_s: a dense gated MLP of that width ("shared_expert")
                           that every token goes through, added to the experts' sum.
+    shared_expert_gate    the shared expert's output times sigmoid(x . w), w [D]
+                          ("shared_expert_gate"; Qwen3-Next's shared_expert_gate).
     moe_layers            the layers with the mixture; () for every layer (the others
                           have the dense MLP of `mlp_dim`; not with `scan_layers`).
     router_aux_loss_coef  the weight of the load-balancing loss in training (Switch
@@ -230,5 +232,13 @@ class MoeMLP(nn.Module):
         y_BTD = y_ND.reshape(b, t, d)
         if cfg.shared_expert_mlp_dim:
             shared = MLP(cfg.replace(mlp_dim=cfg.shared_expert_mlp_dim), name="shared_expert")
-            y_BTD = y_BTD + shared(x_BTD, deterministic)
+            shared_BTD = shared(x_BTD, deterministic)
+            if cfg.shared_expert_gate:
+                gate_D = self.param("shared_expert_gate", named(ZEROS, "embed"), (d,),
+                                    cfg.param_dtype)
+                dtype = cfg.dtype or shared_BTD.dtype
+                gate_BT1 = jax.nn.sigmoid(jnp.einsum("btd,d->bt", x_BTD.astype(dtype),
+                                                     gate_D.astype(dtype)))[..., None]
+                shared_BTD = shared_BTD * gate_BT1.astype(shared_BTD.dtype)
+            y_BTD = y_BTD + shared_BTD
         return y_BTD

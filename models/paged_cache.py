@@ -33,6 +33,7 @@ from jaxtyping import Array, Bool, Int
 
 from models.cache import Layers, layer_shape, written
 from models.cache_int8 import as_cached, empty_self, read_kv
+from models.checks import check_decodable
 from models.config import TransformerConfig
 from models.errors import UserError, check_positive_int
 
@@ -75,8 +76,10 @@ class PagedKVCache:
 
         Raises:
             UserError: a size that is not a positive int, rows whose pages would reach
-                past the model's max_len, or a dtype not in `KV_CACHE_DTYPES`.
+                past the model's max_len, a dtype not in `KV_CACHE_DTYPES`, or a config
+                with linear (Gated DeltaNet) layers (`models.checks.check_decodable`).
         """
+        check_decodable(config)
         rows = check_positive_int(rows, "rows")
         num_pages = check_positive_int(num_pages, "num_pages")
         page_size = check_positive_int(page_size, "page_size")

@@ -64,6 +64,21 @@ _DEEPSEEK_V3 = dict(
     query_pre_attn_scalar=192 / (0.1 * math.log(40.0) + 1.0) ** 4, pad_id=None, bos_id=0,
     eos_id=1,
 )
+# Qwen3-Next (Qwen team, 2025): three Gated DeltaNet layers (16 key heads and 32 value
+# heads of 128, a convolution of 4) to each gated attention layer (GQA 16/2, H 256, q/k
+# norms, RoPE over a quarter of each head, base 10M), RMSNorms scaled by (1 + weight), and
+# 512 SwiGLU experts of 512 in every layer, top 10 renormalised, plus a shared expert of
+# 512 scaled by a sigmoid gate.
+_QWEN3_NEXT = dict(
+    _LLAMA, vocab_size=151_936, d_model=2048, num_heads=16, num_kv_heads=2, head_dim=256,
+    mlp_dim=5120, num_layers=48, max_len=262_144, norm_eps=1e-6, norm_scale_offset=1.0,
+    qk_norm=True, attention_output_gate=True, partial_rotary_factor=0.25,
+    rope_theta=10_000_000.0, layer_types=("linear", "linear", "linear", "full") * 12,
+    linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+    linear_value_head_dim=128, linear_conv_width=4, num_experts=512, experts_per_token=10,
+    expert_mlp_dim=512, shared_expert_mlp_dim=512, shared_expert_gate=True,
+    router_aux_loss_coef=0.001,
+)
 _T5GEMMA = dict(
     architecture="encoder_decoder", positions="rope", norm="rmsnorm", norm_position="pre",
     norm_scale_offset=1.0, activation="geglu", use_bias=False, share_embeddings=False,
@@ -230,6 +245,19 @@ _PRESETS: dict[str, dict] = {
         layer_types=("chunked", "chunked", "chunked", "full"), attention_chunk_size=4,
         nope_layers=(3,), attn_temperature_floor=4, num_experts=4, experts_per_token=1,
         router_aux_loss_coef=0.01),
+    # Qwen3-Next-80B-A3B (its Instruct and Thinking models alike): 79.7B parameters
+    # (the multi-token-prediction layer aside), 3B active. Teacher-forced only: decoding
+    # is refused until the cache holds the linear layers' state.
+    "qwen3-next-80b-a3b": dict(_QWEN3_NEXT),
+    # A tiny Qwen3-Next for tests: three linear layers and a gated attention layer, 4
+    # experts, top 2, and the gated shared expert.
+    "qwen3-next-tiny": dict(
+        _QWEN3_NEXT, vocab_size=512, d_model=64, num_heads=4, num_kv_heads=2, head_dim=16,
+        mlp_dim=128, num_layers=4, max_len=128, layer_types=("linear", "linear", "linear",
+                                                              "full"),
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+        linear_value_head_dim=16, num_experts=4, experts_per_token=2, expert_mlp_dim=64,
+        shared_expert_mlp_dim=64, router_aux_loss_coef=0.01),
     # DeepSeek-V3 (and R1, the same architecture): 671B parameters, 37B active.
     "deepseek-v3": dict(_DEEPSEEK_V3),
     # A tiny DeepSeek-V3 for tests and the CPU demo: a dense layer then two of 8 experts in

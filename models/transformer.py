@@ -28,6 +28,7 @@ from models.blocks import DecoderLayer, LayerInputs, LayerStack, SelfAttentionLa
 from models.cache import KVCache, per_layer
 from models.checks import (
     check_cache_room,
+    check_decodable,
     check_int_array,
     check_new_lengths,
     check_same_shape,
@@ -135,6 +136,7 @@ class _CachedDecoder(nn.Module):
             float32 logits_BTV (row b's next-token logits are at lengths[b] - 1), or
             logits_BV at `logits_at`; and the cache.
         """
+        check_decodable(self.config)
         S = cache.cache_len
         check_tokens(self.config, tokens_BT, "tokens", max_len=S)
         check_int_array(lengths_B, "lengths", 1, "int[B]")
@@ -179,6 +181,7 @@ class _CachedDecoder(nn.Module):
         updated the cache in place would make XLA copy the whole cache into it every step.
         The commit must come after the reads (there, the branch's outputs order them).
         """
+        check_decodable(self.config)
         check_int_array(tokens_B, "tokens", 1, "int[B]")
         check_tokens(self.config, tokens_B[:, None], "tokens", max_len=cache.cache_len)
         if cache.batch_size != tokens_B.shape[0]:
@@ -232,6 +235,11 @@ class DecoderOnly(PlainInit, _CachedDecoder):
         check_tokens(self.config, tokens, "tokens")
         check_same_shape(segment_ids, tokens, "segment_ids", "tokens")
         check_same_shape(positions, tokens, "positions", "tokens")
+        if segment_ids is not None and self.config.has_linear_layers:
+            raise UserError("segment_ids: the linear-attention layers (layer_types 'linear') "
+                            "read each row as one sequence and do not restart their state at "
+                            "a segment's start yet; give rows of one sequence each (right "
+                            "padding changes no real token's logits)")
         positions, spec = _forward_spec(self.config, tokens, segment_ids, positions)
         x_BTD, _ = self._hidden(tokens, positions_BT=positions, spec=spec, cache=None,
                                 deterministic=deterministic)
@@ -385,6 +393,7 @@ class EncoderDecoder(PlainInit, _CachedDecoder):
         `kv_cache_dtype` is the self-attention part's (`KVCache.create`'s dtype: "auto" or
         "int8"); the cross-attention keys/values stay in the config's dtype.
         """
+        check_decodable(self.config)
         beams = check_positive_int(beams, "beams")
         encoded_BSD = self.encode(src, lengths=src_lengths)
         cross_k, cross_v = self.cross_kv(encoded_BSD)

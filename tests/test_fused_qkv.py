@@ -61,6 +61,9 @@ def test_adapted_quantized_and_latent_projections_stay_apart():
     attention = wide["decoder"]["layer_0"]["self_attention"]
     attention["query"] = {k: jnp.concatenate([x, x], -1) for k, x in attention["query"].items()}
     assert "query" in fuse_qkv(wide)["decoder"]["layer_0"]["self_attention"]
+    # Another layer's query, key and value (a Gated DeltaNet's) are not a self-attention's.
+    other = {"layer_0": {"linear_attention": params["decoder"]["layer_0"]["self_attention"]}}
+    assert jax.tree.structure(fuse_qkv(other)) == jax.tree.structure(other)
     # A tree of other projections (the cross-attention's query alone) is untouched.
     seq2seq = fns(tiny("encoder_decoder")).init()
     fused = fuse_qkv(seq2seq)

@@ -14,6 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 import models
 from models import axes
+from models.config_checks import LINEAR_SHAPE
 from tests.helpers import tiny
 from tests.test_train_step import W, _batch
 from tests.train_helpers import next_token_steps, tiny_train_config
@@ -133,11 +134,14 @@ def test_every_parameter_of_every_preset_names_each_of_its_axes():
     for name in models.list_configs():
         base = models.get_config(name)
         for scan in (False, True):
+            linear = scan and base.has_linear_layers      # linear layers run looped only
             cfg = base.replace(scan_layers=scan, d_model=64, mlp_dim=64, vocab_size=64,
                                num_heads=4, num_kv_heads=min(base.num_kv_heads, 4),
                                head_dim=16, num_layers=2, num_encoder_layers=2,
                                num_decoder_layers=2,
-                               layer_types=base.layer_types[-2:],   # a full layer last
+                               layer_types=(("full", "full") if linear   # a full layer last
+                                            else base.layer_types[-2:]),
+                               **dict.fromkeys(LINEAR_SHAPE if linear else ()),
                                nope_layers=(1,) if base.nope_layers else (),
                                moe_layers=(1,) if base.moe_layers and not scan else (),
                                first_attention_norm=base.first_attention_norm or scan,

@@ -85,6 +85,7 @@ from models.pretrained import (
     qwen2,
     qwen3,
     qwen3_moe,
+    qwen3_next,
     roberta,
     t5,
     t5gemma,
@@ -115,7 +116,7 @@ FAMILIES: dict[str, Family] = {
                               qwen3.FAMILY, gemma.FAMILY, gemma2.FAMILY, gemma3.FAMILY,
                               phi3.FAMILY, mixtral.FAMILY,
                               qwen3_moe.FAMILY, gpt_oss.FAMILY, llama4.FAMILY,
-                              deepseek_v3.FAMILY,
+                              deepseek_v3.FAMILY, qwen3_next.FAMILY,
                               llama4.MULTIMODAL, bart.FAMILY,
                               marian.FAMILY, m2m_100.FAMILY, mbart.FAMILY, pegasus.FAMILY,
                               t5gemma.FAMILY, t5.FAMILY, t5.MT5_FAMILY, bert.FAMILY, roberta.FAMILY,
@@ -125,15 +126,16 @@ FAMILIES: dict[str, Family] = {
 # it wins (the project's own type expresses everything).
 SAVE_ORDER = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2",
               "gemma3_text", "phi3", "mixtral", "qwen3_moe", "gpt_oss", "deepseek_v3",
-              "llama4_text", "bart", "marian", "m2m_100", "mbart", "pegasus", "t5gemma", "t5",
-              "whisper", "bert", "roberta", "modernbert", zoo.MODEL_TYPE)
+              "llama4_text", "qwen3_next", "bart", "marian", "m2m_100", "mbart", "pegasus",
+              "t5gemma", "t5", "whisper", "bert", "roberta", "modernbert", zoo.MODEL_TYPE)
 # Written last by `save`; `load` checks the files against it when it is there.
 MANIFEST = "zoo_integrity.json"
 # Fields a loaded config may be given: how to run it, not what it computes.
 RUNTIME_FIELDS = frozenset({"dtype", "param_dtype", "scan_layers", "remat", "remat_policy",
                             "attention_impl", "attention_block", "dropout_rate",
                             "attention_dropout_rate", "mlp_dropout_rate", "moe_dispatch",
-                            "router_aux_loss_coef", "router_z_loss_coef"})
+                            "router_aux_loss_coef", "router_z_loss_coef",
+                            "linear_chunk_size"})
 
 
 @dataclasses.dataclass(frozen=True)

@@ -173,7 +173,10 @@ PLAIN = {"position_offset": 0, "embedding_norm": False, "scale_attention": True,
          "qk_norm": False, "norm_scale_offset": 0.0, "layer_types": (),
          "rope_local_theta": None, "attn_logit_softcapping": None,
          "final_logit_softcapping": None, "sublayer_output_norm": False,
-         "query_pre_attn_scalar": None, "num_experts": 0, "audio": None}
+         "query_pre_attn_scalar": None, "num_experts": 0, "audio": None,
+         "attention_output_gate": False, "shared_expert_gate": False,
+         "linear_num_key_heads": None, "linear_num_value_heads": None,
+         "linear_key_head_dim": None, "linear_value_head_dim": None}
 
 
 def require(cfg: TransformerConfig, model_type: str, **fields) -> None:
