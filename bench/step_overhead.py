@@ -37,19 +37,10 @@ import jax.numpy as jnp
 
 import decode
 import models
-from bench.decode import matmul_bandwidth, step_param_bytes
+from bench.decode import best_of, matmul_bandwidth, step_param_bytes
 from bench.quantize import OPUS_MT, TINY
 from decode import model_fns, placement
 from decode.generate import default_rng
-
-
-def _best(fn, repeats: int) -> float:
-    best = math.inf
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 class Case:
@@ -91,7 +82,7 @@ def step_times(case: Case, repeats: int, short: int, long: int,
     best = dict.fromkeys(calls, math.inf)
     for _ in range(repeats):
         for key, call in calls.items():
-            best[key] = min(best[key], _best(call, 1))
+            best[key] = min(best[key], best_of(call, 1))
     return {joined: (best[joined, long] - best[joined, short]) / (long - short)
             for joined in ways}
 
@@ -144,7 +135,7 @@ def product_bandwidths(rows: int, width: int, layers: int, repeats: int) -> dict
     for name, fn, ws in (("three_products", three, apart), ("one_product", one, joined)):
         f = jax.jit(fn)
         jax.block_until_ready(f(x, ws))
-        out[name] = n_bytes / _best(functools.partial(f, x, ws), repeats)
+        out[name] = n_bytes / best_of(functools.partial(f, x, ws), repeats)
     return out
 
 
@@ -176,7 +167,7 @@ def main(argv=None) -> int:
         narrow_step_ms=round(narrow_step * 1e3, 3),
         per_operation_share=round(narrow_step / steps[True], 3))), flush=True)
 
-    one_token = _best(case.run(1), repeats)
+    one_token = best_of(case.run(1), repeats)
     print(json.dumps(dict(section="call", one_new_token_ms=round(one_token * 1e3, 2),
                           **{f"host_us_{k}": round(v, 1)
                              for k, v in host_us(case, 5 * repeats).items()})), flush=True)
