@@ -27,6 +27,10 @@ RMSNorm, SwiGLU) of 4 layers, D 512, 8 heads, MLP 1376, V 8192, float32, batch 1
   expanded to its 128 heads (what a cache of the expanded attention would hold), with each
   one's ratio to the latent cache; at T 1k, 8k and 32k (the same per token: it grows
   linearly).
+- `decode_state` lines: one row's decoding state of Qwen3-Next-80B-A3B (bfloat16): its 12
+  attention layers' keys and values (grow with T) and its 36 linear layers' recurrent
+  states and convolution windows (`KVCache.linear`: the same at every T), against the same
+  model with every layer full attention, at T 1k, 8k and 32k.
 - `summary` lines: `growth` (temp bytes per doubling of T, from 2048 up; linear memory is
   2.0), `ratio_at_4096` (chunked temp / xla temp, with the whole loss and with the sliced
   one, and `xla_over_best`: how many times below the materialised path the best
@@ -50,6 +54,7 @@ import numpy as np
 
 import models
 from models import kernels
+from models.config_checks import LINEAR_SHAPE
 from train import chunked_loss
 
 MODEL = dict(architecture="decoder_only", vocab_size=8192, d_model=512, num_heads=8,
@@ -212,6 +217,31 @@ def cache_lines(lengths=(1024, 8192, 32768)) -> list[dict]:
     return lines
 
 
+def decode_state_lines(lengths=(1024, 8192, 32768)) -> list[dict]:
+    """One row's decoding state of Qwen3-Next-80B-A3B (bfloat16: 12 attention layers'
+    keys and values, which grow with T, and 36 linear layers' recurrent states, float32,
+    and convolution windows, which do not) against the same model with every layer full
+    attention, at each T; built abstractly (`KVCache.create` under `jax.eval_shape`)."""
+    hybrid = models.get_config("qwen3-next-80b-a3b", dtype="bfloat16")
+    full = hybrid.replace(layer_types=("full",) * hybrid.num_layers,
+                          **dict.fromkeys(LINEAR_SHAPE))
+
+    def parts(cfg, T) -> dict[str, int]:
+        cache = jax.eval_shape(lambda: models.KVCache.create(cfg, 1, T))
+        kv = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves((cache.k, cache.v)))
+        linear = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache.linear))
+        return {"kv_bytes": int(kv), "linear_state_bytes": int(linear)}
+
+    lines = []
+    for T in lengths:
+        ours, theirs = parts(hybrid, T), parts(full, T)
+        total, full_total = sum(ours.values()), sum(theirs.values())
+        lines.append({"case": "decode_state", "model": "qwen3-next-80b-a3b", "T": T, **ours,
+                      "total_bytes": total, "all_full_attention_bytes": full_total,
+                      "over_all_full_attention": round(total / full_total, 3)})
+    return lines
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m bench.memory", description=__doc__.split("\n")[0])
     p.add_argument("--lengths", type=int, nargs="+",
@@ -245,7 +275,7 @@ def main(argv=None) -> None:
                 emit(prefill_line(T, impl=impl, mode=mode, timed=timed))
     for line in summaries(lines, lengths):
         print(json.dumps(line), flush=True)
-    for line in cache_lines():
+    for line in cache_lines() + decode_state_lines():
         print(json.dumps(line), flush=True)
 
 

@@ -9,6 +9,7 @@ updated in place, never sliced into per-layer outputs that would be copied every
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import flax.linen as nn
@@ -18,6 +19,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from models.attention import CrossAttention, SelfAttention
+from models.cache import LayerUpdates
 from models.config import TransformerConfig
 from models.errors import UserError
 from models.gated_deltanet import GatedDeltaNet
@@ -53,6 +55,8 @@ class LayerInputs:
         deterministic: no dropout (static).
         read_only: a decoding step that reads the cache and returns each layer's new
             keys/values instead of writing them (static; see `SelfAttention`).
+        lengths: int32[B] each row's real tokens of the T (the rest right padding) when
+            decoding with a cache, else None: linear layers keep their state to them.
     """
 
     self_spec: MaskSpec
@@ -64,6 +68,7 @@ class LayerInputs:
     self_bias: RelativeBias | None = None
     deterministic: bool = flax.struct.field(pytree_node=False, default=True)
     read_only: bool = flax.struct.field(pytree_node=False, default=False)
+    lengths: Int[Array, " B"] | None = None
 
 
 def _out_norm(cfg, name: str):
@@ -87,19 +92,34 @@ def _self_attention_sublayer(cfg, x_BTD, inputs: LayerInputs, cache, layer, *, k
     return (x_BTD, cache, out) if inputs.read_only else (x_BTD, out, None)
 
 
-def _linear_attention_sublayer(cfg, x_BTD, inputs: LayerInputs, cache, normed: bool = True):
+def _linear_attention_sublayer(cfg, x_BTD, inputs: LayerInputs, cache, layer,
+                               normed: bool = True):
     """The residual Gated DeltaNet sublayer of a "linear" layer (`models.gated_deltanet`),
-    in the place of self-attention: the same norms around it, no cache (a config with
-    such layers refuses one: `models.checks.check_decodable`)."""
-    if cache is not None or inputs.read_only:
-        raise UserError("a linear-attention layer was given a decoding cache, which does not "
-                        "hold its recurrent state yet")
+    in the place of self-attention, with the same norms around it; returns
+    `_self_attention_sublayer`'s triple. With a cache it starts from the layer's state
+    there (`KVCache.linear`) and keeps it to each row's `inputs.lengths`: written into
+    the cache, or with `inputs.read_only` returned in place of a slot's keys/values."""
     mixer = GatedDeltaNet(cfg, name="linear_attention")
-    x_BTD, _ = residual(
-        cfg, x_BTD, lambda y: (mixer(y, deterministic=inputs.deterministic), None),
+    if cache is None:
+        def sublayer(y):
+            return mixer(y, deterministic=inputs.deterministic), None
+    else:
+        if inputs.lengths is None:
+            raise UserError("a linear-attention layer decoding with a cache needs each row's "
+                            "number of new tokens (LayerInputs.lengths)")
+
+        def sublayer(y):
+            return mixer(y, deterministic=inputs.deterministic, lengths_B=inputs.lengths,
+                         state=cache.linear[layer])
+    x_BTD, state = residual(
+        cfg, x_BTD, sublayer,
         make_norm(cfg, "self_attention_norm") if normed else (lambda y: y),
         deterministic=inputs.deterministic, out_norm=_out_norm(cfg, "self_attention"))
-    return x_BTD
+    if cache is None or inputs.read_only:
+        return x_BTD, cache, state
+    linear = list(cache.linear)
+    linear[layer] = state
+    return x_BTD, cache.replace(linear=tuple(linear)), None
 
 
 def _sliced_mlp(cfg):
@@ -154,14 +174,10 @@ class SelfAttentionLayer(nn.Module):
     @nn.compact
     def __call__(self, carry, inputs: LayerInputs, kind=None):
         x_BTD, cache, layer = carry
-        if self.linear:
-            x_BTD = _linear_attention_sublayer(self.config, x_BTD, inputs, cache,
-                                               normed=self.attention_norm)
-            x_BTD = _mlp_sublayer(self.config, x_BTD, inputs, self.experts)
-            return (x_BTD, cache, layer + 1), None
-        x_BTD, cache, new_kv = _self_attention_sublayer(self.config, x_BTD, inputs, cache,
-                                                        layer, kind=kind,
-                                                        normed=self.attention_norm)
+        sublayer = _linear_attention_sublayer if self.linear else functools.partial(
+            _self_attention_sublayer, kind=kind)
+        x_BTD, cache, new_kv = sublayer(self.config, x_BTD, inputs, cache, layer,
+                                        normed=self.attention_norm)
         x_BTD = _mlp_sublayer(self.config, x_BTD, inputs, self.experts)
         return (x_BTD, cache, layer + 1), new_kv
 
@@ -255,8 +271,12 @@ class LayerStack(nn.Module):
                                                                                *kind)
                 per_layer.append(layer_kv)
             x_BTD, cache, _ = carry
-            new_kv = (None if per_layer[0] is None
-                      else jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer))
+            if not inputs.read_only:
+                new_kv = None
+            elif cfg.has_linear_layers:       # a state or a slot each: not one stack
+                new_kv = LayerUpdates(tuple(per_layer))
+            else:
+                new_kv = jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer)
         if cfg.norm_position == "pre":
             x_BTD = make_norm(cfg, "final_norm")(x_BTD)
         return (x_BTD, new_kv) if inputs.read_only else (x_BTD, cache)

@@ -37,14 +37,17 @@ operation treats the four self-attention leaves alike (`SELF_FIELDS`).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import flax.struct
+import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from models.cache_int8 import as_cached, empty_self, layers_dtype, quantize, read_kv
-from models.checks import check_decodable
 from models.config import TransformerConfig
 from models.errors import UserError, check_positive_int, is_int
+from models.gated_deltanet import LinearState
 
 Layers = Float[Array, "L B K S H"] | tuple[Float[Array, "B K S H"], ...]
 
@@ -124,6 +127,14 @@ def written(cache, layer, rows, slots, k_new, v_new) -> dict:
     return out
 
 
+class LayerUpdates(NamedTuple):
+    """A `read_step`'s new entries of a stack with linear layers, one per layer: an
+    attention layer's (k_BKH, v_BKH), a linear layer's `LinearState`, for
+    `KVCache.commit`. (A stack without linear layers gives (k_LBKH, v_LBKH).)"""
+
+    layers: tuple
+
+
 @flax.struct.dataclass
 class KVCache:
     """Decoding state of a transformer decoder.
@@ -139,6 +150,10 @@ class KVCache:
         cross_mask: bool[Bs, Ssrc] True at real (non-padding) source tokens, or None.
         k_scale, v_scale: an int8 cache's scales per layer [B, K, S, 1] (k and v then
             int8); None in a float cache.
+        linear: None, or with linear (Gated DeltaNet) layers one entry per layer: a
+            linear layer's `models.gated_deltanet.LinearState` (its recurrent state and
+            convolution window, the same size whatever the length), None for an
+            attention layer. A linear layer's k and v have no heads.
     """
 
     k: Layers
@@ -149,6 +164,7 @@ class KVCache:
     cross_mask: Bool[Array, "Bs Ssrc"] | None = None
     k_scale: Layers | None = None
     v_scale: Layers | None = None
+    linear: tuple | None = None
 
     @classmethod
     def create(cls, config: TransformerConfig, batch_size: int,
@@ -158,17 +174,19 @@ class KVCache:
         int8 with a scale per token per kv head ("int8", `models.cache_int8`).
 
         Raises:
-            UserError: a size out of range, a dtype not in `KV_CACHE_DTYPES`, or a config
-                with linear (Gated DeltaNet) layers (`models.checks.check_decodable`).
+            UserError: a size out of range, or a dtype not in `KV_CACHE_DTYPES`.
         """
-        check_decodable(config)
         cache_len = config.max_len if cache_len is None else cache_len
         batch_size = check_positive_int(batch_size, "batch_size")
         if not is_int(cache_len) or not 1 <= cache_len <= config.max_len:
             raise UserError(
                 f"cache_len={cache_len!r} must be an int in [1, max_len={config.max_len}]")
+        linear = None
+        if config.has_linear_layers:
+            linear = tuple(LinearState.zeros(config, batch_size) if kind == "linear" else None
+                           for kind in config.layer_types)
         return cls(**empty_self(config, batch_size, int(cache_len), dtype),
-                   lengths=jnp.zeros((batch_size,), jnp.int32))
+                   lengths=jnp.zeros((batch_size,), jnp.int32), linear=linear)
 
     @property
     def batch_size(self) -> int:
@@ -218,11 +236,30 @@ class KVCache:
 
             lengths [3, 1], active [True, False] -> slots 3 and 1 written, lengths [4, 1]
         """
-        k_LBKH, v_LBKH = new_kv
         rows_B = jnp.arange(self.batch_size, dtype=jnp.int32)
         step = 1 if active_B is None else active_B.astype(jnp.int32)
+        if isinstance(new_kv, LayerUpdates):
+            return self._commit_layers(new_kv, rows_B, active_B).replace(
+                lengths=self.lengths + step)
+        k_LBKH, v_LBKH = new_kv
         return self.replace(**written(self, None, rows_B, self.lengths, k_LBKH, v_LBKH),
                             lengths=self.lengths + step)
+
+    def _commit_layers(self, updates: LayerUpdates, rows_B, active_B) -> KVCache:
+        """`commit` of a stack with linear layers: each attention layer's (k_BKH, v_BKH)
+        written at its slot, each linear layer's `LinearState` taken for the active rows."""
+        cache, linear = self, list(self.linear)
+        for layer, update in enumerate(updates.layers):
+            if isinstance(update, LinearState):
+                linear[layer] = update if active_B is None else jax.tree.map(
+                    lambda new, old: jnp.where(
+                        active_B.reshape((-1,) + (1,) * (new.ndim - 1)), new, old),
+                    update, self.linear[layer])
+            else:
+                k_BKH, v_BKH = update
+                cache = cache.replace(**written(cache, layer, rows_B, self.lengths,
+                                                k_BKH, v_BKH))
+        return cache.replace(linear=tuple(linear))
 
     def take_rows(self, rows_B) -> KVCache:
         """Self-attention rows gathered by index (beam search's start duplicates a prompt's
@@ -232,7 +269,9 @@ class KVCache:
 
         def take(x):
             return jnp.take(x, rows_B, axis=axis)
-        return self.replace(**map_self(take, self),
+        linear = None if self.linear is None else jax.tree.map(
+            lambda x: jnp.take(x, rows_B, axis=0), self.linear)
+        return self.replace(**map_self(take, self), linear=linear,
                             lengths=jnp.take(self.lengths, rows_B, axis=0))
 
 
@@ -282,6 +321,12 @@ class BeamKVCache:
         source): the row becomes region 0 of its source, which every beam reads up to its
         length; regions 1 .. W-1 start empty."""
         W = check_positive_int(beams, "beams")
+        if cache.linear is not None:
+            linear = [i for i, state in enumerate(cache.linear) if state is not None]
+            raise UserError(f"the linear-attention layers {linear} carry a recurrent state "
+                            "that beam search's table cache (beam_cache='table') does not "
+                            "hold yet: pass beam_cache='gathered', which gathers it with the "
+                            "beams")
         Bs, _, S, _ = layer_shape(cache.k)
         if cache.cross_mask is not None and cache.cross_mask.shape[0] != Bs:
             raise UserError(f"a beam cache starts from one row per source; this cache has "

@@ -111,11 +111,17 @@ def empty_self(config, rows: int, slots: int, dtype: str) -> dict:
     """
     heads, key_width, value_width = config.cache_shape
     k_shape, v_shape = ((rows, heads, slots, width) for width in (key_width, value_width))
+    # A linear (Gated DeltaNet) layer keeps no keys: its buffers have no heads, so every
+    # operation on the cache's layers passes over them at no cost (its state is in
+    # `KVCache.linear`). Linear layers are looped only.
+    linear = [kind == "linear" for kind in config.layer_types] if config.has_linear_layers \
+        else [False] * config.decoder_layers
 
     def zeros(shape, dtype):
         if config.scan_layers:
             return jnp.zeros((config.decoder_layers, *shape), dtype)
-        return tuple(jnp.zeros(shape, dtype) for _ in range(config.decoder_layers))
+        return tuple(jnp.zeros((shape[0], 0, *shape[2:]) if none else shape, dtype)
+                     for none in linear)
     if check_kv_cache_dtype(dtype, "dtype") == "auto":
         return dict(k=zeros(k_shape, config.dtype), v=zeros(v_shape, config.dtype))
     if config.latent:

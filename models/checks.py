@@ -72,12 +72,13 @@ def check_cache_room(cache_lengths, new_lengths, cache_len: int) -> None:
                 f"length {cache_len}")
 
 
-def check_decodable(config) -> None:
-    """Refuses a KV cache (and so prefill and the cached steps) for a config with linear
-    (Gated DeltaNet) layers: their state is not in the cache yet."""
+def check_decodable(config, what: str) -> None:
+    """Refuses `what` (a paged cache, beam search's cache, speculative decoding) for a
+    config with linear (Gated DeltaNet) layers: it does not carry their recurrent state
+    yet (`KVCache` does: greedy and sampled decoding run)."""
     if config.has_linear_layers:
         linear = [i for i, kind in enumerate(config.layer_types) if kind == "linear"]
-        raise UserError("qwen3_next's linear-attention layers carry a recurrent state that the "
-                        f"decoding cache does not hold yet (layer_types has 'linear' layers "
-                        f"{linear}): the teacher-forced forward pass (model.apply(params, "
-                        "tokens)) computes them; prefill, the cached steps and a KVCache do not")
+        raise UserError(f"qwen3_next's linear-attention layers (layer_types 'linear' at "
+                        f"{linear}) carry a recurrent state that {what} does not hold yet: "
+                        "decode them with decode.generate (greedy or sampling), whose "
+                        "KVCache holds it")

@@ -180,8 +180,8 @@ class TransformerConfig:
             is set, chunked when `attention_chunk_size` is), or one kind per decoder-only
             layer: "full" (every earlier key), "sliding" (the `sliding_window` most recent)
             or "chunked" (the keys of the query's chunk), or "linear" (no attention: a
-            Gated DeltaNet layer, `models.gated_deltanet`; decoder-only, looped, and not
-            yet in the decoding cache). An encoder-decoder's stacks
+            Gated DeltaNet layer, `models.gated_deltanet`; decoder-only, looped; its
+            state in the cache's `linear`). An encoder-decoder's stacks
             (of one depth) share the kinds, an encoder's sliding layers seeing the keys
             within `sliding_window` positions on either side (T5Gemma). Under
             `scan_layers` each layer's kind is a scanned input, not a branch. Gemma 2

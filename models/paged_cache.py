@@ -79,7 +79,7 @@ class PagedKVCache:
                 past the model's max_len, a dtype not in `KV_CACHE_DTYPES`, or a config
                 with linear (Gated DeltaNet) layers (`models.checks.check_decodable`).
         """
-        check_decodable(config)
+        check_decodable(config, "the paged cache (the serving engine's)")
         rows = check_positive_int(rows, "rows")
         num_pages = check_positive_int(num_pages, "num_pages")
         page_size = check_positive_int(page_size, "page_size")

@@ -25,10 +25,9 @@ from models.attention import CrossKVProjection
 from models.audio import AudioEmbedding
 from models.axes import XAVIER_UNIFORM, ZEROS, PlainInit, named
 from models.blocks import DecoderLayer, LayerInputs, LayerStack, SelfAttentionLayer
-from models.cache import KVCache, per_layer
+from models.cache import KVCache, LayerUpdates, per_layer
 from models.checks import (
     check_cache_room,
-    check_decodable,
     check_int_array,
     check_new_lengths,
     check_same_shape,
@@ -37,6 +36,7 @@ from models.checks import (
 from models.config import TransformerConfig
 from models.encoder_only import EncoderOnly
 from models.errors import UserError, check_positive_int
+from models.gated_deltanet import LinearState
 from models.layers import InputEmbedding, token_embedding
 from models.masks import MaskSpec, positions_like, valid_from_lengths
 
@@ -136,7 +136,6 @@ class _CachedDecoder(nn.Module):
             float32 logits_BTV (row b's next-token logits are at lengths[b] - 1), or
             logits_BV at `logits_at`; and the cache.
         """
-        check_decodable(self.config)
         S = cache.cache_len
         check_tokens(self.config, tokens_BT, "tokens", max_len=S)
         check_int_array(lengths_B, "lengths", 1, "int[B]")
@@ -153,7 +152,8 @@ class _CachedDecoder(nn.Module):
         spec = _causal_spec(self.config, positions_BT, keys_BS,
                             visible=None if visible is None else visible[:, None, :])
         x_BTD, cache = self._hidden(tokens_BT, positions_BT=positions_BT, spec=spec,
-                                    cache=cache, deterministic=True, key_positions_BS=keys_BS)
+                                    cache=cache, deterministic=True, key_positions_BS=keys_BS,
+                                    lengths_B=lengths_B.astype(jnp.int32))
         cache = cache.replace(lengths=cache.lengths + lengths_B.astype(jnp.int32))
         if logits_at is None:
             return self._logits(x_BTD), cache
@@ -181,7 +181,6 @@ class _CachedDecoder(nn.Module):
         updated the cache in place would make XLA copy the whole cache into it every step.
         The commit must come after the reads (there, the branch's outputs order them).
         """
-        check_decodable(self.config)
         check_int_array(tokens_B, "tokens", 1, "int[B]")
         check_tokens(self.config, tokens_B[:, None], "tokens", max_len=cache.cache_len)
         if cache.batch_size != tokens_B.shape[0]:
@@ -192,9 +191,15 @@ class _CachedDecoder(nn.Module):
         visible = cache.row_visible()
         spec = _causal_spec(self.config, positions_B1, keys_BS, k_valid=cache.filled(),
                             visible=None if visible is None else visible[:, None, :])
-        x_B1D, (k_LB1KH, v_LB1KH) = self._hidden(
+        x_B1D, new_kv = self._hidden(
             tokens_B[:, None], positions_BT=positions_B1, spec=spec, cache=cache,
-            deterministic=True, key_positions_BS=keys_BS, read_only=True)
+            deterministic=True, key_positions_BS=keys_BS, read_only=True,
+            lengths_B=jnp.ones(tokens_B.shape, jnp.int32))
+        if isinstance(new_kv, LayerUpdates):        # linear layers: a state, not a slot
+            return self._logits(x_B1D)[:, 0], LayerUpdates(tuple(
+                u if isinstance(u, LinearState) else (u[0][:, 0], u[1][:, 0])
+                for u in new_kv.layers))
+        k_LB1KH, v_LB1KH = new_kv
         return self._logits(x_B1D)[:, 0], (k_LB1KH[:, :, 0], v_LB1KH[:, :, 0])
 
 
@@ -246,10 +251,11 @@ class DecoderOnly(PlainInit, _CachedDecoder):
         return x_BTD
 
     def _hidden(self, tokens_BT, *, positions_BT, spec, cache, deterministic,
-                key_positions_BS=None, read_only=False):
+                key_positions_BS=None, read_only=False, lengths_B=None):
         x_BTD = self.embed(tokens_BT, positions_BT, deterministic)
         inputs = LayerInputs(spec, positions_BT, key_positions=key_positions_BS,
-                             deterministic=deterministic, read_only=read_only)
+                             deterministic=deterministic, read_only=read_only,
+                             lengths=lengths_B)
         return self.decoder(x_BTD, inputs, cache)
 
 
@@ -393,7 +399,6 @@ class EncoderDecoder(PlainInit, _CachedDecoder):
         `kv_cache_dtype` is the self-attention part's (`KVCache.create`'s dtype: "auto" or
         "int8"); the cross-attention keys/values stay in the config's dtype.
         """
-        check_decodable(self.config)
         beams = check_positive_int(beams, "beams")
         encoded_BSD = self.encode(src, lengths=src_lengths)
         cross_k, cross_v = self.cross_kv(encoded_BSD)
@@ -405,7 +410,8 @@ class EncoderDecoder(PlainInit, _CachedDecoder):
                              cross_mask=self._source_valid(src, src_lengths))
 
     def _hidden(self, tokens_BT, *, positions_BT, spec, cache, deterministic,
-                key_positions_BS=None, read_only=False):
+                key_positions_BS=None, read_only=False, lengths_B=None):
+        del lengths_B                      # read by linear layers, which are decoder-only
         if cache.cross_k is None:
             raise UserError("encoder-decoder cache has no cross-attention keys: build it "
                             "with model.apply(params, src, cache_len, method='init_cache')")

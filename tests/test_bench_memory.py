@@ -41,3 +41,18 @@ def test_the_cache_lines_weigh_the_latent_cache_against_gqa_and_expanded_heads()
         assert got["llama_gqa_8x128", T] == 61 * 2 * 8 * 128 * 2
         assert got["expanded_128_heads", T] == 61 * 128 * 320 * 2
     assert {x["over_latent"] for x in lines if x["model"] == "llama_gqa_8x128"} == {3.56}
+
+
+def test_qwen3_nexts_decode_state_grows_only_in_its_attention_layers():
+    """One row of Qwen3-Next-80B-A3B in bfloat16: 12 attention layers keep 2 kv heads of
+    256 per token (keys and values); 36 linear layers keep a float32 state of 32 heads of
+    128 x 128 and a window of 3 inputs of their 8192 channels, whatever T; every layer full
+    attention would keep 48 layers' keys and values."""
+    lines = memory.decode_state_lines((1024, 2048))
+    linear = 36 * (32 * 128 * 128 * 4 + (2 * 16 * 128 + 32 * 128) * 3 * 2)
+    for x, T in zip(lines, (1024, 2048), strict=True):
+        assert x["kv_bytes"] == 12 * 2 * 2 * 256 * 2 * T
+        assert x["linear_state_bytes"] == linear
+        assert x["all_full_attention_bytes"] == 48 * 2 * 2 * 256 * 2 * T
+        assert x["over_all_full_attention"] == round((x["kv_bytes"] + linear)
+                                                     / x["all_full_attention_bytes"], 3)

@@ -93,3 +93,25 @@ def test_the_zero_state_is_a_sequences_start_and_bad_sizes_are_named(layer):
                                 apply(x[:, :5], jnp.array([5, 5]), None))
     with pytest.raises(UserError, match="window"):
         apply(x[:, :5], jnp.array([5, 5]), zeros._replace(window=zeros.window[:, :, :2]))
+
+
+def test_the_cache_holds_a_state_per_linear_layer_and_commits_only_active_rows():
+    """`KVCache.create` gives each linear layer a zero state and keys/values without heads
+    (nothing to read); `commit` takes a read step's new state for the active rows only, as
+    it writes an attention layer's slot."""
+    cfg = CFG.replace(vocab_size=64)
+    cache = models.KVCache.create(cfg, B, 8)
+    linear = [kind == "linear" for kind in cfg.layer_types]
+    assert [s is not None for s in cache.linear] == linear
+    assert [k.shape[1] for k in cache.k] == [0 if lin else cfg.num_kv_heads for lin in linear]
+    model = models.build(cfg)
+    tokens = jnp.asarray([5, 9], jnp.int32)
+    params = model.init(jax.random.key(0), tokens[:, None])["params"]
+    _, update = model.apply({"params": params}, tokens, cache, method="read_step")
+    after = cache.commit(update, jnp.asarray([True, False]))
+    np.testing.assert_array_equal(after.lengths, [1, 0])
+    for layer in np.flatnonzero(linear):
+        new, old = after.linear[layer], cache.linear[layer]
+        assert not np.allclose(new.recurrent[0], old.recurrent[0])
+        chex.assert_trees_all_equal(_row(new, 1), _row(old, 1))
+        chex.assert_trees_all_equal(_row(new, 0), _row(update.layers[layer], 0))

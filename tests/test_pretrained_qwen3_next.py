@@ -1,5 +1,5 @@
-"""Qwen3-Next: models.load against transformers' logits, models.save back, and what is not
-supported yet refused by name.
+"""Qwen3-Next: models.load against transformers' logits and decoding, models.save back, and
+what is not supported yet refused by name.
 
 Tiny random transformers Qwen3NextForCausalLM models (every tensor random: the linear
 layers' projections, convolution, A_log, dt_bias and gated norm, the (1 + w) norms, the
@@ -9,9 +9,12 @@ chunk; a right-padded batch gives transformers' masked logits at its real tokens
 fused linear projections split as transformers' `fix_query_key_value_ordering` splits
 them; load then save gives the tensors transformers wrote bit for bit; a bfloat16
 checkpoint loads exactly; the published files' MTP tensors are skipped by name; refused
-values and unknown fields are named; a cache, prefill, the cached steps, generate and
-packed rows are refused by name for linear layers; gated attention alone decodes as its
-forward pass; and the Qwen3-Next-80B-A3B preset has transformers' parameter count.
+values and unknown fields are named; a ragged prefill then cached steps give
+transformers' logits and greedy decoding its `generate` (the cache carries the linear
+layers' state), and beam search with gathered rows its beam search; the paged cache,
+speculative decoding and packed rows are refused by name for linear layers; gated
+attention alone decodes as its forward pass; and the Qwen3-Next-80B-A3B preset has
+transformers' parameter count.
 """
 
 from __future__ import annotations
@@ -70,8 +73,7 @@ CASES = {
 }
 # The delta rule's chunk per case: three chunks of the 10 tokens, or one.
 CHUNK = {"qwen3-next-interval-2": 4, "qwen3-next-dense-layer-tied": 64}
-REFUSAL = ("qwen3_next's linear-attention layers carry a recurrent state that the decoding "
-           "cache does not hold yet")
+REFUSAL = "qwen3_next's linear-attention layers"
 
 ckpt, _ = ph.checkpoints(CASES, "hf_checkpoints_qwen3_next", first_seed=900)
 
@@ -177,30 +179,55 @@ def test_a_config_value_that_cannot_be_computed_is_refused_by_name(fields, words
     ph.assert_refused_by_name(path, words)
 
 
-def test_decoding_a_model_with_linear_layers_is_refused_by_name():
-    """A cache (plain or paged), prefill, the cached step, the read-only step and
-    `generate` name what is missing; so do packed rows (segment ids) in the forward."""
+@pytest.mark.parametrize("name", CASES)
+def test_a_ragged_prefill_then_steps_and_greedy_generate_give_transformers(
+        name, ckpt, highest_precision):
+    """The cache carries each linear layer's state (`KVCache.linear`): a ragged prefill
+    then cached steps give transformers' logits at every position, and greedy decoding of
+    a right-padded batch gives transformers' `generate` of each prompt alone."""
+    c = ckpt(name)
+    pre = models.load(c.path, linear_chunk_size=CHUNK[name])
+    ph.assert_ragged_prefill_then_steps(fns(pre.config), pre.params, c, atol=ATOL)
+    ph.assert_greedy_equals_generate(pre, c, filler=3)
+
+
+def test_beam_search_gathers_the_linear_state_with_the_beams(ckpt, highest_precision):
+    """Beam search whose cache rows are gathered by parent beam (`beam_cache="gathered"`)
+    carries the linear states with them: its best beam equals transformers' beam search;
+    the table cache, which moves no rows, refuses them by name."""
+    import decode
+    c = ckpt("qwen3-next-interval-2")
+    pre = models.load(c.path)
+    n, W, N = int(ph.PROMPT_LENS[0]), 3, 6
+    ours = decode.beam_search(pre.model, pre.params, c.tokens[:1, :n], np.array([n], np.int32),
+                              beam_size=W, max_new_tokens=N, eos_id=None,
+                              beam_cache="gathered")
+    torch = ph.torch
+    with torch.no_grad():
+        theirs = c.model.generate(torch.as_tensor(c.tokens[:1, :n], dtype=torch.long),
+                                  attention_mask=torch.ones((1, n), dtype=torch.long),
+                                  max_new_tokens=N, min_new_tokens=N, do_sample=False,
+                                  num_beams=W, length_penalty=1.0, early_stopping=True,
+                                  pad_token_id=4)[0, n:].numpy()
+    np.testing.assert_array_equal(np.asarray(ours.tokens[0, 0]), theirs)
+    with pytest.raises(ValueError, match=r"beam_cache='gathered'"):
+        decode.beam_search(pre.model, pre.params, c.tokens[:1, :n], np.array([n], np.int32),
+                           beam_size=W, max_new_tokens=N, eos_id=None)
+
+
+def test_what_does_not_carry_the_linear_state_yet_is_refused_by_name():
+    """The paged cache (the serving engine's), speculative decoding (which rolls a cache
+    back by its lengths) and packed rows (segment ids) name what is missing."""
     import decode
     cfg = models.get_config("qwen3-next-tiny", vocab_size=64)
-    message = re.escape(REFUSAL)
-    with pytest.raises(ValueError, match=message):
-        models.KVCache.create(cfg, 2, 16)
-    with pytest.raises(ValueError, match=message):
-        PagedKVCache.create(cfg, rows=2, num_pages=4, page_size=4,
-                                               pages_per_row=2)
-    attention_only = cfg.replace(layer_types=(), linear_num_key_heads=None,
-                                 linear_num_value_heads=None, linear_key_head_dim=None,
-                                 linear_value_head_dim=None)
-    cache = models.KVCache.create(attention_only, 2, 16)          # a cache of the same shape
+    with pytest.raises(ValueError, match=re.escape(REFUSAL) + r".*the paged cache"):
+        PagedKVCache.create(cfg, rows=2, num_pages=4, page_size=4, pages_per_row=2)
     model, tokens = models.build(cfg), jnp.full((2, 3), 5, jnp.int32)
     lengths = jnp.asarray([3, 2], jnp.int32)
-    for method, args in (("prefill", (tokens, lengths, cache)), ("step", (tokens[:, 0], cache)),
-                         ("read_step", (tokens[:, 0], cache))):
-        with pytest.raises(ValueError, match=message):
-            model.apply({"params": {}}, *args, method=method)
     params = jax.eval_shape(model.init, jax.random.key(0), tokens)["params"]
-    with pytest.raises(ValueError, match=message):
-        decode.generate(model, params, tokens, lengths, max_new_tokens=2)
+    with pytest.raises(ValueError, match=re.escape(REFUSAL) + r".*speculative decoding"):
+        decode.generate(model, params, tokens, lengths, max_new_tokens=2, draft_model=model,
+                        draft_params=params)
     with pytest.raises(ValueError, match=r"segment_ids: the linear-attention layers"):
         model.apply({"params": {}}, tokens, segment_ids=jnp.ones((2, 3), jnp.int32))
 

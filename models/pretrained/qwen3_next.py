@@ -33,9 +33,12 @@ files and transformers' `save_pretrained` hold them. The published files'
 multi-token-prediction tensors (`mtp.*`), which transformers does not load either, are
 skipped with a warning naming them.
 
-Decoding is not supported yet: the linear layers' recurrent state is not in the KV cache,
-so prefill, the cached steps and a cache are refused by name (`models.checks.
-check_decodable`); the teacher-forced forward pass gives transformers' logits.
+Decoding: the KV cache holds each linear layer's recurrent state and convolution window
+(`KVCache.linear`, the same size at any length), so prefill, the cached steps, greedy and
+sampled `generate`, and beam search with `beam_cache="gathered"` (the states gathered
+with the beams) give transformers' numbers. The paged cache (the serving engine), beam
+search's table cache and speculative decoding (which rolls a cache back by its lengths)
+do not carry the state yet and refuse it by name (`models.checks.check_decodable`).
 
 Refused by name: `hidden_act` other than silu, `attention_bias=True`, `layer_types`
 other than linear and full attention, a config without expert layers, and (fields
