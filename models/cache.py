@@ -135,6 +135,22 @@ class LayerUpdates(NamedTuple):
     layers: tuple
 
 
+def _commit_layers(cache, updates: LayerUpdates, rows, slots, active_R):
+    """`commit` of a stack with linear layers, either cache: each attention layer's
+    (k_RKH, v_RKH) written at (rows, slots), each linear layer's `LinearState` taken for
+    the active rows (all when `active_R` is None). Lengths are the caller's."""
+    out, linear = cache, list(cache.linear)
+    for layer, update in enumerate(updates.layers):
+        if isinstance(update, LinearState):
+            linear[layer] = update if active_R is None else jax.tree.map(
+                lambda new, old: jnp.where(
+                    active_R.reshape((-1,) + (1,) * (new.ndim - 1)), new, old),
+                update, cache.linear[layer])
+        else:
+            out = out.replace(**written(out, layer, rows, slots, *update))
+    return out.replace(linear=tuple(linear))
+
+
 @flax.struct.dataclass
 class KVCache:
     """Decoding state of a transformer decoder.
@@ -239,27 +255,11 @@ class KVCache:
         rows_B = jnp.arange(self.batch_size, dtype=jnp.int32)
         step = 1 if active_B is None else active_B.astype(jnp.int32)
         if isinstance(new_kv, LayerUpdates):
-            return self._commit_layers(new_kv, rows_B, active_B).replace(
+            return _commit_layers(self, new_kv, rows_B, self.lengths, active_B).replace(
                 lengths=self.lengths + step)
         k_LBKH, v_LBKH = new_kv
         return self.replace(**written(self, None, rows_B, self.lengths, k_LBKH, v_LBKH),
                             lengths=self.lengths + step)
-
-    def _commit_layers(self, updates: LayerUpdates, rows_B, active_B) -> KVCache:
-        """`commit` of a stack with linear layers: each attention layer's (k_BKH, v_BKH)
-        written at its slot, each linear layer's `LinearState` taken for the active rows."""
-        cache, linear = self, list(self.linear)
-        for layer, update in enumerate(updates.layers):
-            if isinstance(update, LinearState):
-                linear[layer] = update if active_B is None else jax.tree.map(
-                    lambda new, old: jnp.where(
-                        active_B.reshape((-1,) + (1,) * (new.ndim - 1)), new, old),
-                    update, self.linear[layer])
-            else:
-                k_BKH, v_BKH = update
-                cache = cache.replace(**written(cache, layer, rows_B, self.lengths,
-                                                k_BKH, v_BKH))
-        return cache.replace(linear=tuple(linear))
 
     def take_rows(self, rows_B) -> KVCache:
         """Self-attention rows gathered by index (beam search's start duplicates a prompt's
@@ -301,6 +301,9 @@ class BeamKVCache:
         origin: int32[Bs, W, S] the region holding each beam's position s.
         cross_k, cross_v, cross_mask: as in `KVCache` (one row per source).
         k_scale, v_scale: an int8 cache's scales, per layer [Bs, K, W * S, 1], or None.
+        linear: as in `KVCache`, one state per beam (row r): a recurrent state cannot be
+            shared by reference, so `reorder` gathers it by parent beam (it is the same
+            size at any length, unlike the keys and values the table spares).
         beams: W (static).
     """
 
@@ -313,6 +316,7 @@ class BeamKVCache:
     cross_mask: Bool[Array, "Bs Ssrc"] | None = None
     k_scale: Layers | None = None
     v_scale: Layers | None = None
+    linear: tuple | None = None
     beams: int = flax.struct.field(pytree_node=False, default=1)
 
     @classmethod
@@ -321,12 +325,6 @@ class BeamKVCache:
         source): the row becomes region 0 of its source, which every beam reads up to its
         length; regions 1 .. W-1 start empty."""
         W = check_positive_int(beams, "beams")
-        if cache.linear is not None:
-            linear = [i for i, state in enumerate(cache.linear) if state is not None]
-            raise UserError(f"the linear-attention layers {linear} carry a recurrent state "
-                            "that beam search's table cache (beam_cache='table') does not "
-                            "hold yet: pass beam_cache='gathered', which gathers it with the "
-                            "beams")
         Bs, _, S, _ = layer_shape(cache.k)
         if cache.cross_mask is not None and cache.cross_mask.shape[0] != Bs:
             raise UserError(f"a beam cache starts from one row per source; this cache has "
@@ -336,10 +334,12 @@ class BeamKVCache:
             pad = [(0, 0)] * x.ndim
             pad[-2] = (0, (W - 1) * S)
             return jnp.pad(x, pad)
+        linear = None if cache.linear is None else jax.tree.map(
+            lambda x: jnp.repeat(x, W, axis=0), cache.linear)
         return cls(**map_self(regions, cache), lengths=jnp.repeat(cache.lengths, W),
                    origin=_own_after(jnp.zeros((Bs, W, S), jnp.int32), cache.lengths),
                    cross_k=cache.cross_k, cross_v=cache.cross_v, cross_mask=cache.cross_mask,
-                   beams=W)
+                   linear=linear, beams=W)
 
     @property
     def batch_size(self) -> int:
@@ -379,9 +379,12 @@ class BeamKVCache:
     def commit(self, new_kv, active_R=None) -> BeamKVCache:
         """Writes each beam's new token, every layer's (k_LRKH, v_LRKH), into its own region
         at its length, and advances the beams (only the `active_R` ones, when given)."""
-        k_LRKH, v_LRKH = new_kv
         rows, slots = self._slots(self.lengths[:, None])
         step = 1 if active_R is None else active_R.astype(jnp.int32)
+        if isinstance(new_kv, LayerUpdates):
+            return _commit_layers(self, new_kv, rows[:, 0], slots[:, 0], active_R).replace(
+                lengths=self.lengths + step)
+        k_LRKH, v_LRKH = new_kv
         return self.replace(**written(self, None, rows[:, 0], slots[:, 0], k_LRKH, v_LRKH),
                             lengths=self.lengths + step)
 
@@ -415,8 +418,11 @@ class BeamKVCache:
         origin = jnp.take_along_axis(self.origin, parents_BW[:, :, None], axis=1)
         Bs, W, _ = origin.shape
         lengths = jnp.take_along_axis(self.lengths.reshape(Bs, W), parents_BW, axis=1)
+        linear = None if self.linear is None else jax.tree.map(
+            lambda x: jnp.take(x, (jnp.arange(Bs)[:, None] * W + parents_BW).reshape(-1),
+                               axis=0), self.linear)
         return self.replace(origin=_own_after(origin, lengths.reshape(-1)),
-                            lengths=lengths.reshape(-1))
+                            lengths=lengths.reshape(-1), linear=linear)
 
 
 def _own_after(origin_BWS, lengths):

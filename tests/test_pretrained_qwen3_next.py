@@ -11,7 +11,7 @@ them; load then save gives the tensors transformers wrote bit for bit; a bfloat1
 checkpoint loads exactly; the published files' MTP tensors are skipped by name; refused
 values and unknown fields are named; a ragged prefill then cached steps give
 transformers' logits and greedy decoding its `generate` (the cache carries the linear
-layers' state), and beam search with gathered rows its beam search; the paged cache,
+layers' state), and beam search with either beam cache its beam search; the paged cache,
 speculative decoding and packed rows are refused by name for linear layers; gated
 attention alone decodes as its forward pass; and the Qwen3-Next-80B-A3B preset has
 transformers' parameter count.
@@ -191,17 +191,19 @@ def test_a_ragged_prefill_then_steps_and_greedy_generate_give_transformers(
     ph.assert_greedy_equals_generate(pre, c, filler=3)
 
 
-def test_beam_search_gathers_the_linear_state_with_the_beams(ckpt, highest_precision):
-    """Beam search whose cache rows are gathered by parent beam (`beam_cache="gathered"`)
-    carries the linear states with them: its best beam equals transformers' beam search;
-    the table cache, which moves no rows, refuses them by name."""
+@pytest.mark.parametrize("beam_cache", ["table", "gathered"])
+def test_beam_search_carries_the_linear_state_with_the_beams(beam_cache, ckpt,
+                                                             highest_precision):
+    """Both beam caches carry each beam's linear states (the table cache gathers them by
+    parent beam, as the gathered cache gathers every row): the best beam equals
+    transformers' beam search."""
     import decode
     c = ckpt("qwen3-next-interval-2")
     pre = models.load(c.path)
-    n, W, N = int(ph.PROMPT_LENS[0]), 3, 6
+    n, W, N = int(ph.PROMPT_LENS[1]), 3, 6
     ours = decode.beam_search(pre.model, pre.params, c.tokens[:1, :n], np.array([n], np.int32),
                               beam_size=W, max_new_tokens=N, eos_id=None,
-                              beam_cache="gathered")
+                              beam_cache=beam_cache)
     torch = ph.torch
     with torch.no_grad():
         theirs = c.model.generate(torch.as_tensor(c.tokens[:1, :n], dtype=torch.long),
@@ -210,9 +212,6 @@ def test_beam_search_gathers_the_linear_state_with_the_beams(ckpt, highest_preci
                                   num_beams=W, length_penalty=1.0, early_stopping=True,
                                   pad_token_id=4)[0, n:].numpy()
     np.testing.assert_array_equal(np.asarray(ours.tokens[0, 0]), theirs)
-    with pytest.raises(ValueError, match=r"beam_cache='gathered'"):
-        decode.beam_search(pre.model, pre.params, c.tokens[:1, :n], np.array([n], np.int32),
-                           beam_size=W, max_new_tokens=N, eos_id=None)
 
 
 def test_what_does_not_carry_the_linear_state_yet_is_refused_by_name():

@@ -35,10 +35,10 @@ skipped with a warning naming them.
 
 Decoding: the KV cache holds each linear layer's recurrent state and convolution window
 (`KVCache.linear`, the same size at any length), so prefill, the cached steps, greedy and
-sampled `generate`, and beam search with `beam_cache="gathered"` (the states gathered
-with the beams) give transformers' numbers. The paged cache (the serving engine), beam
-search's table cache and speculative decoding (which rolls a cache back by its lengths)
-do not carry the state yet and refuse it by name (`models.checks.check_decodable`).
+sampled `generate`, and beam search (either beam cache: the states gathered by parent
+beam) give transformers' numbers. The paged cache (the serving engine) and speculative
+decoding (which rolls a cache back by its lengths) do not carry the state yet and refuse
+it by name (`models.checks.check_decodable`).
 
 Refused by name: `hidden_act` other than silu, `attention_bias=True`, `layer_types`
 other than linear and full attention, a config without expert layers, and (fields
