@@ -83,6 +83,11 @@ def test_loaded_qwen3_next_gives_transformers_logits(name, ckpt, highest_precisi
     pre, _ = ph.assert_loads_with_transformers_logits(ckpt(name), atol=ATOL,
                                                       linear_chunk_size=CHUNK[name])
     assert pre.config.linear_chunk_size == CHUNK[name]
+    # The gated attention layers through the chunked attention kernel, in blocks of 4.
+    other = models.load(ckpt(name).path, attention_impl="chunked", attention_block=4,
+                        linear_chunk_size=CHUNK[name])
+    np.testing.assert_allclose(fns(other.config).forward(other.params, ckpt(name).tokens),
+                               ckpt(name).logits, atol=ATOL, rtol=0)
 
 
 def test_a_right_padded_batch_gives_transformers_logits_at_its_real_tokens(
