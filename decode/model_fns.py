@@ -112,7 +112,8 @@ def model_step_fn(model: nn.Module, params, cache_sharding=None) -> SplitStep:
 
     The step reads each self-attention's query, key and value kernels as one
     (`models.attention.fuse_qkv`, copied here, once per call of the loop that takes the
-    step): one matrix product instead of three, 6-8% of a batch-1 step on a CPU. Not when
+    step): one matrix product instead of three, 1.03x per batch-1 step on a CPU (`bench.
+    step_overhead`; within the machine's noise in other runs). Not when
     the parameters split their kv heads over a mesh (`cache_sharding`), where the joined
     kernel would not be split like the three."""
     if cache_sharding is None:

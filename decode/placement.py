@@ -37,7 +37,7 @@ def _kv_kernels(params) -> list:
 
     Which leaves they are depends on the tree's structure only, so it is found once per
     structure: naming every leaf's path costs about 2 ms for a 6+6-layer model, a
-    fixed cost of each decoding call (measured by `bench.decode --only overhead`)."""
+    fixed cost of each decoding call (measured by `bench.step_overhead`)."""
     leaves, treedef = jax.tree_util.tree_flatten(params)
     indices = _KERNEL_INDICES.get(treedef)
     if indices is None:

@@ -328,6 +328,7 @@ def _check_conv(x, weight, bias, window, *, per_token: bool) -> None:
 def causal_conv1d(x: Float[Array, "B T C"], weight: Float[Array, "C W"],
                   bias: Float[Array, " C"] | None = None,
                   window: Float[Array, "B C W-1"] | None = None,
+                  lengths=None,
                   ) -> tuple[Float[Array, "B T C"], Float[Array, "B C W-1"]]:
     """The causal depthwise convolution of width W, then SiLU (module docstring).
 
@@ -337,6 +338,8 @@ def causal_conv1d(x: Float[Array, "B T C"], weight: Float[Array, "C W"],
       bias: [C] or None.
       window: the W - 1 inputs before x[:, 0], newest last [B, C, W - 1]; None means zeros
         (the start of a sequence).
+      lengths: None, or int[B]: each row's real inputs of x (the rest right padding), so
+        that its window ends before its padding.
 
     Returns:
       (outputs [B, T, C] in x's dtype, the last W - 1 inputs [B, C, W - 1], newest last: the
@@ -355,8 +358,12 @@ def causal_conv1d(x: Float[Array, "B T C"], weight: Float[Array, "C W"],
     y_BTC = sum(taps_11CW[..., j] * seen_BSC[:, j:j + length] for j in range(width))
     if bias is not None:
         y_BTC = y_BTC + bias.astype(jnp.float32)[None, None]
-    new_window = jnp.swapaxes(inputs_BSC[:, inputs_BSC.shape[1] - (width - 1):], 1, 2)
-    return jax.nn.silu(y_BTC).astype(x.dtype), new_window
+    if lengths is None:
+        new_window = inputs_BSC[:, inputs_BSC.shape[1] - (width - 1):]
+    else:                 # row b's inputs before x[b, lengths[b]] end at index W - 2 + lengths[b]
+        new_window = jax.vmap(lambda seen, n: lax.dynamic_slice_in_dim(seen, n, width - 1))(
+            inputs_BSC, lengths)
+    return jax.nn.silu(y_BTC).astype(x.dtype), jnp.swapaxes(new_window, 1, 2)
 
 
 def causal_conv1d_step(x: Float[Array, "B C"], weight: Float[Array, "C W"],

@@ -139,9 +139,9 @@ class GatedDeltaNet(nn.Module):
                                       v_BTNE.reshape(B, T, N * E)], axis=-1)
         conv_CW = self.param("conv_kernel", named(CONV_INIT, "conv_in", "taps"),
                              (joined_BTC.shape[-1], cfg.linear_conv_width), cfg.param_dtype)
-        window = None if state is None else state.window
-        inputs_BTC = joined_BTC
-        joined_BTC, _ = causal_conv1d(joined_BTC, conv_CW, window=window)
+        joined_BTC, window = causal_conv1d(joined_BTC, conv_CW,
+                                           window=None if state is None else state.window,
+                                           lengths=lengths_B)
         q_BTKH = joined_BTC[..., :K * H].reshape(B, T, K, H)
         k_BTKH = joined_BTC[..., K * H:2 * K * H].reshape(B, T, K, H)
         v_BTNE = joined_BTC[..., 2 * K * H:].reshape(B, T, N, E)
@@ -169,17 +169,4 @@ class GatedDeltaNet(nn.Module):
                                 out_axes=("embed",), bias=False)(o_BTNE, det)
         if lengths_B is None:
             return y_BTD
-        return y_BTD, LinearState(recurrent, _last_inputs(inputs_BTC, window, lengths_B,
-                                                          cfg.linear_conv_width - 1))
-
-
-def _last_inputs(x_BTC, window, lengths_B, width: int):
-    """Each row's last `width` convolution inputs [B, C, width], newest last: those
-    before its first padding position (the window's where the row has fewer new ones)."""
-    B, _, C = x_BTC.shape
-    if window is None:
-        window = jnp.zeros((B, C, width), x_BTC.dtype)
-    seen_BSC = jnp.concatenate([jnp.swapaxes(window, 1, 2).astype(x_BTC.dtype), x_BTC], 1)
-    # Row b's inputs before position lengths[b] end at index width + lengths[b] - 1.
-    rows = jax.vmap(lambda seen, n: jax.lax.dynamic_slice_in_dim(seen, n, width, axis=0))
-    return jnp.swapaxes(rows(seen_BSC, lengths_B), 1, 2)
+        return y_BTD, LinearState(recurrent, window)
