@@ -101,8 +101,9 @@ def _linear_attention_sublayer(cfg, x_BTD, inputs: LayerInputs, cache, layer,
     the cache, or with `inputs.read_only` returned in place of a slot's keys/values."""
     mixer = GatedDeltaNet(cfg, name="linear_attention")
     if cache is None:
-        def sublayer(y):
-            return mixer(y, deterministic=inputs.deterministic), None
+        def sublayer(y):                        # packed rows: each sequence restarts
+            return mixer(y, deterministic=inputs.deterministic,
+                         segment_ids=inputs.self_spec.q_segment), None
     else:
         if inputs.lengths is None:
             raise UserError("a linear-attention layer decoding with a cache needs each row's "

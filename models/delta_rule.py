@@ -62,6 +62,14 @@ positions (and zero q, k, v). Then exp(g) = 1 and delta = 0 there, so the state 
 of a padded position exactly as it went in, and a row padded at its end ends with its
 unpadded final state. `chunked` pads T up to a multiple of `chunk_size` the same way.
 
+Packed rows: given `segment_ids` [B, T], a token whose id differs from the token's before
+it starts a new sequence, whose state starts from zeros (the state is reset before the
+token is read), and the convolution reads no input of an earlier sequence. In the chunked
+form a reset inside a chunk drops S0's terms (e^c S0) from the positions after it and
+masks the decays between positions of different sequences to 0, so no sequence sees
+another's tokens and no decay spans two sequences. Ids need not be increasing; only
+changes between neighbours count, so the first token never resets a given state.
+
 The causal depthwise convolution before the rule (Qwen3-Next runs q, k and v, joined on
 the channel axis, through it): weight [C, W] is transformers' `conv1d.weight` [C, 1, W]
 squeezed. Output t is SiLU(bias + sum_j weight[:, j] * x[t - (W - 1) + j]): the last tap
@@ -150,6 +158,19 @@ def _prepare(q, k, v, g, beta, *, qk_l2norm: bool, head_axis: int):
     return q * q.shape[-1] ** -0.5, k, v, g, beta
 
 
+def _segment_counts(segment_ids, shape) -> jax.Array | None:
+    """int32[B, T]: how many sequences have started before or at each token of a packed
+    row (a start: an id that differs from the token's before; the first token is none), or
+    None without `segment_ids`. Two tokens are of one sequence when their counts agree."""
+    if segment_ids is None:
+        return None
+    _check_rank(segment_ids, "segment_ids", 2, "[B, T]")
+    _check_shape(segment_ids, "segment_ids", shape, "[B, T] of q")
+    starts_BT = jnp.concatenate([jnp.zeros_like(segment_ids[:, :1], dtype=bool),
+                                 segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+    return jnp.cumsum(starts_BT, axis=1, dtype=jnp.int32)
+
+
 def _initial_state(state, q, v) -> Float[Array, "B N H E"]:
     if state is not None:
         return state.astype(jnp.float32)
@@ -172,7 +193,8 @@ def _token_update(state_BNHE, q_BNH, k_BNH, v_BNE, g_BN, beta_BN):
 def recurrent(q: Float[Array, "B T K H"], k: Float[Array, "B T K H"],
               v: Float[Array, "B T N E"], g: Float[Array, "B T N"],
               beta: Float[Array, "B T N"], state: Float[Array, "B N H E"] | None = None, *,
-              qk_l2norm: bool = True) -> tuple[Float[Array, "B T N E"], Float[Array, "B N H E"]]:
+              qk_l2norm: bool = True, segment_ids=None,
+              ) -> tuple[Float[Array, "B T N E"], Float[Array, "B N H E"]]:
     """The gated delta rule token by token (a `lax.scan` over T): the reference form.
 
     Args:
@@ -182,16 +204,28 @@ def recurrent(q: Float[Array, "B T K H"], k: Float[Array, "B T K H"],
       beta: write strengths [B, T, N] in (0, 1) (0 at padded positions).
       state: the state before the first token [B, N, H, E]; None means zeros.
       qk_l2norm: L2-normalise q and k first (Qwen3-Next does).
+      segment_ids: None, or int[B, T] packed rows' sequence ids: the state restarts from
+        zeros at each sequence's first token (module docstring).
 
     Returns:
       (outputs [B, T, N, E] in q's dtype, the state after the last token [B, N, H, E]
       float32).
     """
     _check_inputs(q, k, v, g, beta, state, per_token=True)
+    counts_BT = _segment_counts(segment_ids, q.shape[:2])
     start = _initial_state(state, q, v)
     prepared = _prepare(q, k, v, g, beta, qk_l2norm=qk_l2norm, head_axis=2)
-    time_major = tuple(jnp.moveaxis(x, 1, 0) for x in prepared)
-    final, out_TBNE = lax.scan(lambda s, xs: _token_update(s, *xs), start, time_major)
+    if counts_BT is None:
+        keep_BT = jnp.ones(q.shape[:2], jnp.float32)
+    else:                               # 0 at a sequence's first token: the state restarts
+        keep_BT = jnp.concatenate([jnp.ones_like(counts_BT[:, :1]),
+                                   (counts_BT[:, 1:] == counts_BT[:, :-1])], axis=1)
+    time_major = tuple(jnp.moveaxis(x, 1, 0) for x in (*prepared, keep_BT.astype(jnp.float32)))
+
+    def token(state_BNHE, xs):
+        *inputs, keep_B = xs
+        return _token_update(state_BNHE * keep_B[:, None, None, None], *inputs)
+    final, out_TBNE = lax.scan(token, start, time_major)
     return jnp.moveaxis(out_TBNE, 0, 1).astype(q.dtype), final
 
 
@@ -215,8 +249,8 @@ def step(q: Float[Array, "B K H"], k: Float[Array, "B K H"], v: Float[Array, "B 
 def chunked(q: Float[Array, "B T K H"], k: Float[Array, "B T K H"],
             v: Float[Array, "B T N E"], g: Float[Array, "B T N"],
             beta: Float[Array, "B T N"], state: Float[Array, "B N H E"] | None = None, *,
-            chunk_size: int = 64,
-            qk_l2norm: bool = True) -> tuple[Float[Array, "B T N E"], Float[Array, "B N H E"]]:
+            chunk_size: int = 64, qk_l2norm: bool = True, segment_ids=None,
+            ) -> tuple[Float[Array, "B T N E"], Float[Array, "B N H E"]]:
     """The gated delta rule chunk by chunk (the module docstring's WY/UT form): `recurrent`'s
     arguments and results, to float32 rounding, with T padded up to a multiple of
     `chunk_size` by positions that change nothing (g = 0, beta = 0, zero inputs).
@@ -224,18 +258,20 @@ def chunked(q: Float[Array, "B T K H"], k: Float[Array, "B T K H"],
     Args:
       chunk_size: L, the tokens solved together; each chunk costs [L, L] matrices per head
         and the scan runs ceil(T / L) steps.
+      segment_ids: `recurrent`'s: packed rows, each sequence from a zero state.
     """
     if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
         raise UserError(f"chunk_size={chunk_size!r} must be a positive int")
     _check_inputs(q, k, v, g, beta, state, per_token=True)
+    counts_BT = _segment_counts(segment_ids, q.shape[:2])
     start = _initial_state(state, q, v)
     out_dtype, length = q.dtype, q.shape[1]
     q, k, v, g, beta = _prepare(q, k, v, g, beta, qk_l2norm=qk_l2norm, head_axis=2)
     pad = -length % chunk_size
 
-    def to_chunks(x):
-        """[B, T, N, ...] -> [M, B, N, L, ...], zero-padded at the end of T."""
-        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+    def to_chunks(x, mode="constant"):
+        """[B, T, N, ...] -> [M, B, N, L, ...], padded at the end of T (zeros)."""
+        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2), mode=mode)
         x = x.reshape(x.shape[0], -1, chunk_size, *x.shape[2:])
         return jnp.moveaxis(x, (1, 2), (0, 3))
 
@@ -244,9 +280,21 @@ def chunked(q: Float[Array, "B T K H"], k: Float[Array, "B T K H"],
 
     # Decays within a chunk, from cumulative log-decays: decay_IJ = e^{c_i - c_j} for j <= i.
     cum_MBNI = jnp.cumsum(g_MBNI, axis=-1)
-    causal_IJ = jnp.tril(jnp.ones((chunk_size, chunk_size), bool))
+    seen_MBNIJ = jnp.tril(jnp.ones((chunk_size, chunk_size), bool))
+    # Packed rows: i sees j of its own sequence only, and S0 (the state before the chunk)
+    # reaches only the tokens before the chunk's first restart (`carries`: 1, else 0).
+    carries_MBNI = jnp.ones_like(cum_MBNI)
+    if counts_BT is not None:
+        counts_BTN = jnp.broadcast_to(counts_BT[:, :, None], g.shape)
+        counts_MBNI = to_chunks(counts_BTN, mode="edge")      # padding: the last's
+        seen_MBNIJ = seen_MBNIJ[None, None, None] & (
+            counts_MBNI[..., :, None] == counts_MBNI[..., None, :])
+        before_MBN = jnp.concatenate([counts_BTN[:, :1], counts_BTN], axis=1)[
+            :, ::chunk_size][:, :counts_MBNI.shape[0]]        # the count before each chunk
+        carries_MBNI = (counts_MBNI == jnp.moveaxis(before_MBN, 1, 0)[..., None]).astype(
+            jnp.float32)
     gap_MBNIJ = cum_MBNI[..., :, None] - cum_MBNI[..., None, :]
-    decay_MBNIJ = jnp.exp(jnp.where(causal_IJ, gap_MBNIJ, -jnp.inf))
+    decay_MBNIJ = jnp.exp(jnp.where(seen_MBNIJ, gap_MBNIJ, -jnp.inf))
 
     # The unit lower-triangular system (I + A) X = [beta V, beta e^c K], solved for every
     # chunk at once: X = [U, W] (module docstring).
@@ -255,16 +303,19 @@ def chunked(q: Float[Array, "B T K H"], k: Float[Array, "B T K H"],
     # and takes the diagonal as ones, so passing A solves with I + A.
     a_MBNIJ = beta_MBNI[..., :, None] * jnp.tril(kk_MBNIJ * decay_MBNIJ, -1)
     right = jnp.concatenate([beta_MBNI[..., None] * v_MBNIE,
-                             (beta_MBNI * jnp.exp(cum_MBNI))[..., None] * k_MBNIH], axis=-1)
+                             (beta_MBNI * jnp.exp(cum_MBNI) * carries_MBNI)[..., None]
+                             * k_MBNIH], axis=-1)
     solved = solve_triangular(a_MBNIJ, right, lower=True, unit_diagonal=True)
     value_width = v_MBNIE.shape[-1]
     u_MBNIE, w_MBNIH = solved[..., :value_width], solved[..., value_width:]
 
     # What the scan needs besides U and W, none of which depends on the state.
-    q_decayed_MBNIH = jnp.exp(cum_MBNI)[..., None] * q_MBNIH
+    q_decayed_MBNIH = (jnp.exp(cum_MBNI) * carries_MBNI)[..., None] * q_MBNIH
     attn_MBNIJ = jnp.einsum("MBNIH,MBNJH->MBNIJ", q_MBNIH, k_MBNIH) * decay_MBNIJ
     last_MBN = cum_MBNI[..., -1]
-    k_to_end_MBNIH = jnp.exp(last_MBN[..., None] - cum_MBNI)[..., None] * k_MBNIH
+    # The chunk's last row of the decays: e^{c_L - c_j} from j of the last sequence, else 0.
+    k_to_end_MBNIH = decay_MBNIJ[..., -1, :, None] * k_MBNIH
+    last_MBN = jnp.where(carries_MBNI[..., -1] > 0, last_MBN, -jnp.inf)   # S0 dropped
 
     def chunk_update(state_BNHE, xs):
         u, w, q_decayed, attn, k_to_end, last = xs
@@ -328,7 +379,7 @@ def _check_conv(x, weight, bias, window, *, per_token: bool) -> None:
 def causal_conv1d(x: Float[Array, "B T C"], weight: Float[Array, "C W"],
                   bias: Float[Array, " C"] | None = None,
                   window: Float[Array, "B C W-1"] | None = None,
-                  lengths=None,
+                  lengths=None, segment_ids=None,
                   ) -> tuple[Float[Array, "B T C"], Float[Array, "B C W-1"]]:
     """The causal depthwise convolution of width W, then SiLU (module docstring).
 
@@ -340,6 +391,9 @@ def causal_conv1d(x: Float[Array, "B T C"], weight: Float[Array, "C W"],
         (the start of a sequence).
       lengths: None, or int[B]: each row's real inputs of x (the rest right padding), so
         that its window ends before its padding.
+      segment_ids: None, or int[B, T] packed rows' sequence ids (module docstring): an
+        output reads no input of an earlier sequence, and the returned window holds only
+        the last sequence's inputs (zeros before them).
 
     Returns:
       (outputs [B, T, C] in x's dtype, the last W - 1 inputs [B, C, W - 1], newest last: the
@@ -348,18 +402,30 @@ def causal_conv1d(x: Float[Array, "B T C"], weight: Float[Array, "C W"],
     _check_conv(x, weight, bias, window, per_token=True)
     batch, length, channels = x.shape
     width = weight.shape[1]
+    if segment_ids is not None and lengths is not None:
+        raise UserError("causal_conv1d takes segment_ids (packed rows) or lengths (right-"
+                        "padded rows whose window continues), not both")
+    counts_BT = _segment_counts(segment_ids, (batch, length))
     if window is None:
         window = jnp.zeros((batch, channels, width - 1), x.dtype)
     # S = W - 1 + T: the window, then x.
     inputs_BSC = jnp.concatenate([jnp.swapaxes(window, 1, 2).astype(x.dtype), x], axis=1)
     seen_BSC = inputs_BSC.astype(jnp.float32)
     taps_11CW = weight.astype(jnp.float32)[None, None]
+    taps = [True] * width                     # which inputs each tap reads, per output
+    if counts_BT is not None:                 # the window's inputs are x[0]'s sequence's
+        counts_BS = jnp.pad(counts_BT, ((0, 0), (width - 1, 0)))
+        taps = [(counts_BS[:, j:j + length] == counts_BT)[..., None] for j in range(width)]
     # Tap j multiplies the input W - 1 - j positions back: x[t - (W - 1) + j].
-    y_BTC = sum(taps_11CW[..., j] * seen_BSC[:, j:j + length] for j in range(width))
+    y_BTC = sum(taps_11CW[..., j] * jnp.where(taps[j], seen_BSC[:, j:j + length], 0.0)
+                for j in range(width))
     if bias is not None:
         y_BTC = y_BTC + bias.astype(jnp.float32)[None, None]
     if lengths is None:
         new_window = inputs_BSC[:, inputs_BSC.shape[1] - (width - 1):]
+        if counts_BT is not None:             # only the last sequence's inputs
+            last_BS = counts_BS[:, counts_BS.shape[1] - (width - 1):] == counts_BT[:, -1:]
+            new_window = jnp.where(last_BS[..., None], new_window, 0)
     else:                 # row b's inputs before x[b, lengths[b]] end at index W - 2 + lengths[b]
         new_window = jax.vmap(lambda seen, n: lax.dynamic_slice_in_dim(seen, n, width - 1))(
             inputs_BSC, lengths)

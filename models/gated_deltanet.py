@@ -31,7 +31,8 @@ Called with `lengths_B` (a right-padded block of each row's next tokens) the lay
 takes and returns its state between calls (`LinearState`: the delta rule's state
 [B, N', H', E'], float32, and the convolution's last W - 1 inputs [B, C, W - 1]): a
 prompt in one call or in pieces, then one token a call, gives the outputs of the whole
-sequence in one call. Padding changes nothing: its decay and write strength are zeroed
+sequence in one call. Packed rows (`segment_ids`, teacher-forced) restart the state and
+the convolution at each sequence's first token. Padding changes nothing: its decay and write strength are zeroed
 (the state passes it unchanged) and the window is each row's own last inputs. The
 decoding caches hold one per linear layer (`KVCache.linear`, `BeamKVCache.linear`):
 prefill writes it, a read-only step returns the next for `commit`. The paged cache and
@@ -52,6 +53,7 @@ from jaxtyping import Array, Float
 from models.axes import ONES, named
 from models.config import TransformerConfig
 from models.delta_rule import causal_conv1d, chunked, decay_and_beta, step
+from models.errors import UserError
 from models.projection import Projection
 
 # The depthwise convolution's taps [C, W]: uniform in +-1/sqrt(W), as torch initialises a
@@ -116,9 +118,14 @@ class GatedDeltaNet(nn.Module):
 
     @nn.compact
     def __call__(self, x_BTD: Float[Array, "B T D"], *, deterministic: bool = True,
-                 lengths_B=None, state: LinearState | None = None):
+                 lengths_B=None, state: LinearState | None = None, segment_ids=None):
         """y [B, T, D]; with `lengths_B` (each row's real tokens of x, the rest right
-        padding), (y, the state after them) from `state` (None: a sequence's start)."""
+        padding), (y, the state after them) from `state` (None: a sequence's start).
+        `segment_ids` [B, T] (packed rows, teacher-forced): each sequence of a row starts
+        from a zero state and a convolution that reads none of the one before."""
+        if segment_ids is not None and lengths_B is not None:
+            raise UserError("a Gated DeltaNet layer takes segment_ids (packed rows) or "
+                            "lengths_B (decoding state), not both")
         cfg, det = self.config, deterministic
         K, N = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         H, E = cfg.linear_key_head_dim, cfg.linear_value_head_dim
@@ -141,7 +148,7 @@ class GatedDeltaNet(nn.Module):
                              (joined_BTC.shape[-1], cfg.linear_conv_width), cfg.param_dtype)
         joined_BTC, window = causal_conv1d(joined_BTC, conv_CW,
                                            window=None if state is None else state.window,
-                                           lengths=lengths_B)
+                                           lengths=lengths_B, segment_ids=segment_ids)
         q_BTKH = joined_BTC[..., :K * H].reshape(B, T, K, H)
         k_BTKH = joined_BTC[..., K * H:2 * K * H].reshape(B, T, K, H)
         v_BTNE = joined_BTC[..., 2 * K * H:].reshape(B, T, N, E)
@@ -161,7 +168,8 @@ class GatedDeltaNet(nn.Module):
             o_BTNE = o_BNE[:, None]
         else:
             o_BTNE, recurrent = chunked(q_BTKH, k_BTKH, v_BTNE, g_BTN, beta_BTN, recurrent,
-                                        chunk_size=cfg.linear_chunk_size, qk_l2norm=True)
+                                        chunk_size=cfg.linear_chunk_size, qk_l2norm=True,
+                                        segment_ids=segment_ids)
         o_BTNE = GatedRMSNorm(cfg.norm_eps, cfg.param_dtype, name="output_norm")(
             o_BTNE.astype(cfg.dtype), z_BTNE)
         o_BTNE = checkpoint_name(o_BTNE, "attention_out")

@@ -240,11 +240,6 @@ class DecoderOnly(PlainInit, _CachedDecoder):
         check_tokens(self.config, tokens, "tokens")
         check_same_shape(segment_ids, tokens, "segment_ids", "tokens")
         check_same_shape(positions, tokens, "positions", "tokens")
-        if segment_ids is not None and self.config.has_linear_layers:
-            raise UserError("segment_ids: the linear-attention layers (layer_types 'linear') "
-                            "read each row as one sequence and do not restart their state at "
-                            "a segment's start yet; give rows of one sequence each (right "
-                            "padding changes no real token's logits)")
         positions, spec = _forward_spec(self.config, tokens, segment_ids, positions)
         x_BTD, _ = self._hidden(tokens, positions_BT=positions, spec=spec, cache=None,
                                 deterministic=deterministic)

@@ -323,6 +323,70 @@ def test_causal_conv1d_output_depends_only_on_the_past():
         assert not np.allclose(y[:, t + 1], want[:, t + 1])
 
 
+# --- Packed rows --------------------------------------------------------------------------
+
+# Row 0: sequences of 3, 5, 10 and 1 tokens (id 0 is padding, a sequence like any other);
+# row 1: ids that repeat once apart (only changes between neighbours start a sequence).
+# With chunks of 4, sequences start inside chunks, at their edges, and span several.
+SEGMENTS = np.asarray([[1] * 3 + [2] * 5 + [3] * 10 + [0],
+                       [4] * 8 + [9] * 4 + [4] * 7])
+
+
+def _pieces(row):
+    """(start, end) of each sequence of a row of SEGMENTS."""
+    starts = [0] + [t for t in range(1, T) if row[t] != row[t - 1]] + [T]
+    return list(zip(starts, starts[1:], strict=False))
+
+
+@pytest.mark.parametrize("form", ["recurrent", "chunked"])
+def test_a_packed_row_gives_each_sequence_what_it_gives_alone(form):
+    """Outputs of every sequence as run alone from a zero state, and the final state the
+    last sequence's alone; with a state given, the row's first sequence continues it; and
+    the gradients through the packed row are the pieces'."""
+    q, k, v, g, beta, state = make_inputs(21)
+    run = (jax.jit(lambda *a, s=None: delta_rule.chunked(*a, chunk_size=4, segment_ids=s))
+           if form == "chunked" else jax.jit(
+               lambda *a, s=None: delta_rule.recurrent(*a, segment_ids=s)))
+    for start in (None, state):
+        out, final = run(q, k, v, g, beta, start, s=SEGMENTS)
+        for b in range(B):
+            for i, (lo, hi) in enumerate(_pieces(SEGMENTS[b])):
+                first = start[b:b + 1] if start is not None and i == 0 else None
+                want, want_final = recurrent(*(x[b:b + 1, lo:hi] for x in (q, k, v, g, beta)),
+                                             first)
+                np.testing.assert_allclose(out[b:b + 1, lo:hi], want, atol=1e-5, rtol=1e-5)
+            np.testing.assert_allclose(final[b:b + 1], want_final, atol=1e-5, rtol=1e-5)
+
+    def packed_loss(q, k, v):
+        return (run(q, k, v, g, beta, None, s=SEGMENTS)[0] ** 2).sum()
+
+    def pieces_loss(q, k, v):
+        return sum((recurrent(*(x[b:b + 1, lo:hi] for x in (q, k, v, g, beta)))[0] ** 2).sum()
+                   for b in range(B) for lo, hi in _pieces(SEGMENTS[b]))
+    got, want = jax.grad(packed_loss, (0, 1, 2))(q, k, v), jax.grad(pieces_loss, (0, 1, 2))(q, k, v)
+    for x, w in zip(got, want, strict=True):
+        assert np.all(np.isfinite(x))
+        np.testing.assert_allclose(x, w, atol=1e-5, rtol=1e-5)
+
+
+def test_causal_conv1d_of_a_packed_row_reads_no_earlier_sequence():
+    """Each sequence's outputs as alone (from zeros), and the window the last sequence's
+    inputs only: row 0 ends with a sequence of one token, so two of its three are zeros."""
+    x, weight, bias = conv_inputs()
+    y, window = delta_rule.causal_conv1d(x, weight, bias, segment_ids=SEGMENTS)
+    for b in range(B):
+        for lo, hi in _pieces(SEGMENTS[b]):
+            want, want_window = delta_rule.causal_conv1d(x[b:b + 1, lo:hi], weight, bias)
+            np.testing.assert_allclose(y[b:b + 1, lo:hi], want, atol=1e-6)
+        np.testing.assert_allclose(window[b:b + 1], want_window, atol=0)
+    assert np.all(np.asarray(window[0, :, :2]) == 0)
+    with pytest.raises(ValueError, match=r"segment_ids \(packed rows\) or lengths"):
+        delta_rule.causal_conv1d(x, weight, bias, segment_ids=SEGMENTS,
+                                 lengths=np.full((B,), T, np.int32))
+    with pytest.raises(ValueError, match=r"segment_ids has shape \(2, 18\), expected"):
+        delta_rule.causal_conv1d(x, weight, bias, segment_ids=SEGMENTS[:, 1:])
+
+
 # --- Bad input ----------------------------------------------------------------------------
 
 def call_with(form: str, **changes):

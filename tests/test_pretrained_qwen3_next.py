@@ -12,7 +12,8 @@ checkpoint loads exactly; the published files' MTP tensors are skipped by name; 
 values and unknown fields are named; a ragged prefill then cached steps give
 transformers' logits and greedy decoding its `generate` (the cache carries the linear
 layers' state), and beam search with either beam cache its beam search; the paged cache,
-speculative decoding and packed rows are refused by name for linear layers; gated
+and speculative decoding are refused by name for linear layers; a packed row gives
+each sequence its own logits; gated
 attention alone decodes as its forward pass; and the Qwen3-Next-80B-A3B preset has
 transformers' parameter count.
 """
@@ -220,8 +221,8 @@ def test_beam_search_carries_the_linear_state_with_the_beams(beam_cache, ckpt,
 
 
 def test_what_does_not_carry_the_linear_state_yet_is_refused_by_name():
-    """The paged cache (the serving engine's), speculative decoding (which rolls a cache
-    back by its lengths) and packed rows (segment ids) name what is missing."""
+    """The paged cache (the serving engine's) and speculative decoding (which rolls a cache
+    back by its lengths) name what is missing."""
     import decode
     cfg = models.get_config("qwen3-next-tiny", vocab_size=64)
     with pytest.raises(ValueError, match=re.escape(REFUSAL) + r".*the paged cache"):
@@ -232,8 +233,59 @@ def test_what_does_not_carry_the_linear_state_yet_is_refused_by_name():
     with pytest.raises(ValueError, match=re.escape(REFUSAL) + r".*speculative decoding"):
         decode.generate(model, params, tokens, lengths, max_new_tokens=2, draft_model=model,
                         draft_params=params)
-    with pytest.raises(ValueError, match=r"segment_ids: the linear-attention layers"):
-        model.apply({"params": {}}, tokens, segment_ids=jnp.ones((2, 3), jnp.int32))
+
+
+def test_a_packed_row_gives_each_sequence_its_own_logits(highest_precision):
+    """qwen3-next-tiny (three linear layers in chunks of 4, a gated attention layer) on
+    packed rows of three sequences and padding equals each sequence alone: the delta
+    rule's state and the convolution restart at each sequence's first token, in a chunk's
+    middle or at its edge. Gradients flow through the packed rows (training packs)."""
+    cfg = models.get_config("qwen3-next-tiny", vocab_size=64, linear_chunk_size=4)
+    f = fns(cfg)
+    params = f.init(0)
+    sizes = [(5, 7, 3), (4, 9, 2)]
+    rng = np.random.default_rng(0)
+    rows, segments, positions = [], [], []
+    for row in sizes:
+        pieces = [rng.integers(5, 64, n) for n in row]
+        rows.append((pieces, np.concatenate(pieces + [np.zeros(16 - sum(row), int)])))
+        segments.append(np.concatenate([np.full(n, i + 1) for i, n in enumerate(row)]
+                                       + [np.zeros(16 - sum(row), int)]))
+        positions.append(np.concatenate([np.arange(n) for n in row]
+                                        + [np.zeros(16 - sum(row), int)]))
+    tokens = np.stack([t for _, t in rows])
+    packed = f.forward(params, tokens, segment_ids=np.stack(segments),
+                       positions=np.stack(positions))
+    for b, (pieces, _) in enumerate(rows):
+        start = 0
+        for piece in pieces:
+            np.testing.assert_allclose(packed[b, start:start + len(piece)],
+                                       f.forward(params, piece[None])[0], atol=3e-5)
+            start += len(piece)
+    grads = jax.grad(lambda p: f.model.apply(
+        {"params": p}, tokens, segment_ids=np.stack(segments),
+        positions=np.stack(positions)).sum())(params)
+    assert all(np.isfinite(x).all() for x in jax.tree.leaves(grads))
+
+
+def test_three_packed_steps_over_an_fsdp2_tensor2_mesh_equal_one_device():
+    """Qwen3-Next's layers (Gated DeltaNet with its heads split over tensor, gated
+    attention, the experts with a gated shared expert), trained three steps on packed rows
+    (two sequences and padding a row, as the trainer packs) with the parameters split over
+    fsdp and tensor: the parameters of three steps on one device."""
+    import chex
+
+    from tests import test_sharding as ts
+    cfg = models.get_config("qwen3-next-tiny", vocab_size=64, max_len=ts.W,
+                            linear_chunk_size=4, layer_types=("linear", "full"), num_layers=2)
+    sh, make_state = ts._sharded(cfg, (1, 2, 2))
+    state = sh.init_state(make_state)
+    value = state.params["decoder"]["layer_0"]["linear_attention"]["value"]["kernel"]
+    assert value.sharding.spec[1] == "tensor"                     # [D, N', E']
+    for b in ts._batches(cfg):
+        assert (b["targets_segmentation"] == 2).any()
+        state, _ = sh.train_step(state, jax.tree.map(lambda x: x.reshape(4, -1, ts.W), b))
+    chex.assert_trees_all_close(sh.host_state(state).params, ts._one_device(cfg), atol=2e-5)
 
 
 def test_linear_layers_refuse_what_they_cannot_compute():
