@@ -33,10 +33,10 @@ takes and returns its state between calls (`LinearState`: the delta rule's state
 prompt in one call or in pieces, then one token a call, gives the outputs of the whole
 sequence in one call. Packed rows (`segment_ids`, teacher-forced) restart the state and
 the convolution at each sequence's first token. Padding changes nothing: its decay and
-write strength are zeroed (the state passes it unchanged) and the window is each row's own last inputs. The
-decoding caches hold one per linear layer (`KVCache.linear`, `BeamKVCache.linear`):
-prefill writes it, a read-only step returns the next for `commit`. The paged cache and
-speculative decoding do not carry it yet, and refuse such a config
+write strength are zeroed (the state passes it unchanged) and the window is each row's
+own last inputs. The decoding caches hold one per linear layer (`KVCache.linear`,
+`BeamKVCache.linear`): prefill writes it, a read-only step returns the next for `commit`.
+The paged cache and speculative decoding do not carry it yet, and refuse such a config
 (`models.checks.check_decodable`).
 """
 
