@@ -45,7 +45,6 @@ from decode.processors import Constraints, SamplingParams, Strategy
 from decode.request import DecodeRequest
 from decode.sampling import sampling_arguments
 from decode.setup import DecodeCall, shared_arguments, with_request
-from models.checks import check_decodable
 from models.errors import UserError, check_positive_int
 from models.masks import length_mask
 
@@ -309,11 +308,6 @@ def _check_draft(model, draft_model, draft_params, draft_tokens, cache_len: int)
     if dcfg.architecture != cfg.architecture:
         raise UserError(f"draft_model is {dcfg.architecture}, the model {cfg.architecture}: "
                         "the draft must be of the same family")
-    for which, config in (("the model", cfg), ("the draft model", dcfg)):
-        # A rejected draft token rolls the cache back by its lengths; a recurrent state
-        # has already taken it in.
-        check_decodable(config, f"speculative decoding ({which}'s cache, rolled back by "
-                                "lengths when a draft token is rejected)")
     if dcfg.vocab_size != cfg.vocab_size:
         raise UserError(f"draft_model has vocab_size={dcfg.vocab_size}, the model "
                         f"{cfg.vocab_size}: the draft must share the model's vocabulary")

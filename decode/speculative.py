@@ -17,7 +17,11 @@ Each iteration, for every row at once (Leviathan et al. 2023; Chen et al. 2023):
        per iteration, and they are distributed exactly as the target's own sampling (or,
        greedy, equal to its own greedy tokens);
     4. both caches roll back by lengths: they wrote all k + 1 tokens, and keep the accepted
-       ones (the next iteration overwrites the rest).
+       ones (the next iteration overwrites the rest). A model with linear (Gated DeltaNet)
+       layers cannot roll a recurrent state back, which has taken in every token: its cache
+       takes the states from before the iteration again and reads the kept tokens once more
+       (a prefill of k + 1 tokens, each row's kept ones real), which costs that model a
+       second call of k + 1 tokens per iteration.
 
     row 0, k = 3: draft a b c, target agrees on a b, not c -> a b x (x from p_2 - q_3)
     row 1, k = 3: draft d e f, target agrees on all       -> d e f y (y from p_3)
@@ -204,11 +208,23 @@ def accept(d_BK, q_BKV, p_BTV, key):
     return a_B, gained
 
 
+def rolled_back(model, params, before, after, tokens_BT, keep_B):
+    """The cache `after` (all of `tokens_BT` written) as if only each row's first `keep_B`
+    had been: its lengths moved back (the next writes overwrite the rest), and, with linear
+    layers, their states rebuilt from `before`'s by reading the kept tokens again."""
+    lengths = before.lengths + keep_B
+    if after.linear is None:
+        return after.replace(lengths=lengths)
+    _, cache = model.apply({"params": params}, tokens_BT, keep_B,
+                           after.replace(linear=before.linear, lengths=before.lengths),
+                           method="prefill")
+    return cache.replace(lengths=lengths)
+
+
 def iteration(models: Models, s: SpecState, rules: Rules, k: int) -> SpecState:
     """One iteration for every row (the module docstring's steps 1 to 4)."""
     B, N = s.tokens.shape
     rng, draft_key, accept_key = jax.random.split(s.rng, 3)
-    old_target, old_draft = s.target_cache.lengths, s.draft_cache.lengths
     d_BK, q_BKV, draft_cache = propose(models, s, rules, k, draft_key)
     logits_BTV, p_BTV, target_cache = verify(models, s, d_BK, rules)
     a_B, gained_BT = accept(d_BK, q_BKV, p_BTV, accept_key)
@@ -237,10 +253,14 @@ def iteration(models: Models, s: SpecState, rules: Rules, k: int) -> SpecState:
     n = s.n + keep_B
     ended_B = (ends_BT & kept_BT).any(1)
     last = jnp.take_along_axis(gained_BT, jnp.maximum(keep_B - 1, 0)[:, None], axis=1)[:, 0]
+    # Both caches hold `last` and d_1 .. d_k (T tokens); each row keeps its first keep_B.
+    fed_BT = jnp.concatenate([s.last[:, None], d_BK], axis=1)
     return SpecState(
         n=n, last=jnp.where(keep_B > 0, last, s.last),
-        target_cache=target_cache.replace(lengths=old_target + keep_B),
-        draft_cache=draft_cache.replace(lengths=old_draft + keep_B), history=history,
+        target_cache=rolled_back(models.target, models.target_params, s.target_cache,
+                                 target_cache, fed_BT, keep_B),
+        draft_cache=rolled_back(models.draft, models.draft_params, s.draft_cache,
+                                draft_cache, fed_BT, keep_B), history=history,
         rng=rng, done=s.done | ended_B | (n >= N), tokens=tokens, logprobs=logprobs,
         drafted=s.drafted + jnp.where(s.done, 0, k),
         accepted=s.accepted + jnp.where(s.done, 0, jnp.minimum(a_B, keep_B)))

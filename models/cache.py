@@ -127,6 +127,15 @@ def written(cache, layer, rows, slots, k_new, v_new) -> dict:
     return out
 
 
+def linear_states(config, rows: int) -> tuple | None:
+    """A zero `LinearState` of `rows` rows per linear layer (None per attention layer), or
+    None for a stack without linear layers: a cache's `linear` before any token."""
+    if not config.has_linear_layers:
+        return None
+    return tuple(LinearState.zeros(config, rows) if kind == "linear" else None
+                 for kind in config.layer_types)
+
+
 class LayerUpdates(NamedTuple):
     """A `read_step`'s new entries of a stack with linear layers, one per layer: an
     attention layer's (k_BKH, v_BKH), a linear layer's `LinearState`, for
@@ -135,7 +144,7 @@ class LayerUpdates(NamedTuple):
     layers: tuple
 
 
-def _commit_layers(cache, updates: LayerUpdates, rows, slots, active_R):
+def commit_layers(cache, updates: LayerUpdates, rows, slots, active_R):
     """`commit` of a stack with linear layers, either cache: each attention layer's
     (k_RKH, v_RKH) written at (rows, slots), each linear layer's `LinearState` taken for
     the active rows (all when `active_R` is None). Lengths are the caller's."""
@@ -197,12 +206,9 @@ class KVCache:
         if not is_int(cache_len) or not 1 <= cache_len <= config.max_len:
             raise UserError(
                 f"cache_len={cache_len!r} must be an int in [1, max_len={config.max_len}]")
-        linear = None
-        if config.has_linear_layers:
-            linear = tuple(LinearState.zeros(config, batch_size) if kind == "linear" else None
-                           for kind in config.layer_types)
         return cls(**empty_self(config, batch_size, int(cache_len), dtype),
-                   lengths=jnp.zeros((batch_size,), jnp.int32), linear=linear)
+                   lengths=jnp.zeros((batch_size,), jnp.int32),
+                   linear=linear_states(config, batch_size))
 
     @property
     def batch_size(self) -> int:
@@ -255,7 +261,7 @@ class KVCache:
         rows_B = jnp.arange(self.batch_size, dtype=jnp.int32)
         step = 1 if active_B is None else active_B.astype(jnp.int32)
         if isinstance(new_kv, LayerUpdates):
-            return _commit_layers(self, new_kv, rows_B, self.lengths, active_B).replace(
+            return commit_layers(self, new_kv, rows_B, self.lengths, active_B).replace(
                 lengths=self.lengths + step)
         k_LBKH, v_LBKH = new_kv
         return self.replace(**written(self, None, rows_B, self.lengths, k_LBKH, v_LBKH),
@@ -382,7 +388,7 @@ class BeamKVCache:
         rows, slots = self._slots(self.lengths[:, None])
         step = 1 if active_R is None else active_R.astype(jnp.int32)
         if isinstance(new_kv, LayerUpdates):
-            return _commit_layers(self, new_kv, rows[:, 0], slots[:, 0], active_R).replace(
+            return commit_layers(self, new_kv, rows[:, 0], slots[:, 0], active_R).replace(
                 lengths=self.lengths + step)
         k_LRKH, v_LRKH = new_kv
         return self.replace(**written(self, None, rows[:, 0], slots[:, 0], k_LRKH, v_LRKH),

@@ -70,15 +70,3 @@ def check_cache_room(cache_lengths, new_lengths, cache_len: int) -> None:
             raise UserError(
                 f"cache full: row {row} would reach {int(end[row])} tokens, beyond the cache "
                 f"length {cache_len}")
-
-
-def check_decodable(config, what: str) -> None:
-    """Refuses `what` (the paged cache, speculative decoding) for a config with linear
-    (Gated DeltaNet) layers: it does not carry their recurrent state yet (`KVCache` and
-    `BeamKVCache` do: generate and beam search run)."""
-    if config.has_linear_layers:
-        linear = [i for i, kind in enumerate(config.layer_types) if kind == "linear"]
-        raise UserError(f"qwen3_next's linear-attention layers (layer_types 'linear' at "
-                        f"{linear}) carry a recurrent state that {what} does not hold yet: "
-                        "decode them with decode.generate or decode.beam_search, whose "
-                        "caches hold it")

@@ -35,9 +35,9 @@ sequence in one call. Packed rows (`segment_ids`, teacher-forced) restart the st
 the convolution at each sequence's first token. Padding changes nothing: its decay and
 write strength are zeroed (the state passes it unchanged) and the window is each row's
 own last inputs. The decoding caches hold one per linear layer (`KVCache.linear`,
-`BeamKVCache.linear`): prefill writes it, a read-only step returns the next for `commit`.
-The paged cache and speculative decoding do not carry it yet, and refuse such a config
-(`models.checks.check_decodable`).
+`BeamKVCache.linear`, `PagedKVCache.linear`): prefill writes it, a read-only step
+returns the next for `commit`, and speculative decoding rebuilds it from the kept tokens
+(`decode.speculative.rolled_back`).
 """
 
 from __future__ import annotations

@@ -23,6 +23,12 @@ row for its life: [B, K, Ssrc, H] per layer, written once per request (`set_cros
 An int8 pool (`create(..., dtype="int8")`, `models.cache_int8`) pages int8 keys and values
 and their scales ([P, K, page, 1] per layer) alike: a write quantizes each token into its
 page, a read gathers the int8 pages and dequantizes them.
+
+A linear (Gated DeltaNet) layer keeps no keys or values (its pool has no heads): its state
+does not grow with the sequence, so it is not paged. Each row holds one state per linear
+layer (`linear`, as `KVCache.linear`), which prefill carries on from and writes back to
+each row's length: the serving engine keeps one per slot and gives a row a zero state
+when it starts at position 0 (`serve.step`), as after a preemption.
 """
 
 from __future__ import annotations
@@ -31,9 +37,15 @@ import flax.struct
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Int
 
-from models.cache import Layers, layer_shape, written
+from models.cache import (
+    Layers,
+    LayerUpdates,
+    commit_layers,
+    layer_shape,
+    linear_states,
+    written,
+)
 from models.cache_int8 import as_cached, empty_self, read_kv
-from models.checks import check_decodable
 from models.config import TransformerConfig
 from models.errors import UserError, check_positive_int
 
@@ -52,6 +64,8 @@ class PagedKVCache:
         cross_k, cross_v: cross-attention keys/values per layer [B, K, Ssrc, H], or None.
         cross_mask: bool[B, Ssrc] the real source positions of each row, or None.
         k_scale, v_scale: an int8 pool's scales per layer [P, K, page, 1], or None.
+        linear: None, or with linear layers one entry per layer: a linear layer's
+            `models.gated_deltanet.LinearState` per row, None for an attention layer.
     """
 
     k: Layers
@@ -63,6 +77,7 @@ class PagedKVCache:
     cross_mask: Bool[Array, "B Ssrc"] | None = None
     k_scale: Layers | None = None
     v_scale: Layers | None = None
+    linear: tuple | None = None
 
     @classmethod
     def create(cls, config: TransformerConfig, *, rows: int, num_pages: int, page_size: int,
@@ -72,14 +87,13 @@ class PagedKVCache:
         page tables of `pages_per_row` entries (all no page); with `source_len` (an
         encoder-decoder) zero cross-attention regions of that many positions per row.
         `dtype`: "auto" pages keys and values in the config's dtype, "int8" as int8 with a
-        scale per token per kv head (`models.cache_int8`).
+        scale per token per kv head (`models.cache_int8`). Linear layers get a zero state
+        per row.
 
         Raises:
             UserError: a size that is not a positive int, rows whose pages would reach
-                past the model's max_len, a dtype not in `KV_CACHE_DTYPES`, or a config
-                with linear (Gated DeltaNet) layers (`models.checks.check_decodable`).
+                past the model's max_len, or a dtype not in `KV_CACHE_DTYPES`.
         """
-        check_decodable(config, "the paged cache (the serving engine's)")
         rows = check_positive_int(rows, "rows")
         num_pages = check_positive_int(num_pages, "num_pages")
         page_size = check_positive_int(page_size, "page_size")
@@ -89,7 +103,8 @@ class PagedKVCache:
                             f"past the model's max_len {config.max_len}")
         cache = cls(**empty_self(config, num_pages, page_size, dtype),  # apart: donated
                     page_table=jnp.full((rows, pages_per_row), num_pages, jnp.int32),
-                    lengths=jnp.zeros((rows,), jnp.int32))
+                    lengths=jnp.zeros((rows,), jnp.int32),
+                    linear=linear_states(config, rows))
         if source_len is None:
             return cache
         cross = (rows, config.num_kv_heads, source_len, config.head_dim)
@@ -129,11 +144,15 @@ class PagedKVCache:
         return self.replace(**written(self, layer, pages_BT, offsets_BT, k_BTKH, v_BTKH))
 
     def commit(self, new_kv, active_B=None) -> PagedKVCache:
-        """Writes one token per row, every layer's (k_LBKH, v_LBKH), at position
-        lengths[b], and advances the rows (only the `active_B` ones, when given)."""
-        k_LBKH, v_LBKH = new_kv
+        """Writes one token per row, every layer's (k_LBKH, v_LBKH) (or, with linear
+        layers, a `LayerUpdates`), at position lengths[b], and advances the rows (only the
+        `active_B` ones, when given)."""
         pages_B1, offsets_B1 = self._pages(self.lengths[:, None])
         step = 1 if active_B is None else active_B.astype(jnp.int32)
+        if isinstance(new_kv, LayerUpdates):
+            return commit_layers(self, new_kv, pages_B1[:, 0], offsets_B1[:, 0],
+                                  active_B).replace(lengths=self.lengths + step)
+        k_LBKH, v_LBKH = new_kv
         return self.replace(
             **written(self, None, pages_B1[:, 0], offsets_B1[:, 0], k_LBKH, v_LBKH),
             lengths=self.lengths + step)

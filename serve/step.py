@@ -4,7 +4,8 @@
     state = admit_sources(model, params, state, slots_R, src_RS, lengths_R)  # enc-dec
 
 `DeviceState` is everything the device keeps between steps: the paged cache's pools (and,
-for an encoder-decoder, each slot's cross-attention keys/values), and each slot's tokens
+for an encoder-decoder, each slot's cross-attention keys/values; with linear layers, each
+slot's recurrent state, zeroed when its row starts at position 0), and each slot's tokens
 seen (the repetition penalty) and generated-token counts (OpenAI's presence and frequency
 penalties). The host sends the rest with every step (`StepRows`): which slots the R rows
 are, their page tables and lengths, the block of tokens each feeds, and its sampling values.
@@ -255,13 +256,22 @@ def _one_step(model, params, state: DeviceState, rows: StepRows, banned: Banned,
     """One step of `run_step`: (tokens int32[R], logprobs float32[R], the state)."""
     R, T = rows.tokens.shape
     cross_k, cross_v, cross_mask = _cross_rows(state.cache, rows.slots, all_slots)
+    # A real row that starts at position 0 (a new request, or one preempted and fed again
+    # from its start) starts from nothing seen, no counts and zero linear states. A padding
+    # row keeps its slot's (in a step over every slot, it is an idle slot: its request may
+    # be waiting its turn).
+    fresh_R = (rows.lengths == 0) & (rows.n_new > 0)
+    linear = jax.tree.map(
+        lambda x: jnp.where(fresh_R.reshape((-1,) + (1,) * (x.ndim - 1)), 0,
+                            _rows_of(x, rows.slots, all_slots)), state.cache.linear)
     cache = state.cache.replace(page_table=rows.page_table, lengths=rows.lengths,
-                                cross_k=cross_k, cross_v=cross_v, cross_mask=cross_mask)
+                                cross_k=cross_k, cross_v=cross_v, cross_mask=cross_mask,
+                                linear=linear)
     logits_RV, cache = model.apply({"params": params}, rows.tokens, rows.n_new, cache,
                                    jnp.maximum(rows.n_new - 1, 0), method="prefill")
 
     # What each row's decoder has been fed, and generated, up to its last real token.
-    fresh_R1 = (rows.lengths == 0)[:, None]
+    fresh_R1 = fresh_R[:, None]
     seen_RV = _rows_of(state.seen, rows.slots, all_slots) & ~fresh_R1
     counts_RV = jnp.where(fresh_R1, 0, _rows_of(state.counts, rows.slots, all_slots))
     t_T = jnp.arange(T, dtype=jnp.int32)[None, :]
@@ -299,7 +309,8 @@ def _one_step(model, params, state: DeviceState, rows: StepRows, banned: Banned,
     def put(x, new):
         return new if all_slots else x.at[rows.slots].set(new, mode="drop")
     state = DeviceState(
-        cache=state.cache.replace(**self_leaves(cache)),
+        cache=state.cache.replace(**self_leaves(cache), linear=jax.tree.map(
+            put, state.cache.linear, cache.linear)),
         seen=put(state.seen, seen_RV), counts=put(state.counts, counts_RV))
     return token_R, logprob_R, state
 

@@ -43,8 +43,19 @@ DEEPSEEK_V3 = dict(positions="rope", norm="rmsnorm", activation="swiglu", use_bi
                    experts_per_token=2, router_score="sigmoid", router_score_bias=True,
                    router_groups=2, router_top_groups=1, routed_scaling=2.0,
                    shared_expert_mlp_dim=16, moe_layers=(1,))
+# Qwen3-Next's layers (`qwen3_next`): a Gated DeltaNet layer (its heads split over tensor,
+# its recurrent state in the cache, not split) then gated attention; experts with a gated
+# shared expert.
+QWEN3_NEXT = dict(positions="rope", norm="rmsnorm", norm_scale_offset=1.0, activation="swiglu",
+                  use_bias=False, num_layers=2, layer_types=("linear", "full"), qk_norm=True,
+                  attention_output_gate=True, partial_rotary_factor=0.5,
+                  linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=8,
+                  linear_value_head_dim=4, linear_chunk_size=4, num_experts=4,
+                  experts_per_token=2, expert_mlp_dim=16, shared_expert_mlp_dim=16,
+                  shared_expert_gate=True)
 VARIANTS = {"llama4": ("decoder_only", LLAMA4), "t5gemma": ("encoder_decoder", T5GEMMA),
-            "deepseek_v3": ("decoder_only", DEEPSEEK_V3)}
+            "deepseek_v3": ("decoder_only", DEEPSEEK_V3),
+            "qwen3_next": ("decoder_only", QWEN3_NEXT)}
 
 
 @functools.cache
@@ -90,7 +101,7 @@ def test_cache_sharding_follows_the_params_kv_heads():
 
 
 @pytest.mark.parametrize("arch", ["decoder_only", "encoder_decoder", "llama4", "t5gemma",
-                                  "deepseek_v3"])
+                                  "deepseek_v3", "qwen3_next"])
 def test_tensor_parallel_greedy_equals_one_device(arch):
     model, params, sharded, _, prompts, lengths = setup(arch)
     kw = dict(max_new_tokens=N, eos_id=None)
@@ -107,7 +118,8 @@ def test_tensor_parallel_greedy_equals_one_device(arch):
         assert cache_split(lowered, cfg, B, width) == (True, False)
 
 
-@pytest.mark.parametrize("arch", ["decoder_only", "encoder_decoder", "t5gemma", "deepseek_v3"])
+@pytest.mark.parametrize("arch", ["decoder_only", "encoder_decoder", "t5gemma", "deepseek_v3",
+                                  "qwen3_next"])
 def test_tensor_parallel_beam_search_equals_one_device(arch):
     model, params, sharded, _, prompts, lengths = setup(arch)
     W = 3

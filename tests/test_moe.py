@@ -272,9 +272,19 @@ DEEPSEEK_V3_LIKE = dict(head_dim=12, kv_lora_rank=8, q_lora_rank=12, qk_rope_hea
                         routed_scaling=2.0, shared_expert_mlp_dim=8, moe_layers=(0,))
 
 
+# Qwen3-Next's: a Gated DeltaNet layer (on the batches' packed rows) then gated attention,
+# the experts with a gated shared expert.
+QWEN3_NEXT_LIKE = dict(layer_types=("linear", "full"), norm_scale_offset=1.0, qk_norm=True,
+                       attention_output_gate=True, partial_rotary_factor=0.5,
+                       linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                       linear_value_head_dim=4, linear_chunk_size=4, shared_expert_mlp_dim=8,
+                       shared_expert_gate=True)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", [{}, GPT_OSS_LIKE, LLAMA4_LIKE, DEEPSEEK_V3_LIKE],
-                         ids=["mixtral", "gpt_oss", "llama4", "deepseek_v3"])
+@pytest.mark.parametrize("variant", [{}, GPT_OSS_LIKE, LLAMA4_LIKE, DEEPSEEK_V3_LIKE,
+                                     QWEN3_NEXT_LIKE],
+                         ids=["mixtral", "gpt_oss", "llama4", "deepseek_v3", "qwen3_next"])
 def test_three_steps_with_experts_over_the_expert_axis_equal_one_device(variant):
     """A (1, 2, 1) mesh with expert 2 on the 4 simulated devices: the experts' weights and
     their adam moments split over expert (and embed over fsdp), the batch over fsdp ×

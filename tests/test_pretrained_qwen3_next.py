@@ -1,5 +1,5 @@
-"""Qwen3-Next: models.load against transformers' logits and decoding, models.save back, and
-what is not supported yet refused by name.
+"""Qwen3-Next: models.load against transformers' logits and decoding, models.save back,
+serving, speculative decoding and training on packed rows.
 
 Tiny random transformers Qwen3NextForCausalLM models (every tensor random: the linear
 layers' projections, convolution, A_log, dt_bias and gated norm, the (1 + w) norms, the
@@ -11,18 +11,18 @@ them; load then save gives the tensors transformers wrote bit for bit; a bfloat1
 checkpoint loads exactly; the published files' MTP tensors are skipped by name; refused
 values and unknown fields are named; a ragged prefill then cached steps give
 transformers' logits and greedy decoding its `generate` (the cache carries the linear
-layers' state), and beam search with either beam cache its beam search; the paged cache,
-and speculative decoding are refused by name for linear layers; a packed row gives
-each sequence its own logits; gated
-attention alone decodes as its forward pass; and the Qwen3-Next-80B-A3B preset has
-transformers' parameter count.
+layers' state), and beam search with either beam cache its beam search; the serving
+engine (a state per slot), speculative decoding (drafts rejected: both caches rebuild
+their states from the kept tokens) and beam search of width 1 give greedy's tokens; a
+packed row gives each sequence its own logits, and packed rows train over a sharded mesh
+as on one device; gated attention alone decodes as its forward pass; and the
+Qwen3-Next-80B-A3B preset has transformers' parameter count.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 
 import jax
 import jax.numpy as jnp
@@ -74,7 +74,6 @@ CASES = {
 }
 # The delta rule's chunk per case: three chunks of the 10 tokens, or one.
 CHUNK = {"qwen3-next-interval-2": 4, "qwen3-next-dense-layer-tied": 64}
-REFUSAL = "qwen3_next's linear-attention layers"
 
 ckpt, _ = ph.checkpoints(CASES, "hf_checkpoints_qwen3_next", first_seed=900)
 
@@ -220,19 +219,33 @@ def test_beam_search_carries_the_linear_state_with_the_beams(beam_cache, ckpt,
     np.testing.assert_array_equal(np.asarray(ours.tokens[0, 0]), theirs)
 
 
-def test_what_does_not_carry_the_linear_state_yet_is_refused_by_name():
-    """The paged cache (the serving engine's) and speculative decoding (which rolls a cache
-    back by its lengths) name what is missing."""
+def test_served_speculative_and_beam_decoding_carry_the_linear_state(highest_precision):
+    """qwen3-next-tiny with every weight moved: the serving engine (a state per slot in the
+    paged cache, prompts fed in chunks of 4, requests preempted when the pages run out and
+    fed again from their start), the model drafting for itself and beam search of width 1
+    give each prompt's greedy tokens alone."""
+    cfg = models.get_config("qwen3-next-tiny", vocab_size=64, max_len=48, linear_chunk_size=4)
+    ph.assert_every_decoder_gives_greedy(cfg, "qwen3_next", seed=5)
+    cache = PagedKVCache.create(cfg, rows=3, num_pages=4, page_size=4, pages_per_row=2)
+    assert [s is None for s in cache.linear] == [False, False, False, True]
+    assert cache.linear[0].recurrent.shape == (3, 4, 16, 16)
+
+
+def test_a_draft_whose_tokens_are_rejected_leaves_the_targets_greedy_tokens():
+    """Speculative decoding with a draft of other weights (both with linear layers): some
+    draft tokens are rejected, so both caches roll back inside an iteration, and their
+    linear states must be those of the kept tokens alone. Greedy gives the target's own
+    greedy tokens on a ragged batch."""
     import decode
-    cfg = models.get_config("qwen3-next-tiny", vocab_size=64)
-    with pytest.raises(ValueError, match=re.escape(REFUSAL) + r".*the paged cache"):
-        PagedKVCache.create(cfg, rows=2, num_pages=4, page_size=4, pages_per_row=2)
-    model, tokens = models.build(cfg), jnp.full((2, 3), 5, jnp.int32)
-    lengths = jnp.asarray([3, 2], jnp.int32)
-    params = jax.eval_shape(model.init, jax.random.key(0), tokens)["params"]
-    with pytest.raises(ValueError, match=re.escape(REFUSAL) + r".*speculative decoding"):
-        decode.generate(model, params, tokens, lengths, max_new_tokens=2, draft_model=model,
-                        draft_params=params)
+    cfg = models.get_config("qwen3-next-tiny", vocab_size=64, max_len=48, linear_chunk_size=4)
+    model = models.build(cfg)
+    params, draft_params = fns(cfg).init(0), fns(cfg).init(1)
+    prompts, lengths = decode.pad_prompts([[5, 9, 11], [7, 3, 20, 31, 8, 4, 12], [40]])
+    greedy = decode.generate(model, params, prompts, lengths, max_new_tokens=12, eos_id=None)
+    drafted = decode.generate(model, params, prompts, lengths, max_new_tokens=12, eos_id=None,
+                              draft_model=model, draft_params=draft_params, draft_tokens=3)
+    np.testing.assert_array_equal(drafted.tokens, greedy.tokens)
+    assert 0 < int(drafted.accepted.sum()) < int(drafted.drafted.sum())
 
 
 def test_a_packed_row_gives_each_sequence_its_own_logits(highest_precision):

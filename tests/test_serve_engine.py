@@ -429,3 +429,49 @@ def test_a_stream_whose_event_loop_closed_is_cancelled_not_the_engine():
     assert other.finish_reason == "length" and engine.failure is None
     engine.stop()
     _idle(engine)
+
+
+def test_an_idle_slot_in_a_step_over_every_slot_keeps_what_its_request_has_seen():
+    """A step over every slot (`all_slots`, as the engine's multi-token steps run) feeds
+    some slots and leaves others idle (a padding row: no tokens, position 0 as the host
+    leaves it). An idle slot keeps its tokens seen (the repetition penalty), its counts
+    (OpenAI's penalties) and its linear layers' states, so its request goes on where it
+    stopped; a real row at position 0 starts from none of them."""
+    from serve import step as device
+    cfg = models.get_config("qwen3-next-tiny", vocab_size=64, max_len=16)
+    model = models.build(cfg)
+    params = model.init(jax.random.key(0), np.zeros((1, 4), np.int32))["params"]
+    _, banned = device.Banned.for_model(Pretrained(
+        model=model, config=cfg, params=params, tokenizer=None,
+        generation=GenerationDefaults(), model_type="qwen3_next"))
+    state = device.create_state(cfg, slots=2, num_pages=8, page_size=4, pages_per_slot=4,
+                                source_len=None)
+
+    def rows(fed: dict, T: int):
+        r = device.StepRows.padding(2, T, 4, slots=2, num_pages=8)
+        for i, (slot, tokens, length) in enumerate(fed.values()):
+            r.set(i, slots=slot, n_new=len(tokens), lengths=length, generated_from=0,
+                  generated=length, repetition_penalty=1.5, presence=0.5)
+            r.tokens[i, :len(tokens)] = tokens
+            r.page_table[i] = [4 * slot + m for m in range(4)]
+        return r
+    # Slot 1's prompt, then slot 0's first token over every slot, slot 1 idle.
+    _, _, state = device.run_step(model, params, state, rows({1: (1, [5, 6, 7], 0)}, 3),
+                                  banned)
+    before = jax.device_get(state)
+    assert before.seen[1, [5, 6, 7]].all() and before.counts[1].sum() == 3
+    all_slots = device.StepRows.padding(2, 1, 4, slots=2, num_pages=8)
+    all_slots.ints[device.INTS.index("slots")] = [0, 1]
+    all_slots.set(0, n_new=1, repetition_penalty=1.5)
+    all_slots.tokens[0, 0] = 9
+    all_slots.page_table[:] = [[0, 1, 2, 3], [4, 5, 6, 7]]
+    _, _, state = device.run_step(model, params, state, all_slots, banned, all_slots=True)
+    after = jax.device_get(state)
+    np.testing.assert_array_equal(after.seen[1], before.seen[1])
+    np.testing.assert_array_equal(after.counts[1], before.counts[1])
+    for was, now in zip(before.cache.linear, after.cache.linear, strict=True):
+        if was is not None:
+            np.testing.assert_array_equal(now.recurrent[1], was.recurrent[1])
+            np.testing.assert_array_equal(now.window[1], was.window[1])
+            assert np.abs(now.recurrent[0]).max() > 0          # slot 0 was fed
+    assert after.seen[0, 9] and not after.seen[0, [5, 6, 7]].any()

@@ -36,9 +36,11 @@ skipped with a warning naming them.
 Decoding: the KV cache holds each linear layer's recurrent state and convolution window
 (`KVCache.linear`, the same size at any length), so prefill, the cached steps, greedy and
 sampled `generate`, and beam search (either beam cache: the states gathered by parent
-beam) give transformers' numbers. The paged cache (the serving engine) and speculative
-decoding (which rolls a cache back by its lengths) do not carry the state yet and refuse
-it by name (`models.checks.check_decodable`).
+beam) give transformers' numbers. The paged cache holds one state per serving slot, so
+the serving engine decodes it too (each request's tokens alone). Speculative decoding,
+which rolls a cache back by its lengths, reads the kept tokens again from the state
+before the iteration (`decode.speculative.rolled_back`). Packed rows (training) restart
+the state at each sequence's first token.
 
 Refused by name: `hidden_act` other than silu, `attention_bias=True`, `layer_types`
 other than linear and full attention, a config without expert layers, and (fields
