@@ -95,12 +95,19 @@ def test_the_zero_state_is_a_sequences_start_and_bad_sizes_are_named(layer):
         apply(x[:, :5], jnp.array([5, 5]), zeros._replace(window=zeros.window[:, :, :2]))
 
 
-def test_the_cache_holds_a_state_per_linear_layer_and_commits_only_active_rows():
-    """`KVCache.create` gives each linear layer a zero state and keys/values without heads
-    (nothing to read); `commit` takes a read step's new state for the active rows only, as
-    it writes an attention layer's slot."""
+@pytest.mark.parametrize("paged", [False, True], ids=["KVCache", "PagedKVCache"])
+def test_the_cache_holds_a_state_per_linear_layer_and_commits_only_active_rows(paged):
+    """`KVCache.create` (and `PagedKVCache.create`, a state per row beside its pages) gives
+    each linear layer a zero state and keys/values without heads (nothing to read);
+    `commit` takes a read step's new state for the active rows only, as it writes an
+    attention layer's slot."""
+    from models.paged_cache import PagedKVCache
     cfg = CFG.replace(vocab_size=64)
     cache = models.KVCache.create(cfg, B, 8)
+    if paged:
+        cache = PagedKVCache.create(cfg, rows=B, num_pages=2 * B, page_size=4,
+                                    pages_per_row=2).replace(
+            page_table=jnp.arange(2 * B, dtype=jnp.int32).reshape(B, 2))
     linear = [kind == "linear" for kind in cfg.layer_types]
     assert [s is not None for s in cache.linear] == linear
     assert [k.shape[1] for k in cache.k] == [0 if lin else cfg.num_kv_heads for lin in linear]
