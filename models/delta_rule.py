@@ -278,21 +278,24 @@ def chunked(q: Float[Array, "B T K H"], k: Float[Array, "B T K H"],
     q_MBNIH, k_MBNIH, v_MBNIE = to_chunks(q), to_chunks(k), to_chunks(v)
     g_MBNI, beta_MBNI = to_chunks(g), to_chunks(beta)
 
-    # Decays within a chunk, from cumulative log-decays: decay_IJ = e^{c_i - c_j} for j <= i.
+    # Decays within a chunk, from cumulative log-decays: decay_IJ = e^{c_i - c_j} for j <= i;
+    # S0 (the state before the chunk) reaches token i decayed by e^{c_i}, the next chunk by
+    # e^{c_L}.
     cum_MBNI = jnp.cumsum(g_MBNI, axis=-1)
     seen_MBNIJ = jnp.tril(jnp.ones((chunk_size, chunk_size), bool))
-    # Packed rows: i sees j of its own sequence only, and S0 (the state before the chunk)
-    # reaches only the tokens before the chunk's first restart (`carries`: 1, else 0).
-    carries_MBNI = jnp.ones_like(cum_MBNI)
+    from_start_MBNI, last_MBN = jnp.exp(cum_MBNI), cum_MBNI[..., -1]
     if counts_BT is not None:
+        # Packed rows: i sees j of its own sequence only, and S0 reaches only the tokens
+        # before the chunk's first restart (and the next chunk only without one).
         counts_BTN = jnp.broadcast_to(counts_BT[:, :, None], g.shape)
         counts_MBNI = to_chunks(counts_BTN, mode="edge")      # padding: the last's
         seen_MBNIJ = seen_MBNIJ[None, None, None] & (
             counts_MBNI[..., :, None] == counts_MBNI[..., None, :])
         before_MBN = jnp.concatenate([counts_BTN[:, :1], counts_BTN], axis=1)[
             :, ::chunk_size][:, :counts_MBNI.shape[0]]        # the count before each chunk
-        carries_MBNI = (counts_MBNI == jnp.moveaxis(before_MBN, 1, 0)[..., None]).astype(
-            jnp.float32)
+        carries_MBNI = counts_MBNI == jnp.moveaxis(before_MBN, 1, 0)[..., None]
+        from_start_MBNI = jnp.where(carries_MBNI, from_start_MBNI, 0.0)
+        last_MBN = jnp.where(carries_MBNI[..., -1], last_MBN, -jnp.inf)
     gap_MBNIJ = cum_MBNI[..., :, None] - cum_MBNI[..., None, :]
     decay_MBNIJ = jnp.exp(jnp.where(seen_MBNIJ, gap_MBNIJ, -jnp.inf))
 
@@ -303,19 +306,16 @@ def chunked(q: Float[Array, "B T K H"], k: Float[Array, "B T K H"],
     # and takes the diagonal as ones, so passing A solves with I + A.
     a_MBNIJ = beta_MBNI[..., :, None] * jnp.tril(kk_MBNIJ * decay_MBNIJ, -1)
     right = jnp.concatenate([beta_MBNI[..., None] * v_MBNIE,
-                             (beta_MBNI * jnp.exp(cum_MBNI) * carries_MBNI)[..., None]
-                             * k_MBNIH], axis=-1)
+                             (beta_MBNI * from_start_MBNI)[..., None] * k_MBNIH], axis=-1)
     solved = solve_triangular(a_MBNIJ, right, lower=True, unit_diagonal=True)
     value_width = v_MBNIE.shape[-1]
     u_MBNIE, w_MBNIH = solved[..., :value_width], solved[..., value_width:]
 
     # What the scan needs besides U and W, none of which depends on the state.
-    q_decayed_MBNIH = (jnp.exp(cum_MBNI) * carries_MBNI)[..., None] * q_MBNIH
+    q_decayed_MBNIH = from_start_MBNI[..., None] * q_MBNIH
     attn_MBNIJ = jnp.einsum("MBNIH,MBNJH->MBNIJ", q_MBNIH, k_MBNIH) * decay_MBNIJ
-    last_MBN = cum_MBNI[..., -1]
     # The chunk's last row of the decays: e^{c_L - c_j} from j of the last sequence, else 0.
     k_to_end_MBNIH = decay_MBNIJ[..., -1, :, None] * k_MBNIH
-    last_MBN = jnp.where(carries_MBNI[..., -1] > 0, last_MBN, -jnp.inf)   # S0 dropped
 
     def chunk_update(state_BNHE, xs):
         u, w, q_decayed, attn, k_to_end, last = xs

@@ -93,6 +93,13 @@ def test_the_zero_state_is_a_sequences_start_and_bad_sizes_are_named(layer):
                                 apply(x[:, :5], jnp.array([5, 5]), None))
     with pytest.raises(UserError, match="window"):
         apply(x[:, :5], jnp.array([5, 5]), zeros._replace(window=zeros.window[:, :, :2]))
+    module = GatedDeltaNet(CFG)
+    params = module.init(jax.random.key(0), x[:, :2])
+    with pytest.raises(UserError, match=r"segment_ids \(packed rows\) or lengths_B"):
+        module.apply(params, x[:, :5], lengths_B=jnp.array([5, 5]),
+                     segment_ids=jnp.ones((B, 5), jnp.int32))
+    with pytest.raises(UserError, match=r"segment_ids has shape \(2, 4\), expected"):
+        module.apply(params, x[:, :5], segment_ids=jnp.ones((B, 4), jnp.int32))
 
 
 @pytest.mark.parametrize("paged", [False, True], ids=["KVCache", "PagedKVCache"])
